@@ -1,0 +1,68 @@
+"""The `genie` command: `genie serve` runs a server, `genie demo` runs the quickstart notebook."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .config import ClusterConfig
+from .errors import GenieError
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is out of range (0..65535; 0 picks a free port)")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="genie", description="Remote GPUs that feel local, from a notebook.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run a genie server on this (GPU) machine")
+    serve.add_argument("--ip", default=None, help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=_port, default=None, help="port (default 5555; 0 picks a free one)")
+    serve.add_argument("--token", default=None, help="shared secret (default: $GENIE_TOKEN, else generated)")
+    serve.add_argument("--gpus", default=None, help="GPU indices to offer, e.g. 0,1 (default: all)")
+    serve.add_argument("--node-id", default=None, help="name of this node (default: host name)")
+    serve.add_argument("--connection-file", default=None, help="where to write the connection file")
+    serve.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    serve.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default: $GENIE_LOG_LEVEL)")
+
+    demo = sub.add_parser("demo", help="start a local server and run the quickstart notebook, printing each cell")
+    demo.add_argument("notebook", nargs="?", default=None, help="notebook to run (default: 01_quickstart)")
+    demo.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per cell")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "demo":
+            from genie_jupyter.demo import run_demo
+
+            return run_demo(args.notebook, timeout=args.timeout)
+    except GenieError as exc:
+        print(f"genie: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 1
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .server import run_server
+
+    config = ClusterConfig.resolve(
+        node_role="server", ip=args.ip, master_port=args.port, token=args.token, gpus=args.gpus,
+        node_id=args.node_id, connection_file=args.connection_file, log_level=args.log_level,
+    )
+    logging.basicConfig(level=config.log_level.upper(), format="[genie %(levelname)s] %(message)s")
+    return run_server(config, parent_pid=args.parent_pid)

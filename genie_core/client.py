@@ -1,0 +1,317 @@
+"""The client side of a connection to one genie server.
+
+Requests go out on one DEALER socket, heartbeats on a second one (so a long cell or a large
+transfer never delays them); both belong to a background I/O thread. Callers block on the
+request they made, never on the socket.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import zmq
+
+from .errors import AuthenticationError, ConnectionFailed, ConnectionLost, ProtocolError, RemoteError, WorkerDied
+from .loop import SocketLoop
+from .protocol import Codec, Message, derive_key
+from .serialize import deserialize_namespace, serialize_namespace
+
+log = logging.getLogger("genie.client")
+
+TERMINAL = {"welcome", "pong", "execute_reply", "push_reply", "pull_reply", "error_reply", "interrupt_reply", "close_reply", "info_reply", "auth_failed"}
+
+
+@dataclass
+class _Closed:
+    error: BaseException
+
+
+class Request:
+    """One request in flight: its replies arrive here, in order, ending with a terminal one."""
+
+    def __init__(self, client: "Client", msg: Message) -> None:
+        self.client = client
+        self.id = msg.id
+        self.type = msg.type
+        self.sent = time.monotonic()
+        self._queue: queue.SimpleQueue[Message | _Closed] = queue.SimpleQueue()
+        self.done = False
+
+    def _put(self, item: Message | _Closed) -> None:
+        self._queue.put(item)
+
+    def next(self, timeout: float | None = None) -> Message | None:
+        """The next reply, or None after `timeout` seconds. Raises if the connection is lost."""
+        try:
+            item = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if isinstance(item, _Closed):
+            self.done = True
+            raise item.error
+        if item.type in TERMINAL:
+            self.done = True
+        if item.type == "error_reply":
+            raise _error_from(item.content)
+        return item
+
+    def replies(self, timeout: float | None = None) -> Iterator[Message]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.done:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"no reply to {self.type} from {self.client.address} within {timeout} s")
+            msg = self.next(timeout=left)
+            if msg is not None:
+                yield msg
+
+    def wait(self, timeout: float | None = None) -> Message:
+        last = None
+        for last in self.replies(timeout):
+            pass
+        assert last is not None
+        return last
+
+
+def _error_from(content: dict[str, Any]) -> Exception:
+    ename, evalue = content.get("ename", "Error"), content.get("evalue", "")
+    if ename == "WorkerDied":
+        return WorkerDied(evalue)
+    if ename == "SessionNotFound":
+        return ConnectionLost(evalue + "; run %genie_init (or genie_core.init) again to start a new session")
+    return RemoteError(ename, evalue, content.get("traceback"))
+
+
+class Client:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        token: str,
+        *,
+        timeout: float = 30.0,
+        enable_heartbeat: bool = True,
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float = 4.0,
+        on_event: Callable[[str, dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.host, self.port = host, port
+        self.address = f"{host}:{port}"
+        self.codec = Codec(derive_key(token))
+        self.timeout = timeout
+        self.enable_heartbeat = enable_heartbeat
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = heartbeat_timeout
+        self.on_event = on_event
+        self.session = ""
+        self.node: dict[str, Any] = {}
+        self.slot: int | None = None
+        self.lost_reason: str | None = None
+        self.rtt: float | None = None
+        self._pending: dict[str, Request] = {}
+        self._seq = itertools.count(1)
+        self._send_lock = threading.Lock()
+        self._last_heard = time.monotonic()
+        self._ctx: zmq.Context | None = None
+        self._loop: SocketLoop | None = None
+        self._closed = False
+
+    # -- connecting -----------------------------------------------------------------------
+    def connect(self) -> "Client":
+        start = time.monotonic()
+        self._probe_tcp()
+        ctx = self._ctx = zmq.Context()
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self._main = self._dealer(ctx, f"tcp://{host}:{self.port}")
+        self._hb = self._dealer(ctx, f"tcp://{host}:{self.port}")
+        self._loop = SocketLoop("client")
+        self._loop.add_socket(self._main, self._on_readable)
+        self._loop.add_socket(self._hb, self._on_readable)
+        self._loop.start()
+        hello = Message("hello", {"client": {"host": socket.gethostname(), "pid": os.getpid(), "user": os.environ.get("USER", "")}})
+        left = self.timeout - (time.monotonic() - start)
+        try:
+            welcome = self._request(hello, self._main).wait(timeout=max(left, 0.1))
+        except TimeoutError:
+            self.close(notify=False)
+            raise ConnectionFailed(
+                f"the server at {self.address} accepted a TCP connection but did not answer the Genie handshake "
+                f"within {self.timeout:g} s: is a genie server (protocol genie/1) listening there?"
+            ) from None
+        except BaseException:
+            self.close(notify=False)
+            raise
+        self.session = welcome.content["session"]
+        self.node = welcome.content.get("node", {})
+        self.slot = welcome.content.get("slot")
+        self._last_heard = time.monotonic()
+        if self.enable_heartbeat:
+            self._loop.call_every(self.heartbeat_interval, self._heartbeat)
+        return self
+
+    def _probe_tcp(self) -> None:
+        """Fail fast, with the reason, when nothing listens (zmq itself would wait silently)."""
+        try:
+            with socket.create_connection((self.host, self.port), timeout=self.timeout):
+                pass
+        except ConnectionRefusedError:
+            raise ConnectionFailed(f"could not connect to a genie server at {self.address}: connection refused (is `genie serve` running there?)") from None
+        except socket.gaierror as exc:
+            raise ConnectionFailed(f"could not connect to a genie server at {self.address}: unknown host ({exc.strerror})") from None
+        except (socket.timeout, TimeoutError):
+            raise ConnectionFailed(f"could not connect to a genie server at {self.address}: no answer within {self.timeout:g} s") from None
+        except OSError as exc:
+            raise ConnectionFailed(f"could not connect to a genie server at {self.address}: {exc.strerror or exc}") from None
+
+    @staticmethod
+    def _dealer(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.ROUTING_ID, os.urandom(16))
+        sock.setsockopt(zmq.LINGER, 0)
+        if endpoint.startswith("tcp://["):
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.connect(endpoint)
+        return sock
+
+    # -- sending and receiving ------------------------------------------------------------
+    def _request(self, msg: Message, sock: zmq.Socket | None = None) -> Request:
+        if self.lost_reason is not None and msg.type not in ("hello", "ping"):
+            raise ConnectionLost(self.lost_reason)
+        if self._closed or self._loop is None:
+            raise ConnectionLost(f"the connection to {self.address} is closed")
+        request = Request(self, msg)
+        self._pending[msg.id] = request
+        target = sock or self._main
+        msg.session = self.session
+        with self._send_lock:  # sequence numbers must reach the socket in order
+            msg.seq = next(self._seq)
+            frames = self.codec.pack(msg)
+            self._loop.call_soon(lambda: target.send_multipart(frames, copy=False))
+        return request
+
+    def _on_readable(self, sock: zmq.Socket) -> None:
+        for _ in range(256):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                msg = self.codec.unpack(frames)
+            except ProtocolError as exc:
+                self._on_unauthenticated(frames, exc)
+                continue
+            self._last_heard = time.monotonic()
+            if msg.type == "pong":
+                self.rtt = time.monotonic() - getattr(self._pending.get(msg.parent), "sent", time.monotonic())
+                if self.lost_reason is not None and self.session:
+                    self.lost_reason = None
+                    self._event("node_recovered", {"address": self.address})
+            request = self._pending.get(msg.parent)
+            if request is None:
+                continue
+            if msg.type in TERMINAL:
+                self._pending.pop(msg.parent, None)
+            if msg.type == "error_reply" and msg.content.get("ename") == "SessionNotFound":
+                self._mark_lost(msg.content.get("evalue", "session not found"))
+            request._put(msg)
+
+    def _on_unauthenticated(self, frames: list[Any], exc: ProtocolError) -> None:
+        try:
+            msg = Codec(None).unpack(frames, verify=False)
+        except ProtocolError:
+            log.warning("dropped a malformed message from %s: %s", self.address, exc)
+            return
+        request = self._pending.pop(msg.parent, None)
+        if msg.type == "auth_failed" and request is not None and request.type == "hello":
+            request._put(_Closed(AuthenticationError(
+                f"authentication failed: the token does not match the server at {self.address} "
+                "(see the `genie serve` output or its connection file)")))
+        else:
+            log.warning("dropped an unauthenticated message from %s: %s", self.address, exc)
+
+    def _heartbeat(self) -> None:
+        silent_for = time.monotonic() - self._last_heard
+        if self.lost_reason is None and silent_for > self.heartbeat_timeout:
+            self._mark_lost(f"connection to genie server at {self.address} lost: no heartbeat for {silent_for:.1f} s")
+        for rid, req in list(self._pending.items()):
+            if req.type == "ping" and time.monotonic() - req.sent > self.heartbeat_timeout:
+                self._pending.pop(rid, None)
+        try:
+            self._request(Message("ping"), self._hb)
+        except ConnectionLost:
+            pass
+
+    def _mark_lost(self, reason: str) -> None:
+        if self.lost_reason is not None:
+            return
+        self.lost_reason = reason
+        log.warning(reason)
+        for rid, request in list(self._pending.items()):
+            if request.type != "ping":
+                self._pending.pop(rid, None)
+                request._put(_Closed(ConnectionLost(reason)))
+        self._event("node_lost", {"address": self.address, "reason": reason})
+
+    def _event(self, kind: str, data: dict[str, Any]) -> None:
+        if self.on_event is not None:
+            try:
+                self.on_event(kind, data)
+            except Exception:
+                log.exception("event handler failed for %s", kind)
+
+    # -- the API --------------------------------------------------------------------------
+    @property
+    def connected(self) -> bool:
+        return bool(self.session) and self.lost_reason is None and not self._closed
+
+    def execute(self, code: str, *, gpu: int | None = None, silent: bool = False) -> Request:
+        return self._request(Message("execute", {"code": code, "gpu": gpu, "silent": silent}))
+
+    def interrupt(self) -> None:
+        self._request(Message("interrupt"))
+
+    def push(self, values: dict[str, Any], *, gpu: int | None = None, device: str | None = None, timeout: float | None = None) -> list[str]:
+        metas, buffers = serialize_namespace(values)
+        reply = self._request(Message("push", {"values": metas, "gpu": gpu, "device": device}, buffers)).wait(timeout)
+        if reply.content.get("status") != "ok":
+            raise _error_from(reply.content)
+        return list(reply.content.get("names", []))
+
+    def pull(self, names: list[str], *, gpu: int | None = None, timeout: float | None = None) -> dict[str, Any]:
+        reply = self._request(Message("pull", {"names": list(names), "gpu": gpu})).wait(timeout)
+        if reply.content.get("status") != "ok":
+            raise _error_from(reply.content)
+        return deserialize_namespace(reply.content["values"], reply.buffers)
+
+    def ping(self, timeout: float = 5.0) -> float:
+        start = time.perf_counter()
+        self._request(Message("ping")).wait(timeout)
+        return time.perf_counter() - start
+
+    def info(self, timeout: float = 5.0) -> dict[str, Any]:
+        return self._request(Message("info")).wait(timeout).content
+
+    def close(self, notify: bool = True) -> None:
+        if self._closed:
+            return
+        if notify and self.connected:
+            try:
+                self._request(Message("close")).wait(timeout=1.0)
+            except Exception:
+                pass  # the server reaps the session after its lease anyway
+        self._closed = True
+        for request in list(self._pending.values()):
+            request._put(_Closed(ConnectionLost(f"the connection to {self.address} was closed")))
+        self._pending.clear()
+        if self._loop is not None:
+            self._loop.stop()
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)

@@ -1,0 +1,197 @@
+"""The process-wide connection: `init`, `shutdown`, `is_initialized`, `get_cluster_state`."""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .client import Client
+from .config import DEFAULT_PORT, ClusterConfig, ConnectionInfo, parse_address
+from .errors import ConfigError, NotInitializedError
+from .local_server import LocalServer
+
+log = logging.getLogger("genie")
+
+_lock = threading.RLock()
+_state: "ClusterState | None" = None
+
+
+@dataclass
+class ClusterState:
+    """What this process is connected to (or serving), and how it got there."""
+
+    config: ClusterConfig
+    role: str
+    address: str
+    node: dict[str, Any] = field(default_factory=dict)
+    backend: str = "tcp"
+    phases: list[tuple[str, float]] = field(default_factory=list)
+    client: Client | None = None
+    server: Any = None
+    local_server: LocalServer | None = None
+    started: float = field(default_factory=time.time)
+
+    @property
+    def connected(self) -> bool:
+        if self.role == "server":
+            return self.server is not None
+        return self.client is not None and self.client.connected
+
+    @property
+    def embedded(self) -> bool:
+        return self.local_server is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "role": self.role,
+            "address": self.address,
+            "connected": self.connected,
+            "embedded": self.embedded,
+            "backend": self.backend,
+            "node": self.node,
+            "session": self.client.session[:8] if self.client else None,
+            "lost_reason": self.client.lost_reason if self.client else None,
+            "phases": [{"name": n, "seconds": round(s, 4)} for n, s in self.phases],
+        }
+
+
+def _setup_logging(level: str) -> None:
+    logger = logging.getLogger("genie")
+    logger.setLevel(level.upper())
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[genie %(levelname)s] %(message)s"))
+        logger.addHandler(handler)
+
+
+def init_sync(
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    backend: str | None = None,
+    node_id: str | None = None,
+    node_role: str | None = None,
+    timeout: float | None = None,
+    **kwargs: Any,
+) -> ClusterState:
+    """Connect to a genie server (or, with no address, start an embedded one) and return the state.
+
+    `master_port` defaults to 5555; every argument left out falls back to its `GENIE_*`
+    environment variable. `node_role="server"` serves from this process instead.
+    Calling it again replaces the previous connection.
+    """
+    phases: list[tuple[str, float]] = []
+    t0 = time.perf_counter()
+    connection_file = kwargs.pop("connection_file", None)
+    config = ClusterConfig.resolve(
+        master_addr=master_addr, master_port=master_port, backend=backend, node_id=node_id,
+        node_role=node_role, timeout=timeout, connection_file=connection_file, **kwargs,
+    )
+    _setup_logging(config.log_level)
+    phases.append(("configure", time.perf_counter() - t0))
+    with _lock:
+        if _state is not None:
+            shutdown()
+        if config.node_role == "server":
+            return _init_server(config, phases, t0)
+        return _init_client(config, phases)
+
+
+def _init_server(config: ClusterConfig, phases: list[tuple[str, float]], t0: float) -> ClusterState:
+    global _state
+    from .server import Server
+
+    server = Server(config).start().start_in_thread()
+    phases.append(("serve", time.perf_counter() - t0))
+    _state = ClusterState(config=config, role="server", address=server.address, node=server.node_info(), server=server, phases=phases)
+    return _state
+
+
+def _init_client(config: ClusterConfig, phases: list[tuple[str, float]]) -> ClusterState:
+    global _state
+    t = time.perf_counter()
+    local: LocalServer | None = None
+    token = config.token
+    if config.connection_file and not config.master_addr:
+        info = ConnectionInfo.read(config.connection_file)
+        host, port, token = info.ip, info.port, token or info.token
+    elif config.master_addr in (None, "", "local"):
+        local = LocalServer(config.gpus)
+        info = local.start(config.timeout)
+        host, port, token = info.ip, info.port, info.token
+        phases.append(("local server", time.perf_counter() - t))
+    else:
+        host, port = parse_address(config.master_addr, config.master_port or DEFAULT_PORT)
+        assert port is not None
+        if config.connection_file:
+            token = token or ConnectionInfo.read(config.connection_file).token
+        if token is None:
+            found = ConnectionInfo.find(host, port)
+            token = found.token if found else None
+        if token is None:
+            raise ConfigError(
+                f"no token for {host}:{port}: pass --token (or token=...), set GENIE_TOKEN, or pass the server's "
+                "connection file (printed by `genie serve`)"
+            )
+    t = time.perf_counter()
+    client = Client(
+        host, port, token, timeout=config.timeout, enable_heartbeat=config.enable_heartbeat,
+        heartbeat_interval=config.heartbeat_interval, heartbeat_timeout=config.heartbeat_timeout,
+    )
+    try:
+        client.connect()
+    except BaseException:
+        if local is not None:
+            local.stop()
+        raise
+    phases.append(("connect", time.perf_counter() - t))
+    _state = ClusterState(
+        config=config, role="client", address=f"{host}:{port}", node=client.node, client=client,
+        local_server=local, phases=phases,
+    )
+    return _state
+
+
+async def init(*args: Any, **kwargs: Any) -> ClusterState:
+    """Awaitable `init_sync`: connects on a worker thread, so the event loop keeps running."""
+    return await asyncio.to_thread(init_sync, *args, **kwargs)
+
+
+def shutdown() -> None:
+    """Close the session (its worker ends, its GPU memory is freed) and any embedded server."""
+    global _state
+    with _lock:
+        state, _state = _state, None
+    if state is None:
+        return
+    if state.client is not None:
+        state.client.close()
+    if state.server is not None:
+        state.server.stop()
+    if state.local_server is not None:
+        state.local_server.stop()
+
+
+def is_initialized() -> bool:
+    return _state is not None
+
+
+def get_cluster_state() -> ClusterState:
+    if _state is None:
+        raise NotInitializedError("asking for the cluster state")
+    return _state
+
+
+def current_client(what: str = "running remote code") -> Client:
+    """The connected client, or a clear error saying what to run."""
+    state = _state
+    if state is None or state.client is None:
+        raise NotInitializedError(what)
+    return state.client
+
+
+atexit.register(shutdown)

@@ -1,0 +1,219 @@
+"""Configuration: one dataclass, filled from explicit arguments, then `GENIE_*` variables, then defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import socket
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+DEFAULT_PORT = 5555
+BACKENDS = ("auto", "tcp")
+ROLES = ("client", "server")
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true/false, got {text!r}")
+
+
+def parse_gpus(text: str | list[int] | None) -> list[int] | None:
+    """`"0,1"` -> `[0, 1]`; an empty string means "no GPUs"."""
+    if text is None or isinstance(text, list):
+        return text
+    text = text.strip()
+    if not text:
+        return []
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ConfigError(f"invalid GPU list {text!r}: expected indices like 0,1") from None
+
+
+@dataclass
+class ClusterConfig:
+    """Everything `init` and `genie serve` need. Each field has a `GENIE_<NAME>` variable."""
+
+    master_addr: str | None = None
+    master_port: int = DEFAULT_PORT
+    token: str | None = None
+    backend: str = "auto"
+    node_id: str | None = None
+    node_role: str = "client"
+    timeout: float = 30.0
+    ip: str = "127.0.0.1"
+    gpus: list[int] | None = None
+    connection_file: str | None = None
+    enable_heartbeat: bool = True
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 4.0
+    session_lease: float = 30.0
+    max_message_bytes: int = 8 << 30
+    log_level: str = "WARNING"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def resolve(cls, environ: dict[str, str] | None = None, **explicit: Any) -> "ClusterConfig":
+        """Explicit (non-None) arguments win, then `GENIE_*` variables, then defaults."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        extra: dict[str, Any] = dict(explicit.pop("extra", None) or {})
+        names = {f.name: f for f in dataclasses.fields(cls) if f.name != "extra"}
+        for key in list(explicit):
+            if key not in names:
+                extra[key] = explicit.pop(key)
+        for name, f in names.items():
+            value = explicit.get(name)
+            if value is None:
+                raw = env.get(f"GENIE_{name.upper()}")
+                if raw is not None and raw != "":
+                    value = _from_env(name, f.type, raw)
+            if value is not None:
+                values[name] = value
+        config = cls(**values, extra=extra)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if not isinstance(self.master_port, int) or not 0 <= self.master_port <= 65535:
+            raise ConfigError(f"invalid port {self.master_port!r}: expected 0..65535")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"unknown backend {self.backend!r}: choose one of {', '.join(BACKENDS)}")
+        if self.node_role not in ROLES:
+            raise ConfigError(f"unknown node_role {self.node_role!r}: choose one of {', '.join(ROLES)}")
+        if self.timeout <= 0:
+            raise ConfigError(f"invalid timeout {self.timeout!r}: must be positive")
+        if self.heartbeat_interval <= 0 or self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ConfigError(
+                f"invalid heartbeat settings: need 0 < heartbeat_interval ({self.heartbeat_interval})"
+                f" < heartbeat_timeout ({self.heartbeat_timeout})"
+            )
+        self.gpus = parse_gpus(self.gpus)
+
+    def resolved_node_id(self) -> str:
+        return self.node_id or socket.gethostname()
+
+
+def _from_env(name: str, type_name: Any, raw: str) -> Any:
+    type_text = str(type_name)
+    try:
+        if name == "gpus":
+            return parse_gpus(raw)
+        if type_text.startswith("bool"):
+            return _parse_bool(raw)
+        if type_text.startswith("int"):
+            return int(raw)
+        if type_text.startswith("float"):
+            return float(raw)
+    except ValueError as exc:
+        raise ConfigError(f"invalid GENIE_{name.upper()}={raw!r}: {exc}") from None
+    return raw
+
+
+def parse_address(text: str, default_port: int | None = None) -> tuple[str, int | None]:
+    """`host`, `host:port`, `genie://host:port`, `[::1]:port` -> (host, port or default)."""
+    addr = text.strip()
+    if addr.startswith("genie://"):
+        addr = addr[len("genie://") :]
+    elif "://" in addr:
+        raise ConfigError(f"invalid address {text!r}: only genie://host:port is understood")
+    addr = addr.rstrip("/")
+    if not addr:
+        raise ConfigError(f"invalid address {text!r}: no host")
+    port_text = None
+    if addr.startswith("["):
+        host, _, rest = addr[1:].partition("]")
+        if rest.startswith(":"):
+            port_text = rest[1:]
+    elif addr.count(":") == 1:
+        host, port_text = addr.split(":")
+    else:
+        host = addr
+    if port_text is None or port_text == "":
+        return host, default_port
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ConfigError(f"invalid port in {text!r}: {port_text!r} is not a number") from None
+    if not 0 < port <= 65535:
+        raise ConfigError(f"invalid port in {text!r}: expected 1..65535")
+    return host, port
+
+
+def runtime_dir() -> Path:
+    """Private folder (mode 0700) for connection files and server logs."""
+    base = os.environ.get("GENIE_RUNTIME_DIR")
+    if base:
+        path = Path(base)
+    elif os.environ.get("XDG_RUNTIME_DIR"):
+        path = Path(os.environ["XDG_RUNTIME_DIR"]) / "genie"
+    else:
+        path = Path.home() / ".local" / "share" / "genie" / "runtime"
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return path
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+@dataclass
+class ConnectionInfo:
+    """What a client needs to reach a server; written by `genie serve` as JSON, mode 0600."""
+
+    ip: str
+    port: int
+    token: str
+    node_id: str
+    pid: int
+    protocol: int
+
+    def write(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".genie-", suffix=".json")
+        try:
+            os.fchmod(fd, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                json.dump(dataclasses.asdict(self), fh, indent=1)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> "ConnectionInfo":
+        try:
+            data = json.loads(Path(path).read_text())
+            return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+        except FileNotFoundError:
+            raise ConfigError(f"connection file {str(path)!r} does not exist") from None
+        except PermissionError:
+            raise ConfigError(f"connection file {str(path)!r} is not readable (permission denied)") from None
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"connection file {str(path)!r} is not a Genie connection file ({exc})") from None
+
+    @classmethod
+    def find(cls, host: str, port: int) -> "ConnectionInfo | None":
+        """A connection file in this machine's runtime folder for a local server at host:port."""
+        local = {"127.0.0.1", "localhost", "::1", socket.gethostname()}
+        for path in sorted(runtime_dir().glob("genie-server-*.json")):
+            try:
+                info = cls.read(path)
+            except ConfigError:
+                continue
+            if info.port == port and (info.ip == host or (host in local and info.ip in local | {"0.0.0.0"})):
+                return info
+        return None

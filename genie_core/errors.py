@@ -1,0 +1,63 @@
+"""Errors a Genie user can see. Each message says what happened, where, and what to do."""
+
+from __future__ import annotations
+
+
+class GenieError(Exception):
+    """Base class of every error Genie raises on purpose."""
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython shows this instead of a traceback through Genie's plumbing: one clear line.
+        return [f"\x1b[31m{type(self).__name__}\x1b[0m: {self}"]
+
+
+class ConfigError(GenieError, ValueError):
+    """A configuration value or argument is invalid."""
+
+
+class NotInitializedError(GenieError):
+    """A remote operation was attempted before connecting to a server."""
+
+    def __init__(self, what: str = "this") -> None:
+        super().__init__(
+            f"Genie is not connected: run `%genie_init [ADDR]` (or `genie_core.init(...)`) before {what}."
+        )
+
+
+class ConnectionFailed(GenieError, ConnectionError):
+    """The server could not be reached (refused, unreachable, or no answer in time)."""
+
+
+class AuthenticationError(GenieError, PermissionError):
+    """The server rejected our signature: the token does not match."""
+
+
+class ConnectionLost(GenieError, ConnectionError):
+    """An established connection to the server stopped answering."""
+
+
+class ProtocolError(GenieError):
+    """A message was malformed, unsigned, replayed or too large."""
+
+
+class WorkerDied(GenieError):
+    """The session's worker process ended while (or before) running a request."""
+
+
+class RemoteError(GenieError):
+    """An exception raised by code running on the server.
+
+    It renders as the remote traceback in IPython (through ``_render_traceback_``), so a
+    notebook shows where the remote code failed, not the client's plumbing.
+    """
+
+    def __init__(self, ename: str, evalue: str, traceback: list[str] | None = None) -> None:
+        super().__init__(f"{ename}: {evalue}")
+        self.ename = ename
+        self.evalue = evalue
+        self.traceback = list(traceback or [])
+
+    def _render_traceback_(self) -> list[str]:
+        if self.traceback:
+            return self.traceback
+        return [f"{self.ename}: {self.evalue}"]

@@ -1,0 +1,34 @@
+"""Which GPUs this machine has, through NVML. No NVIDIA driver means zero GPUs, not an error."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def list_gpus() -> tuple[list[dict[str, Any]], str]:
+    """([{index, name, uuid, memory_total}], reason when there are none)."""
+    try:
+        import pynvml
+    except ImportError:
+        return [], "nvidia-ml-py is not installed"
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
+        return [], f"NVML unavailable ({exc})"
+    try:
+        gpus = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(handle)
+            uuid = pynvml.nvmlDeviceGetUUID(handle)
+            gpus.append(
+                {
+                    "index": i,
+                    "name": name.decode() if isinstance(name, bytes) else name,
+                    "uuid": uuid.decode() if isinstance(uuid, bytes) else uuid,
+                    "memory_total": int(pynvml.nvmlDeviceGetMemoryInfo(handle).total),
+                }
+            )
+        return gpus, "" if gpus else "NVML reports no GPUs"
+    finally:
+        pynvml.nvmlShutdown()

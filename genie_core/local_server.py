@@ -1,0 +1,62 @@
+"""An embedded server for a laptop with no GPU server: `genie serve` on 127.0.0.1 as a child
+process, tied to this process's life (it stops when we stop, or when we die)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .config import ConnectionInfo, new_token, runtime_dir
+from .errors import ConnectionFailed
+
+
+class LocalServer:
+    def __init__(self, gpus: list[int] | None = None) -> None:
+        self.gpus = gpus
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.info: ConnectionInfo | None = None
+        tag = f"{os.getpid()}-{os.urandom(3).hex()}"
+        self.connection_file = runtime_dir() / f"genie-local-{tag}.json"
+        self.log_file = runtime_dir() / f"genie-local-{tag}.log"
+
+    def start(self, timeout: float = 30.0) -> ConnectionInfo:
+        env = dict(os.environ, GENIE_TOKEN=new_token())
+        cmd = [
+            sys.executable, "-m", "genie_core", "serve", "--ip", "127.0.0.1", "--port", "0",
+            "--connection-file", str(self.connection_file), "--parent-pid", str(os.getpid()),
+        ]
+        if self.gpus is not None:
+            cmd += ["--gpus", ",".join(map(str, self.gpus))]
+        with open(self.log_file, "wb") as log:
+            self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.connection_file.exists():
+                self.info = ConnectionInfo.read(self.connection_file)
+                return self.info
+            if self.proc.poll() is not None:
+                raise ConnectionFailed(f"the embedded genie server exited at start-up: {self._log_tail()}")
+            time.sleep(0.01)
+        self.stop()
+        raise ConnectionFailed(f"the embedded genie server did not start within {timeout:g} s: {self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        try:
+            lines = Path(self.log_file).read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return "(no log)"
+        return " | ".join(lines[-3:]) or "(empty log)"
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.connection_file.unlink(missing_ok=True)
+        self.log_file.unlink(missing_ok=True)

@@ -1,0 +1,121 @@
+"""Wire format: `[ident…] b"genie/1" signature header content buffer*`.
+
+The signature is HMAC-SHA256 over header, content *and* every buffer, with a key derived
+from the server token. Header and content are small JSON; buffers are raw bytes (tensor and
+array data) that are never pickled and travel zero-copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from .errors import ProtocolError
+
+PROTOCOL = b"genie/1"
+PROTOCOL_VERSION = 1
+_KEY_CONTEXT = b"genie message signing v1"
+
+
+def derive_key(token: str) -> bytes:
+    """The signing key: never the token itself, so a leaked key does not reveal the token."""
+    return hmac.new(token.encode(), _KEY_CONTEXT, hashlib.sha256).digest()
+
+
+def new_id() -> str:
+    return os.urandom(12).hex()
+
+
+@dataclass
+class Message:
+    type: str
+    content: dict[str, Any] = field(default_factory=dict)
+    buffers: list[Any] = field(default_factory=list)
+    parent: str = ""
+    session: str = ""
+    seq: int = 0
+    id: str = field(default_factory=new_id)
+    time: float = field(default_factory=time.time)
+
+    def header(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": self.type,
+            "parent": self.parent,
+            "session": self.session,
+            "seq": self.seq,
+            "time": self.time,
+        }
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), default=str).encode()
+
+
+class Codec:
+    """Packs and unpacks messages. `key=None` means unsigned: only for the server's private
+    worker channel (a Unix socket in a 0700 folder), never for a network socket."""
+
+    def __init__(self, key: bytes | None, max_bytes: int | None = None) -> None:
+        self.key = key
+        self.max_bytes = max_bytes
+
+    def sign(self, parts: Sequence[Any]) -> bytes:
+        if self.key is None:
+            return b""
+        mac = hmac.new(self.key, digestmod=hashlib.sha256)
+        for part in parts:
+            mac.update(part)
+        return mac.hexdigest().encode()
+
+    def pack(self, msg: Message) -> list[Any]:
+        header = _dumps(msg.header())
+        content = _dumps(msg.content)
+        buffers = [memoryview(b).cast("B") if not isinstance(b, bytes) else b for b in msg.buffers]
+        return [PROTOCOL, self.sign([header, content, *buffers]), header, content, *buffers]
+
+    def unpack(self, frames: Sequence[Any], verify: bool = True) -> Message:
+        """Frames after the routing identities. Raises ProtocolError on anything off."""
+        if len(frames) < 4:
+            raise ProtocolError(f"message has {len(frames)} frames; at least 4 expected")
+        parts = [f.buffer if hasattr(f, "buffer") else f for f in frames]
+        if bytes(parts[0]) != PROTOCOL:
+            raise ProtocolError(f"unknown protocol {bytes(parts[0])[:16]!r}")
+        if self.max_bytes is not None and sum(len(p) for p in parts) > self.max_bytes:
+            raise ProtocolError("message larger than the configured maximum")
+        header_b, content_b, buffers = parts[2], parts[3], parts[4:]
+        if verify and self.key is not None:
+            expected = self.sign([header_b, content_b, *buffers])
+            if not hmac.compare_digest(expected, bytes(parts[1])):
+                raise ProtocolError("bad signature")
+        try:
+            header = json.loads(bytes(header_b))
+            content = json.loads(bytes(content_b))
+            if not isinstance(header, dict) or not isinstance(content, dict):
+                raise ValueError("header and content must be JSON objects")
+            return Message(
+                type=str(header["type"]),
+                content=content,
+                buffers=list(buffers),
+                parent=str(header.get("parent", "")),
+                session=str(header.get("session", "")),
+                seq=int(header.get("seq", 0)),
+                id=str(header["id"]),
+                time=float(header.get("time", 0.0)),
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ProtocolError(f"malformed message: {exc}") from None
+
+
+def split_identities(frames: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    """ROUTER frames -> (routing identities, message frames starting at the protocol tag)."""
+    for i, frame in enumerate(frames):
+        data = frame.bytes if hasattr(frame, "bytes") and len(frame) == len(PROTOCOL) else frame
+        if isinstance(data, (bytes, bytearray)) and bytes(data) == PROTOCOL:
+            return list(frames[:i]), list(frames[i:])
+    raise ProtocolError("no protocol tag in message")

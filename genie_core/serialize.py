@@ -1,0 +1,104 @@
+"""Values as (a small JSON description, raw buffers).
+
+Tensors and arrays travel as their raw bytes, never pickled; other objects go through
+cloudpickle (protocol 5), with large buffers inside them sent out of band.
+"""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+from typing import Any
+
+import cloudpickle
+
+
+def _is_tensor(obj: Any) -> bool:
+    return type(obj).__module__.startswith("torch") and type(obj).__name__ in ("Tensor", "Parameter")
+
+
+def _is_ndarray(obj: Any) -> bool:
+    return type(obj).__module__ == "numpy" and type(obj).__name__ == "ndarray"
+
+
+def serialize(obj: Any) -> tuple[dict[str, Any], list[Any]]:
+    if _is_tensor(obj):
+        import torch
+
+        t = obj.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        flat = t.contiguous().reshape(-1)
+        data = flat.view(torch.uint8).numpy() if flat.numel() else b""
+        meta = {
+            "kind": "tensor",
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "shape": list(t.shape),
+            "requires_grad": bool(obj.requires_grad),
+        }
+        return meta, [memoryview(data).cast("B") if len(data) else b""]
+    if _is_ndarray(obj) and not obj.dtype.hasobject:
+        import numpy as np
+
+        arr = np.ascontiguousarray(obj)
+        return {"kind": "ndarray", "dtype": arr.dtype.str, "shape": list(arr.shape)}, [
+            memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else b""
+        ]
+    oob: list[Any] = []
+    data = cloudpickle.dumps(obj, protocol=5, buffer_callback=oob.append)
+    return {"kind": "pickle", "n": len(oob)}, [data, *(b.raw() for b in oob)]
+
+
+def deserialize(meta: dict[str, Any], buffers: list[Any], device: str | None = None) -> Any:
+    kind = meta.get("kind")
+    if kind == "tensor":
+        import torch
+
+        dtype = getattr(torch, meta["dtype"])
+        shape = meta["shape"]
+        buf = buffers[0]
+        if len(buf) == 0:
+            t = torch.empty(shape, dtype=dtype)
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # zmq frames are read-only views; we own them now
+                t = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
+        if device:
+            t = t.to(device)
+        if meta.get("requires_grad"):
+            t.requires_grad_(True)
+        return t
+    if kind == "ndarray":
+        import numpy as np
+
+        arr = np.frombuffer(buffers[0], dtype=np.dtype(meta["dtype"])) if len(buffers[0]) else np.empty(
+            0, dtype=np.dtype(meta["dtype"])
+        )
+        arr = arr.reshape(meta["shape"])
+        return arr if arr.flags.writeable else arr.copy()
+    if kind == "pickle":
+        return pickle.loads(buffers[0], buffers=buffers[1:])
+    raise ValueError(f"unknown value kind {kind!r}")
+
+
+def serialize_namespace(values: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Many named values into one message: descriptions (with buffer counts) and all buffers."""
+    metas: list[dict[str, Any]] = []
+    buffers: list[Any] = []
+    for name, value in values.items():
+        meta, bufs = serialize(value)
+        meta["name"] = name
+        meta["nbuf"] = len(bufs)
+        metas.append(meta)
+        buffers.extend(bufs)
+    return metas, buffers
+
+
+def deserialize_namespace(metas: list[dict[str, Any]], buffers: list[Any], device: str | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    i = 0
+    for meta in metas:
+        n = int(meta["nbuf"])
+        out[meta["name"]] = deserialize(meta, buffers[i : i + n], device)
+        i += n
+    return out

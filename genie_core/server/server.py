@@ -1,0 +1,411 @@
+"""The genie server (node agent): authenticates clients, keeps their sessions, routes their
+requests to per-session worker processes, and answers heartbeats. It never runs user code."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from .. import __version__
+from ..config import ClusterConfig, ConnectionInfo, new_token, runtime_dir
+from ..errors import ConfigError, ProtocolError
+from ..gpus import list_gpus
+from ..loop import SocketLoop
+from ..protocol import PROTOCOL, PROTOCOL_VERSION, Codec, Message, derive_key, split_identities
+from .session import Session
+from .worker_process import CPU, WorkerProcess, describe_exit
+
+log = logging.getLogger("genie.server")
+
+TERMINAL_REPLIES = {"execute_reply", "push_reply", "pull_reply", "error_reply"}
+WORKER_REQUESTS = {"execute", "push", "pull"}
+
+
+class Server:
+    """`Server(config).start()` binds and returns; `serve_forever()` or `start_in_thread()` runs it."""
+
+    def __init__(self, config: ClusterConfig | None = None, *, parent_pid: int | None = None, spare_workers: int = 1) -> None:
+        self.config = config or ClusterConfig.resolve(node_role="server")
+        self.token = self.config.token or new_token()
+        self.node_id = self.config.resolved_node_id()
+        self.codec = Codec(derive_key(self.token), max_bytes=self.config.max_message_bytes)
+        self.worker_codec = Codec(key=None)
+        self.parent_pid = parent_pid
+        self.spare_workers = spare_workers
+        detected, self.gpu_reason = list_gpus()
+        if self.config.gpus is not None:
+            by_index = {g["index"]: g for g in detected}
+            self.gpus = [by_index.get(i, {"index": i, "name": "unknown"}) for i in self.config.gpus]
+        else:
+            self.gpus = detected
+        self.sessions: dict[str, Session] = {}
+        self.workers: dict[str, WorkerProcess] = {}
+        self.spares: list[WorkerProcess] = []
+        self.dying: list[WorkerProcess] = []
+        self.started = time.time()
+        self.port = 0
+        self.connection_file: Path | None = None
+        self._ctx: zmq.Context | None = None
+        self._loop = SocketLoop("server")
+        self._thread: threading.Thread | None = None
+        self._worker_dir = ""
+        self._seq = 0
+        self._stopped = threading.Event()
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def start(self) -> "Server":
+        ctx = self._ctx = zmq.Context()
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its routing id
+        self.router.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
+        if ":" in self.config.ip:
+            self.router.setsockopt(zmq.IPV6, 1)
+        host = f"[{self.config.ip}]" if ":" in self.config.ip else self.config.ip
+        try:
+            if self.config.master_port == 0:
+                self.port = self.router.bind_to_random_port(f"tcp://{host}")
+            else:
+                self.router.bind(f"tcp://{host}:{self.config.master_port}")
+                self.port = self.config.master_port
+        except zmq.ZMQError as exc:
+            self.router.close()
+            ctx.term()
+            raise ConfigError(f"cannot listen on {self.config.ip}:{self.config.master_port}: {exc.strerror}") from None
+        self._worker_dir = tempfile.mkdtemp(prefix="genie-")  # 0700: only we can reach the workers
+        self.worker_router = ctx.socket(zmq.ROUTER)
+        self.worker_router.setsockopt(zmq.LINGER, 0)
+        self.worker_endpoint = f"ipc://{self._worker_dir}/workers"
+        self.worker_router.bind(self.worker_endpoint)
+        self._loop.add_socket(self.router, self._on_client_readable)
+        self._loop.add_socket(self.worker_router, self._on_worker_readable)
+        self._loop.call_every(0.2, self._housekeeping)
+        info = ConnectionInfo(self.config.ip, self.port, self.token, self.node_id, os.getpid(), PROTOCOL_VERSION)
+        path = self.config.connection_file or runtime_dir() / f"genie-server-{self.node_id}-{self.port}.json"
+        self.connection_file = info.write(path)
+        self._refill_spares()
+        return self
+
+    @property
+    def address(self) -> str:
+        return f"genie://{self.config.ip}:{self.port}"
+
+    def ready_line(self) -> str:
+        gpus = f"{len(self.gpus)} GPU{'s' if len(self.gpus) != 1 else ''}" if self.gpus else f"no GPU: {self.gpu_reason}"
+        return f"genie server ready at {self.address} (node {self.node_id}, {gpus}); connection file: {self.connection_file}"
+
+    def serve_forever(self) -> None:
+        try:
+            self._loop.run()
+        finally:
+            self._cleanup()
+
+    def start_in_thread(self) -> "Server":
+        self._thread = threading.Thread(target=self.serve_forever, name="genie-server", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Thread-safe; returns once workers are ended and the port is closed (when run in a thread)."""
+        self._loop.stop(join=False)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _cleanup(self) -> None:
+        procs = list(self.workers.values()) + self.spares + self.dying
+        for w in procs:
+            w.stop()
+        deadline = time.monotonic() + 3.0
+        for w in procs:
+            try:
+                w.proc.wait(max(0.0, deadline - time.monotonic()))
+            except Exception:
+                w.proc.kill()
+                w.proc.wait()
+        self.router.close()
+        self.worker_router.close()
+        if self._ctx is not None:
+            self._ctx.term()
+        if self.connection_file is not None:
+            self.connection_file.unlink(missing_ok=True)
+        shutil.rmtree(self._worker_dir, ignore_errors=True)
+        self._stopped.set()
+
+    # -- clients --------------------------------------------------------------------------
+    def _send(self, identity: bytes, msg: Message) -> None:
+        self._seq += 1
+        msg.seq = self._seq
+        self.router.send_multipart([identity, *self.codec.pack(msg)], copy=False)
+
+    def _reply(self, identity: bytes, request: Message, kind: str, content: dict[str, Any], buffers: list[Any] | None = None) -> None:
+        self._send(identity, Message(kind, content, buffers or [], parent=request.id, session=request.session))
+
+    def _on_client_readable(self, sock: zmq.Socket) -> None:
+        for _ in range(64):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._on_client_frames(frames)
+
+    def _on_client_frames(self, frames: list[Any]) -> None:
+        try:
+            idents, body = split_identities(frames)
+            identity = idents[0].bytes if hasattr(idents[0], "bytes") else bytes(idents[0])
+        except (ProtocolError, IndexError) as exc:
+            log.warning("dropped a malformed message: %s", exc)
+            return
+        try:
+            msg = self.codec.unpack(body)
+        except ProtocolError as exc:
+            log.warning("dropped a message that failed authentication or parsing: %s", exc)
+            self._answer_failed_hello(identity, body, str(exc))
+            return
+        if msg.type == "hello":
+            self._on_hello(identity, msg)
+            return
+        session = self.sessions.get(msg.session)
+        if session is None:
+            self._reply(identity, msg, "error_reply", {"ename": "SessionNotFound", "evalue": "this session is unknown to the server (it ended, expired, or the server restarted)"})
+            return
+        if not session.accept_seq(identity, msg.seq):
+            log.warning("dropped a replayed or out-of-order message for session %s", session.id[:8])
+            return
+        session.last_seen = time.monotonic()
+        if msg.type == "ping":
+            self._reply(identity, msg, "pong", {"time": time.time()})
+            return
+        if identity != session.identity:
+            log.warning("dropped a %s request for session %s from another connection", msg.type, session.id[:8])
+            return
+        handler = getattr(self, f"_on_{msg.type}", None)
+        if handler is None:
+            self._reply(identity, msg, "error_reply", {"ename": "ProtocolError", "evalue": f"unknown request type {msg.type!r}"})
+            return
+        handler(session, msg)
+
+    def _answer_failed_hello(self, identity: bytes, body: list[Any], reason: str) -> None:
+        """Tell a client whose hello fails authentication why, so it need not wait for a timeout.
+        The reply is unsigned (we cannot sign for a key we do not share) and carries nothing."""
+        if "signature" not in reason:
+            return
+        try:
+            header = json.loads(bytes(body[2].buffer if hasattr(body[2], "buffer") else body[2]))
+            if header.get("type") != "hello":
+                return
+            reply = Message("auth_failed", {"reason": "signature does not match: wrong token"}, parent=str(header.get("id", "")))
+            self.router.send_multipart([identity, *Codec(None).pack(reply)])
+        except Exception:
+            return
+
+    def _on_hello(self, identity: bytes, msg: Message) -> None:
+        client = msg.content.get("client") or {}
+        session = Session(identity, {k: str(v)[:200] for k, v in dict(client).items()}, self._next_slot())
+        session.accept_seq(identity, msg.seq)
+        self.sessions[session.id] = session
+        log.info("session %s opened for %s", session.id[:8], session.client)
+        self._reply(identity, msg, "welcome", {"session": session.id, "node": self.node_info(), "slot": session.slot})
+
+    def node_info(self) -> dict[str, Any]:
+        return {
+            "node_id": self.node_id,
+            "hostname": socket.gethostname(),
+            "address": self.address,
+            "pid": os.getpid(),
+            "version": __version__,
+            "protocol": PROTOCOL_VERSION,
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "gpus": self.gpus,
+            "gpu_reason": self.gpu_reason,
+            "started": self.started,
+        }
+
+    def _on_info(self, session: Session, msg: Message) -> None:
+        self._reply(session.identity, msg, "info_reply", {"node": self.node_info(), "sessions": [s.info() for s in self.sessions.values()]})
+
+    def _on_close(self, session: Session, msg: Message) -> None:
+        self._close_session(session, "closed by the client")
+        self._reply(session.identity, msg, "close_reply", {"status": "ok"})
+
+    def _on_interrupt(self, session: Session, msg: Message) -> None:
+        busy = [w for w in session.workers.values() if w.busy()]
+        for w in busy:
+            w.interrupt()
+        self._reply(session.identity, msg, "interrupt_reply", {"interrupted": len(busy)})
+
+    def _on_execute(self, session: Session, msg: Message) -> None:
+        self._to_worker(session, msg)
+
+    _on_push = _on_pull = _on_execute
+
+    def _to_worker(self, session: Session, msg: Message) -> None:
+        slot, problem = self._slot_for(session, msg.content.get("gpu"))
+        if problem:
+            self._reply(session.identity, msg, "error_reply", {"ename": "ValueError", "evalue": problem})
+            return
+        worker = session.workers.get(slot)
+        if worker is None:
+            worker = session.workers[slot] = self._take_worker(slot)
+            worker.session = session
+        worker.inflight[msg.id] = msg
+        if worker.ready:
+            self._forward_to_worker(worker, msg)
+        else:
+            worker.waiting.append(msg)
+
+    def _slot_for(self, session: Session, gpu: Any) -> tuple[int, str]:
+        if gpu is None:
+            return session.slot, ""
+        try:
+            index = int(gpu)
+        except (TypeError, ValueError):
+            return CPU, f"invalid GPU {gpu!r}: expected an index"
+        if not self.gpus:
+            if index == 0:
+                return CPU, ""
+            return CPU, f"GPU {index} does not exist: the server at {self.address} has no GPU (use --gpu 0, its CPU)"
+        indices = [g["index"] for g in self.gpus]
+        if index not in indices:
+            return CPU, f"GPU {index} does not exist on {self.address}: it has GPUs {', '.join(map(str, indices))}"
+        return index, ""
+
+    def _forward_to_worker(self, worker: WorkerProcess, msg: Message) -> None:
+        frames = self.worker_codec.pack(Message(msg.type, msg.content, msg.buffers, id=msg.id))
+        self.worker_router.send_multipart([worker.id.encode(), *frames], copy=False)
+
+    # -- workers --------------------------------------------------------------------------
+    def _next_slot(self) -> int:
+        if not self.gpus:
+            return CPU
+        load = {g["index"]: 0 for g in self.gpus}
+        for s in self.sessions.values():
+            if s.slot in load:
+                load[s.slot] += 1
+        return min(load, key=lambda i: (load[i], i))
+
+    def _spawn(self, slot: int) -> WorkerProcess:
+        worker = WorkerProcess(os.urandom(8).hex(), slot, self.worker_endpoint)
+        self.workers[worker.id] = worker
+        return worker
+
+    def _take_worker(self, slot: int) -> WorkerProcess:
+        for w in self.spares:
+            if w.slot == slot and w.alive():
+                self.spares.remove(w)
+                self._loop.call_soon(self._refill_spares)
+                return w
+        return self._spawn(slot)
+
+    def _refill_spares(self) -> None:
+        slot = self._next_slot()
+        self.spares = [w for w in self.spares if w.alive()]
+        if self.spare_workers > 0 and not any(w.slot == slot for w in self.spares):
+            if len(self.spares) >= self.spare_workers:
+                old = self.spares.pop(0)
+                self.workers.pop(old.id, None)
+                old.stop()
+                self.dying.append(old)
+            self.spares.append(self._spawn(slot))
+
+    def _on_worker_readable(self, sock: zmq.Socket) -> None:
+        for _ in range(256):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            wid = frames[0].bytes.decode()
+            worker = self.workers.get(wid)
+            if worker is None:
+                continue
+            try:
+                msg = self.worker_codec.unpack(frames[1:])
+            except ProtocolError as exc:
+                log.error("worker %s sent a malformed message: %s", wid, exc)
+                continue
+            if msg.type == "ready":
+                worker.ready = True
+                for waiting in worker.waiting:
+                    self._forward_to_worker(worker, waiting)
+                worker.waiting.clear()
+                continue
+            request = worker.inflight.get(msg.parent)
+            session = worker.session
+            if request is None or session is None or session.id not in self.sessions:
+                continue
+            if msg.type in TERMINAL_REPLIES:
+                worker.inflight.pop(msg.parent, None)
+            self._send(session.identity, Message(msg.type, msg.content, msg.buffers, parent=msg.parent, session=session.id))
+
+    def _housekeeping(self) -> None:
+        for worker in list(self.workers.values()):
+            if worker.alive():
+                continue
+            self.workers.pop(worker.id, None)
+            session = worker.session
+            why = describe_exit(worker.proc.returncode)
+            log.warning("worker %s (pid %d) %s", worker.id, worker.pid, why)
+            if session is not None and session.workers.get(worker.slot) is worker:
+                del session.workers[worker.slot]
+                for request in list(worker.inflight.values()) + worker.waiting:
+                    self._reply(session.identity, request, "error_reply", {
+                        "ename": "WorkerDied",
+                        "evalue": f"the session's worker process (pid {worker.pid}) {why} while running this request; "
+                        "its variables are lost, and the next request starts a fresh worker",
+                    })
+        self.dying = [w for w in self.dying if not w.reap()]
+        now = time.monotonic()
+        for session in list(self.sessions.values()):
+            if now - session.last_seen > self.config.session_lease:
+                self._close_session(session, f"no message from the client for {self.config.session_lease:.0f} s")
+        if self.parent_pid is not None and not _pid_alive(self.parent_pid):
+            log.warning("parent process %d is gone; stopping", self.parent_pid)
+            self._loop.stop(join=False)
+
+    def _close_session(self, session: Session, why: str) -> None:
+        log.info("session %s closed: %s", session.id[:8], why)
+        self.sessions.pop(session.id, None)
+        for worker in session.workers.values():
+            self.workers.pop(worker.id, None)
+            worker.stop()
+            self.dying.append(worker)
+        session.workers.clear()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def run_server(config: ClusterConfig, parent_pid: int | None = None) -> int:
+    """`genie serve`: start, print the ready line, serve until SIGINT/SIGTERM."""
+    import signal
+
+    server = Server(config, parent_pid=parent_pid).start()
+
+    def _stop(signum: int, frame: Any) -> None:
+        server._loop.stop(join=False)
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    print(server.ready_line(), flush=True)
+    server.serve_forever()
+    print("genie server stopped", flush=True)
+    return 0

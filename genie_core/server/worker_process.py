@@ -1,0 +1,83 @@
+"""The server's handle on one worker process: start, interrupt, stop, and why it ended."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..protocol import Message
+    from .session import Session
+
+CPU = -1  # the device slot of a worker that uses no GPU
+
+
+def describe_exit(returncode: int | None) -> str:
+    if returncode is None:
+        return "is still running"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        hint = " (out of memory?)" if -returncode == signal.SIGKILL else ""
+        return f"was killed by {name}{hint}"
+    return f"exited with code {returncode}"
+
+
+class WorkerProcess:
+    def __init__(self, worker_id: str, slot: int, endpoint: str) -> None:
+        self.id = worker_id
+        self.slot = slot
+        env = dict(os.environ)
+        env["CUDA_VISIBLE_DEVICES"] = "" if slot == CPU else str(slot)
+        env["GENIE_WORKER_ID"] = worker_id
+        env.pop("GENIE_TOKEN", None)  # user code has no business with the server's token
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "genie_core.worker", endpoint, worker_id],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # a Ctrl-C at the server's terminal is the server's, not the cell's
+        )
+        self.started = time.monotonic()
+        self.ready = False
+        self.session: Session | None = None
+        self.waiting: list[Message] = []  # requests that arrived before the worker was ready
+        self.inflight: dict[str, Message] = {}  # request id -> request
+        self.stop_requested: float | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def busy(self) -> bool:
+        return any(m.type == "execute" for m in self.inflight.values())
+
+    def interrupt(self) -> None:
+        if self.alive():
+            os.kill(self.proc.pid, signal.SIGINT)
+
+    def stop(self) -> None:
+        """Ask it to end now (SIGTERM); `reap` escalates to SIGKILL if it lingers."""
+        if self.stop_requested is None:
+            self.stop_requested = time.monotonic()
+            if self.alive():
+                self.proc.terminate()
+
+    def reap(self, grace: float = 2.0) -> bool:
+        """True once the process is gone."""
+        if self.proc.poll() is not None:
+            return True
+        if self.stop_requested is not None and time.monotonic() - self.stop_requested > grace:
+            self.proc.kill()
+        return False
+
+    def info(self) -> dict[str, Any]:
+        return {"id": self.id, "pid": self.pid, "slot": self.slot, "ready": self.ready, "busy": self.busy()}

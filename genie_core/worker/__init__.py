@@ -1,0 +1,1 @@
+"""The process that runs a session's user code (see `main`)."""

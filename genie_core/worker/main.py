@@ -1,0 +1,162 @@
+"""A session's worker process: runs user code for one client, on one device slot.
+
+Started by the server as `python -m genie_core.worker ENDPOINT WORKER_ID`, with
+CUDA_VISIBLE_DEVICES set to the session's GPU. It talks only to its server, over a private
+Unix socket; a SIGINT from the server interrupts the running cell and nothing else.
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import os
+import queue
+import signal
+import sys
+import time
+import traceback
+from typing import Any
+
+import zmq
+
+from ..loop import SocketLoop
+from ..protocol import Codec, Message
+from ..serialize import deserialize_namespace, serialize_namespace
+from .streams import FLUSH_INTERVAL, OutStream, capture_fd
+
+log = logging.getLogger("genie.worker")
+
+
+class Worker:
+    def __init__(self, endpoint: str, worker_id: str) -> None:
+        self.codec = Codec(key=None)
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.ROUTING_ID, worker_id.encode())
+        self.sock.setsockopt(zmq.LINGER, 2000)
+        self.sock.connect(endpoint)
+        self.inbox: queue.Queue[Message] = queue.Queue()
+        self.loop = SocketLoop("worker")
+        self.loop.add_socket(self.sock, self._on_readable)
+        self.parent_pid = os.getppid()
+        self.loop.call_every(1.0, self._check_parent)
+        self.current: str = ""  # id of the request being served
+        self.executing = False
+        self.shell: Any = None
+
+    # -- I/O (loop thread) --------------------------------------------------------------
+    def _on_readable(self, sock: zmq.Socket) -> None:
+        for _ in range(64):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.inbox.put(self.codec.unpack(frames))
+
+    def _check_parent(self) -> None:
+        if os.getppid() != self.parent_pid:
+            os._exit(0)  # the server is gone: nobody can reach this worker any more
+
+    def send(self, kind: str, content: dict[str, Any], buffers: list[Any] | None = None, parent: str | None = None) -> None:
+        msg = Message(kind, content, buffers or [], parent=self.current if parent is None else parent)
+        frames = self.codec.pack(msg)
+        self.loop.call_soon(lambda: self.sock.send_multipart(frames, copy=False))
+
+    # -- set-up ---------------------------------------------------------------------------
+    def setup(self) -> None:
+        def emit_stream(name: str, text: str) -> None:
+            self.send("stream", {"name": name, "text": text})
+
+        out, err = OutStream("stdout", emit_stream), OutStream("stderr", emit_stream)
+        saved_err = capture_fd(2, err)
+        capture_fd(1, out)
+        logging.basicConfig(stream=os.fdopen(saved_err, "w", buffering=1), level=os.environ.get("GENIE_LOG_LEVEL", "WARNING"))
+        sys.stdout, sys.stderr = out, err
+        self.loop.call_every(FLUSH_INTERVAL, lambda: (out.flush(), err.flush()))
+        sys.stdin = open(os.devnull)
+
+        def no_input(prompt: str = "") -> str:
+            raise RuntimeError("input() is not available in a remote cell: pass values with --push instead")
+
+        builtins.input = no_input
+        os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+        from .shell import WorkerShell
+
+        self.shell = WorkerShell.instance(emit=self.send, colors="linux")
+        self.shell.user_ns["__name__"] = "__main__"
+        signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        if self.executing:
+            raise KeyboardInterrupt
+
+    # -- requests (main thread) -----------------------------------------------------------
+    def serve(self) -> None:
+        self.loop.start()
+        self.setup()
+        self.send(
+            "ready",
+            {"pid": os.getpid(), "python": sys.version.split()[0], "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")},
+            parent="",
+        )
+        while True:
+            try:
+                msg = self.inbox.get()
+                self.current = msg.id
+                handler = getattr(self, f"on_{msg.type}", None)
+                if handler is None:
+                    self.send("error_reply", {"ename": "ProtocolError", "evalue": f"unknown request {msg.type!r}"})
+                    continue
+                handler(msg)
+            except KeyboardInterrupt:
+                continue  # an interrupt that arrived just as a cell ended
+            except SystemExit:
+                break
+            except Exception as exc:  # a failure of ours, not of user code: report it, keep serving
+                self.send("error_reply", {"ename": type(exc).__name__, "evalue": str(exc), "traceback": traceback.format_exc().splitlines()})
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+    def on_execute(self, msg: Message) -> None:
+        code = msg.content.get("code", "")
+        silent = bool(msg.content.get("silent", False))
+        self.executing = True
+        try:
+            result = self.shell.run_cell(code, store_history=not silent, silent=silent)
+        finally:
+            self.executing = False
+        sys.stdout.flush()
+        sys.stderr.flush()
+        reply: dict[str, Any] = {"status": "ok" if result.success else "error", "execution_count": self.shell.execution_count - 1}
+        error = result.error_in_exec or result.error_before_exec
+        if error is not None:
+            reply.update(ename=type(error).__name__, evalue=str(error))
+        self.send("execute_reply", reply)
+
+    def on_push(self, msg: Message) -> None:
+        values = deserialize_namespace(msg.content["values"], msg.buffers, msg.content.get("device"))
+        self.shell.user_ns.update(values)
+        self.send("push_reply", {"status": "ok", "names": list(values)})
+
+    def on_pull(self, msg: Message) -> None:
+        names = list(msg.content.get("names", []))
+        missing = [n for n in names if n not in self.shell.user_ns]
+        if missing:
+            self.send("pull_reply", {"status": "error", "ename": "NameError", "evalue": f"not defined on the server: {', '.join(missing)}"})
+            return
+        metas, buffers = serialize_namespace({n: self.shell.user_ns[n] for n in names})
+        self.send("pull_reply", {"status": "ok", "values": metas}, buffers)
+
+    def on_shutdown(self, msg: Message) -> None:
+        raise SystemExit
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        raise SystemExit("usage: python -m genie_core.worker ENDPOINT WORKER_ID")
+    worker = Worker(argv[0], argv[1])
+    worker.serve()
+    worker.loop.stop()
+    time.sleep(0.05)
+    os._exit(0)

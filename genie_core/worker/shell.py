@@ -1,0 +1,94 @@
+"""The IPython shell that runs user code inside a worker, with its outputs sent as messages.
+
+IPython does the work (magics, `!cmd`, display formatting, tracebacks, matplotlib inline);
+we only route what it produces: display data, the cell's result and errors.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+from IPython.core.displayhook import DisplayHook
+from IPython.core.displaypub import DisplayPublisher
+from IPython.core.interactiveshell import InteractiveShell
+from traitlets import Any as AnyTrait
+from traitlets import Type
+
+Emit = Callable[[str, dict[str, Any]], None]
+
+
+def _flush_streams() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+
+
+class WorkerDisplayPublisher(DisplayPublisher):
+    """`display(...)`, HTML, images and figures become display_data messages."""
+
+    emit = AnyTrait()
+
+    def publish(self, data, metadata=None, source=None, *, transient=None, update=False, **kwargs) -> None:  # type: ignore[override]
+        _flush_streams()
+        kind = "update_display_data" if update else "display_data"
+        self.emit(kind, {"data": data, "metadata": metadata or {}, "transient": transient or {}})
+
+    def clear_output(self, wait: bool = False) -> None:
+        _flush_streams()
+        self.emit("clear_output", {"wait": wait})
+
+
+class WorkerDisplayHook(DisplayHook):
+    """The value of a cell's last expression becomes an execute_result message."""
+
+    emit = AnyTrait()
+
+    def start_displayhook(self) -> None:
+        self._data: dict[str, Any] = {}
+        self._metadata: dict[str, Any] = {}
+
+    def write_output_prompt(self) -> None:
+        pass
+
+    def write_format_data(self, format_dict, md_dict=None) -> None:  # type: ignore[override]
+        self._data = format_dict
+        self._metadata = md_dict or {}
+
+    def finish_displayhook(self) -> None:
+        _flush_streams()
+        if self._data:
+            self.emit(
+                "execute_result",
+                {"data": self._data, "metadata": self._metadata, "execution_count": self.prompt_count},
+            )
+
+
+class WorkerShell(InteractiveShell):
+    displayhook_class = Type(WorkerDisplayHook)
+    display_pub_class = Type(WorkerDisplayPublisher)
+    emit = AnyTrait()
+
+    def init_displayhook(self) -> None:
+        super().init_displayhook()
+        self.displayhook.emit = lambda kind, content: self.emit(kind, content)
+
+    def init_display_pub(self) -> None:
+        super().init_display_pub()
+        self.display_pub.emit = lambda kind, content: self.emit(kind, content)
+
+    def _showtraceback(self, etype, evalue, stb) -> None:  # type: ignore[override]
+        _flush_streams()
+        self.emit(
+            "error",
+            {"ename": getattr(etype, "__name__", str(etype)), "evalue": str(evalue), "traceback": list(stb)},
+        )
+
+    def ask_exit(self) -> None:
+        print("exit() is ignored in a remote cell: use %genie_shutdown in the notebook to end the session.")
+
+    def enable_gui(self, gui=None) -> None:
+        if gui not in (None, "inline"):
+            raise NotImplementedError(f"GUI event loops ({gui}) cannot run in a remote worker; use inline output")

@@ -1,0 +1,17 @@
+"""Genie for Jupyter: `%load_ext genie_jupyter`, then `%genie_init` and `%%remote` cells."""
+
+from genie_core import __version__
+
+__all__ = ["__version__", "load_ipython_extension", "unload_ipython_extension"]
+
+
+def load_ipython_extension(ipython) -> None:  # noqa: ANN001
+    from .magics import GenieMagics
+
+    ipython.register_magics(GenieMagics)
+
+
+def unload_ipython_extension(ipython) -> None:  # noqa: ANN001
+    import genie_core
+
+    genie_core.shutdown()

@@ -1,0 +1,165 @@
+"""`%genie_init`, `%%remote`, `%genie_push`, `%genie_pull`, `%genie_shutdown`."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import clear_output, publish_display_data
+
+import genie_core
+from genie_core.cluster import current_client
+from genie_core.client import Client, Request
+from genie_core.errors import RemoteError
+
+INTERRUPT_GRACE = 5.0  # seconds to wait for the remote side after an interrupt
+
+
+def render(msg_type: str, content: dict[str, Any]) -> None:
+    """Show one remote output in this kernel, as if the local cell had produced it."""
+    if msg_type == "stream":
+        stream = sys.stderr if content.get("name") == "stderr" else sys.stdout
+        stream.write(content.get("text", ""))
+        stream.flush()
+    elif msg_type in ("display_data", "execute_result", "update_display_data"):
+        publish_display_data(
+            content.get("data", {}),
+            content.get("metadata") or {},
+            transient=content.get("transient") or None,
+            **({"update": True} if msg_type == "update_display_data" else {}),
+        )
+    elif msg_type == "clear_output":
+        clear_output(wait=bool(content.get("wait")))
+
+
+def run_remote(client: Client, code: str, *, gpu: int | None = None, timeout: float | None = None) -> dict[str, Any]:
+    """Run `code` remotely, rendering its output live; the notebook's interrupt interrupts it."""
+    request = client.execute(code, gpu=gpu)
+    error: dict[str, Any] | None = None
+    deadline = None if timeout is None else time.monotonic() + timeout
+    interrupted_at: float | None = None
+    while True:
+        try:
+            msg = _next(request, deadline, interrupted_at)
+            if msg is None:
+                if interrupted_at is None and deadline is not None and time.monotonic() > deadline:
+                    client.interrupt()
+                    interrupted_at = time.monotonic()
+                continue
+            if msg.type == "error":
+                error = msg.content
+            elif msg.type == "execute_reply":
+                if error is not None:
+                    raise RemoteError(error["ename"], error["evalue"], error.get("traceback"))
+                if msg.content.get("status") != "ok":
+                    raise RemoteError(msg.content.get("ename", "Error"), msg.content.get("evalue", ""))
+                return msg.content
+            else:
+                render(msg.type, msg.content)
+        except KeyboardInterrupt:
+            if interrupted_at is None:
+                client.interrupt()
+                interrupted_at = time.monotonic()
+                continue
+            raise KeyboardInterrupt(
+                "stopped waiting for the remote cell; it may still be running on the server "
+                "(%genie_shutdown ends the session and its worker)"
+            ) from None
+
+
+def _next(request: Request, deadline: float | None, interrupted_at: float | None) -> Any:
+    msg = request.next(timeout=0.1)
+    if msg is None and interrupted_at is not None and time.monotonic() - interrupted_at > INTERRUPT_GRACE:
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"the remote cell ran past its --timeout and did not stop within {INTERRUPT_GRACE:g} s of an interrupt")
+        raise KeyboardInterrupt(f"the remote cell did not stop within {INTERRUPT_GRACE:g} s of an interrupt; it may still be running")
+    return msg
+
+
+def _names(text: str | None) -> list[str]:
+    return [n.strip() for n in (text or "").replace(" ", ",").split(",") if n.strip()]
+
+
+@magics_class
+class GenieMagics(Magics):
+    @magic_arguments()
+    @argument("address", nargs="?", default=None, help="host, host:port or genie://host:port; none (or `local`) starts an embedded local server")
+    @argument("--token", default=None, help="the server's token (else $GENIE_TOKEN, the connection file, or a local server's connection file)")
+    @argument("--connection-file", default=None, help="connection file written by `genie serve`")
+    @argument("--timeout", type=float, default=None, help="seconds to wait for the server (default 30)")
+    @argument("--gpus", default=None, help="GPU indices for an embedded server, e.g. 0,1")
+    @line_magic
+    def genie_init(self, line: str) -> None:
+        """Connect this notebook to a genie server (replacing any earlier connection)."""
+        args = parse_argstring(self.genie_init, line)
+        state = genie_core.init_sync(
+            master_addr=args.address, token=args.token, connection_file=args.connection_file,
+            timeout=args.timeout, gpus=args.gpus,
+        )
+        print(summary(state))
+
+    @magic_arguments()
+    @argument("--gpu", type=int, default=None, help="run on the worker of this GPU (default: the session's GPU)")
+    @argument("--push", default=None, help="local variables to send first, e.g. a,b")
+    @argument("--pull", default=None, help="remote variables to bring back after, e.g. c,d")
+    @argument("--timeout", type=float, default=None, help="interrupt the cell after this many seconds")
+    @line_cell_magic
+    def remote(self, line: str, cell: str | None = None) -> None:
+        """Run the cell (or, as `%remote STATEMENT`, one line) on the genie server."""
+        if cell is None:
+            client = current_client("using %remote")
+            run_remote(client, line)
+            return
+        args = parse_argstring(self.remote, line)
+        client = current_client("running a %%remote cell")
+        push = _names(args.push)
+        if push:
+            client.push(self._local_values(push, "--push"), gpu=args.gpu)
+        run_remote(client, cell, gpu=args.gpu, timeout=args.timeout)
+        pull = _names(args.pull)
+        if pull:
+            self.shell.user_ns.update(client.pull(pull, gpu=args.gpu))
+
+    @line_magic
+    def genie_push(self, line: str) -> None:
+        """`%genie_push a b`: send local variables to the session's worker."""
+        names = shlex.split(line)
+        if not names:
+            raise UsageError("%genie_push needs variable names, e.g. %genie_push x y")
+        current_client("%genie_push").push(self._local_values(names, "%genie_push"))
+
+    @line_magic
+    def genie_pull(self, line: str) -> None:
+        """`%genie_pull a b`: bring variables back from the session's worker."""
+        names = shlex.split(line)
+        if not names:
+            raise UsageError("%genie_pull needs variable names, e.g. %genie_pull x y")
+        self.shell.user_ns.update(current_client("%genie_pull").pull(names))
+
+    @line_magic
+    def genie_shutdown(self, line: str) -> None:
+        """End the session (its worker and GPU memory) and any embedded server."""
+        was = genie_core.is_initialized()
+        genie_core.shutdown()
+        print("Genie session closed." if was else "Genie was not connected.")
+
+    def _local_values(self, names: list[str], what: str) -> dict[str, Any]:
+        missing = [n for n in names if n not in self.shell.user_ns]
+        if missing:
+            raise UsageError(f"{what}: not defined in this notebook: {', '.join(missing)}")
+        return {n: self.shell.user_ns[n] for n in names}
+
+
+def summary(state: genie_core.ClusterState) -> str:
+    node = state.node
+    gpus = node.get("gpus") or []
+    where = "embedded local server" if state.embedded else "genie server"
+    gpu_text = ", ".join(f"GPU {g['index']}: {g.get('name', '?')}" for g in gpus) if gpus else f"CPU only ({node.get('gpu_reason') or 'no GPU'})"
+    took = sum(s for _, s in state.phases)
+    session = state.client.session[:8] if state.client else "-"
+    return f"Connected to {where} genie://{state.address} (node {node.get('node_id', '?')}; {gpu_text}; session {session}) in {took:.2f} s"
