@@ -1,0 +1,99 @@
+"""Shared fixtures: a real `genie serve` subprocess on 127.0.0.1 with a random port."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from genie_core.client import Client
+from genie_core.config import ConnectionInfo
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_runtime_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
+    os.environ["GENIE_RUNTIME_DIR"] = str(tmp_path_factory.mktemp("genie-runtime"))
+
+
+@dataclass
+class RunningServer:
+    proc: subprocess.Popen
+    info: ConnectionInfo
+    connection_file: Path
+    ready_line: str
+
+    @property
+    def address(self) -> str:
+        return f"{self.info.ip}:{self.info.port}"
+
+    def client(self, **kwargs) -> Client:
+        return Client(self.info.ip, self.info.port, self.info.token, timeout=kwargs.pop("timeout", 10.0), **kwargs).connect()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> RunningServer:
+    cf = tmp_path / f"server-{os.urandom(3).hex()}.json"
+    full_env = dict(os.environ, GENIE_TOKEN="test-token-" + os.urandom(8).hex(), **(env or {}))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "genie_core", "serve", "--port", "0", "--connection-file", str(cf), *args],
+        env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    line = proc.stdout.readline()
+    if "ready" not in line:
+        proc.kill()
+        raise RuntimeError(f"server did not start: {line!r} {proc.stderr.read()}")
+    return RunningServer(proc, ConnectionInfo.read(cf), cf, line.strip())
+
+
+@pytest.fixture
+def server(tmp_path: Path):
+    srv = start_server(tmp_path)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def client(server: RunningServer):
+    c = server.client()
+    yield c
+    c.close()
+
+
+def run(client: Client, code: str, timeout: float = 30.0, **kwargs) -> list:
+    """Execute and collect (type, content) of every reply, ending with execute_reply."""
+    return [(m.type, m.content) for m in client.execute(code, **kwargs).replies(timeout)]
+
+
+def stdout_of(replies: list) -> str:
+    return "".join(c["text"] for t, c in replies if t == "stream" and c["name"] == "stdout")
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def plain(text: str) -> str:
+    """Text without ANSI colour codes."""
+    import re
+
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)

@@ -1,0 +1,288 @@
+"""The server and its workers, driven through the real client over 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+
+import numpy as np
+import psutil
+import pytest
+import torch
+import zmq
+
+from conftest import plain, run, start_server, stdout_of, wait_until
+from genie_core.client import Client
+from genie_core.errors import AuthenticationError, ConnectionFailed, ConnectionLost, RemoteError, WorkerDied
+from genie_core.protocol import Codec, Message, derive_key
+
+
+def test_cell_output_result_and_persistent_names(client):
+    replies = run(client, "x = 41\nprint('hello')\nx + 1")
+    assert stdout_of(replies) == "hello\n"
+    assert ("execute_result", {"data": {"text/plain": "42"}, "metadata": {}, "execution_count": 1}) in replies
+    assert replies[-1][0] == "execute_reply" and replies[-1][1]["status"] == "ok"
+    assert stdout_of(run(client, "print(x * 2)")) == "82\n"
+
+
+def test_output_streams_while_the_cell_runs(client):
+    request = client.execute("import time\nprint('first', flush=True)\ntime.sleep(1.5)\nprint('second')")
+    arrivals = {}
+    for msg in request.replies(20):
+        if msg.type == "stream":
+            for word in msg.content["text"].split():
+                arrivals[word] = time.monotonic()
+    assert arrivals["second"] - arrivals["first"] > 1.0
+
+
+def test_remote_exception_comes_back_with_its_traceback(client):
+    replies = run(client, "def f():\n    return 1 / 0\nf()")
+    errors = [c for t, c in replies if t == "error"]
+    assert errors and errors[0]["ename"] == "ZeroDivisionError"
+    text = plain("\n".join(errors[0]["traceback"]))
+    assert "return 1 / 0" in text and "genie_core" not in text
+    assert replies[-1][1]["status"] == "error"
+
+
+def test_magics_shell_commands_and_rich_output_work_remotely(client):
+    replies = run(client, "%time y = sum(range(10))\n!echo from-a-shell\nfrom IPython.display import HTML, display\ndisplay(HTML('<b>hi</b>'))")
+    out = stdout_of(replies)
+    assert "Wall time" in out and "from-a-shell" in out
+    assert any(t == "display_data" and c["data"]["text/html"] == "<b>hi</b>" for t, c in replies)
+
+
+def test_matplotlib_figures_arrive_as_png(client):
+    replies = run(client, "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\nplt.show()")
+    assert any(t == "display_data" and "image/png" in c["data"] for t, c in replies)
+
+
+def test_output_written_by_child_processes_is_captured(client):
+    assert "fd-level" in stdout_of(run(client, "import os, time\nos.system('echo fd-level')\ntime.sleep(0.2)"))
+
+
+def test_input_is_refused_clearly(client):
+    replies = run(client, "input('name? ')")
+    assert any(t == "error" and "--push" in c["evalue"] for t, c in replies)
+
+
+def test_wrong_token_is_an_authentication_error_and_runs_nothing(server, tmp_path):
+    with pytest.raises(AuthenticationError, match="authentication failed"):
+        Client(server.info.ip, server.info.port, "wrong-token", timeout=5).connect()
+    # A forged execute (signed with the wrong key) is dropped, never run.
+    marker = tmp_path / "ran"
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(f"tcp://127.0.0.1:{server.info.port}")
+    sock.send_multipart(Codec(derive_key("wrong")).pack(Message("execute", {"code": f"open({str(marker)!r}, 'w')"}, session="x", seq=1)))
+    time.sleep(0.5)
+    sock.close(0)
+    assert not marker.exists()
+    assert server.proc.poll() is None
+
+
+def test_unreachable_server_fails_fast_naming_the_address():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    with pytest.raises(ConnectionFailed, match=f"127.0.0.1:{port}.*connection refused"):
+        Client("127.0.0.1", port, "t", timeout=5).connect()
+    assert time.monotonic() - start < 2
+
+
+def test_a_port_that_is_not_genie_times_out_with_a_clear_error():
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        start = time.monotonic()
+        with pytest.raises(ConnectionFailed, match="did not answer the Genie handshake"):
+            Client("127.0.0.1", port, "t", timeout=1.0).connect()
+        assert time.monotonic() - start < 3
+
+
+def test_garbage_and_unsigned_frames_are_dropped_and_the_server_keeps_serving(server, client):
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{server.info.port}")
+    rng = np.random.default_rng(0)
+    junk = [
+        [b""], [b"genie/1"], [b"genie/1", b"sig"], [b"genie/1", b"", b"{", b"}"],
+        Codec(None).pack(Message("execute", {"code": "1"}, session=client.session, seq=10**9)),
+        Codec(None).pack(Message("hello")),
+    ] + [[rng.bytes(int(n)) for n in rng.integers(0, 64, size=4)] for _ in range(200)]
+    for frames in junk:
+        sock.send_multipart(frames)
+    time.sleep(0.3)
+    assert server.proc.poll() is None
+    assert stdout_of(run(client, "print('still serving')")) == "still serving\n"
+    sock.close()
+
+
+def test_a_replayed_request_runs_once(server, tmp_path):
+    marker = tmp_path / "count"
+    codec = Codec(derive_key(server.info.token))
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{server.info.port}")
+    sock.send_multipart(codec.pack(Message("hello", seq=1)))
+    assert sock.poll(5000)
+    session = codec.unpack(sock.recv_multipart()).content["session"]
+    frames = codec.pack(Message("execute", {"code": f"open({str(marker)!r}, 'a').write('x')"}, session=session, seq=2))
+    sock.send_multipart(frames)
+    sock.send_multipart(frames)  # the replay
+    replies = []
+    while sock.poll(3000):
+        replies.append(codec.unpack(sock.recv_multipart()).type)
+        if replies[-1] == "execute_reply":
+            break
+    time.sleep(0.5)
+    assert replies.count("execute_reply") == 1
+    assert marker.read_text() == "x"
+    sock.close()
+
+
+def test_interrupt_stops_the_cell_and_keeps_the_session(client):
+    run(client, "kept = 'yes'")
+    request = client.execute("import time\ntime.sleep(60)")
+    time.sleep(0.5)
+    start = time.monotonic()
+    client.interrupt()
+    replies = [(m.type, m.content) for m in request.replies(10)]
+    assert time.monotonic() - start < 1.0
+    assert any(t == "error" and c["ename"] == "KeyboardInterrupt" for t, c in replies)
+    assert stdout_of(run(client, "print(kept)")) == "yes\n"
+
+
+@pytest.mark.parametrize(
+    "code, cause",
+    [("import os; os._exit(3)", "exited with code 3"), ("import ctypes; ctypes.string_at(0)", "SIGSEGV")],
+    ids=["exit", "segfault"],
+)
+def test_worker_crash_fails_the_cell_with_the_cause_and_the_session_recovers(client, code, cause):
+    run(client, "x = 1")
+    with pytest.raises(WorkerDied, match=cause):
+        run(client, code)
+    replies = run(client, "print('fresh worker', 'x' in globals())")
+    assert stdout_of(replies) == "fresh worker False\n"
+
+
+def test_server_killed_mid_cell_fails_the_cell_within_the_heartbeat_timeout(tmp_path):
+    srv = start_server(tmp_path)
+    try:
+        client = srv.client(heartbeat_interval=0.5, heartbeat_timeout=2.0)
+        request = client.execute("import time\ntime.sleep(30)")
+        time.sleep(0.3)
+        srv.proc.kill()
+        start = time.monotonic()
+        with pytest.raises(ConnectionLost, match=f"lost.*{srv.info.port}|{srv.info.port}.*lost"):
+            list(request.replies(15))
+        assert time.monotonic() - start < 3.5
+        with pytest.raises(ConnectionLost):
+            client.execute("1")
+        client.close()
+    finally:
+        srv.stop()
+
+
+def test_stopped_server_is_detected_as_lost(tmp_path):
+    srv = start_server(tmp_path)
+    try:
+        events = []
+        client = srv.client(heartbeat_interval=0.25, heartbeat_timeout=1.0, on_event=lambda k, d: events.append(k))
+        srv.proc.send_signal(signal.SIGSTOP)
+        assert wait_until(lambda: "node_lost" in events, timeout=4)
+        srv.proc.send_signal(signal.SIGCONT)
+        assert wait_until(lambda: "node_recovered" in events, timeout=4)
+        assert stdout_of(run(client, "print('back')")) == "back\n"
+        client.close()
+    finally:
+        srv.stop()
+
+
+def test_sigterm_stops_the_server_and_its_workers(tmp_path):
+    srv = start_server(tmp_path)
+    client = srv.client()
+    pid = int(stdout_of(run(client, "import os; print(os.getpid())")))
+    srv.proc.terminate()
+    assert srv.proc.wait(10) == 0
+    assert wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 5)
+    assert not srv.connection_file.exists()
+    client.close()
+
+
+def test_sessions_are_isolated(server):
+    a, b = server.client(), server.client()
+    try:
+        run(a, "secret = 123")
+        replies = run(b, "secret")
+        assert any(t == "error" and c["ename"] == "NameError" for t, c in replies)
+        pid_a = stdout_of(run(a, "import os; print(os.getpid())"))
+        pid_b = stdout_of(run(b, "import os; print(os.getpid())"))
+        assert pid_a != pid_b
+    finally:
+        a.close()
+        b.close()
+
+
+def test_closing_a_session_ends_its_worker(server):
+    c = server.client()
+    pid = int(stdout_of(run(c, "import os; print(os.getpid())")))
+    c.close()
+    assert wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 5)
+
+
+def test_a_silent_client_is_reaped_after_its_lease(tmp_path):
+    srv = start_server(tmp_path, env={"GENIE_SESSION_LEASE": "1.0"})
+    try:
+        c = srv.client(enable_heartbeat=False)
+        pid = int(stdout_of(run(c, "import os; print(os.getpid())")))
+        assert wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 6)
+        with pytest.raises(ConnectionLost, match="unknown to the server"):
+            run(c, "1")
+        c.close()
+    finally:
+        srv.stop()
+
+
+def test_missing_gpu_is_a_clear_error(client):
+    with pytest.raises(RemoteError, match="GPU 3 does not exist"):
+        run(client, "1", gpu=3)
+
+
+DTYPES = [torch.float16, torch.float32, torch.float64, torch.bfloat16, torch.int8, torch.int16, torch.int32,
+          torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+
+
+def test_push_pull_tensors_bit_exact(client):
+    gen = torch.Generator().manual_seed(0)
+    values = {}
+    for i, dtype in enumerate(DTYPES):
+        raw = torch.randn(7, 5, generator=gen, dtype=torch.float64) * 100
+        t = raw.to(dtype) if not dtype.is_complex else torch.complex(raw, -raw).to(dtype)
+        values[f"t{i}"] = t
+    values["strided"] = torch.arange(24.0).reshape(4, 6).t()[1:, ::2]
+    values["empty"] = torch.empty(0, 3)
+    values["scalar"] = torch.tensor(3.5)
+    client.push(values)
+    back = client.pull(list(values))
+    for name, t in values.items():
+        assert back[name].dtype == t.dtype and back[name].shape == t.shape, name
+        assert torch.equal(back[name].view(-1).view(torch.uint8) if t.numel() else back[name], t.contiguous().view(-1).view(torch.uint8) if t.numel() else t), name
+
+
+def test_push_pull_arrays_and_python_objects(client):
+    arr = np.arange(12, dtype=np.float32).reshape(3, 4)[:, ::2]
+    client.push({"arr": arr, "double": lambda v: v * 2, "cfg": {"lr": 0.1, "tags": ["a"]}})
+    run(client, "out = (double(arr.sum()), cfg['tags'] + ['b'])")
+    assert client.pull(["out"])["out"] == (float(arr.sum()) * 2, ["a", "b"])
+    np.testing.assert_array_equal(client.pull(["arr"])["arr"], arr)
+
+
+def test_pulling_an_undefined_name_is_a_clear_error(client):
+    with pytest.raises(RemoteError, match="not defined on the server: nope"):
+        client.pull(["nope"])
