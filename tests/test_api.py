@@ -1,0 +1,91 @@
+"""The Python API: init / shutdown / is_initialized / get_cluster_state."""
+
+import asyncio
+import os
+
+import psutil
+import pytest
+
+import genie_core
+from conftest import run, stdout_of, wait_until
+from genie_core.client import Client
+from genie_core.errors import ConfigError, NotInitializedError
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    yield
+    genie_core.shutdown()
+
+
+def test_init_connects_and_reports_state(server):
+    state = genie_core.init_sync(f"127.0.0.1:{server.info.port}", token=server.info.token, timeout=10)
+    assert genie_core.is_initialized() and genie_core.get_cluster_state() is state
+    assert state.connected and state.role == "client" and not state.embedded
+    assert state.node["node_id"] == server.info.node_id
+    assert [p["name"] for p in state.to_dict()["phases"]] == ["configure", "connect"]
+    assert stdout_of(run(state.client, "print(6 * 7)")) == "42\n"
+    genie_core.shutdown()
+    assert not genie_core.is_initialized()
+    with pytest.raises(NotInitializedError, match="genie_init"):
+        genie_core.get_cluster_state()
+
+
+def test_environment_supplies_what_arguments_omit(server, monkeypatch):
+    monkeypatch.setenv("GENIE_MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("GENIE_MASTER_PORT", str(server.info.port))
+    monkeypatch.setenv("GENIE_TOKEN", server.info.token)
+    state = genie_core.init_sync(timeout=10)
+    assert state.address == f"127.0.0.1:{server.info.port}"
+
+
+def test_token_found_in_a_local_connection_file(server, monkeypatch):
+    monkeypatch.delenv("GENIE_TOKEN", raising=False)
+    # `genie serve` wrote its connection file; point the runtime folder at it.
+    monkeypatch.setenv("GENIE_RUNTIME_DIR", str(server.connection_file.parent))
+    os.replace(server.connection_file, server.connection_file.parent / f"genie-server-x-{server.info.port}.json")
+    assert genie_core.init_sync(f"localhost:{server.info.port}", timeout=10).connected
+
+
+def test_connection_file_argument(server, monkeypatch):
+    monkeypatch.delenv("GENIE_TOKEN", raising=False)
+    assert genie_core.init_sync(connection_file=str(server.connection_file), timeout=10).connected
+
+
+def test_no_token_is_a_clear_error(server, monkeypatch):
+    monkeypatch.delenv("GENIE_TOKEN", raising=False)
+    with pytest.raises(ConfigError, match="no token"):
+        genie_core.init_sync(f"127.0.0.1:{server.info.port}", timeout=5)
+
+
+def test_init_again_replaces_the_old_connection(server):
+    first = genie_core.init_sync(f"127.0.0.1:{server.info.port}", token=server.info.token, timeout=10)
+    second = genie_core.init_sync(f"127.0.0.1:{server.info.port}", token=server.info.token, timeout=10)
+    assert not first.client.connected and second.client.connected
+    assert first.client.session != second.client.session
+
+
+def test_awaitable_init(server):
+    async def main():
+        return await genie_core.init(f"127.0.0.1:{server.info.port}", token=server.info.token, timeout=10)
+
+    assert asyncio.run(main()).connected
+
+
+def test_embedded_local_server_starts_and_stops_with_us():
+    state = genie_core.init_sync(timeout=30)
+    assert state.embedded and state.connected and state.address.startswith("127.0.0.1:")
+    pid = state.local_server.proc.pid
+    assert stdout_of(run(state.client, "print('local')")) == "local\n"
+    genie_core.shutdown()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_server_role_serves_from_python():
+    state = genie_core.init_sync(node_role="server", master_port=0, token="py-token")
+    server = state.server
+    client = Client("127.0.0.1", server.port, "py-token", timeout=10).connect()
+    assert stdout_of(run(client, "print('served')")) == "served\n"
+    client.close()
+    genie_core.shutdown()
+    assert wait_until(lambda: not server.connection_file.exists(), 5)

@@ -1,0 +1,133 @@
+"""The magics in a real Jupyter kernel (jupyter_client): what a notebook user sees on IOPub."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from jupyter_client.manager import start_new_kernel
+
+from conftest import plain
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    km, kc = start_new_kernel(kernel_name="python3")
+    yield km, kc
+    kc.stop_channels()
+    km.shutdown_kernel(now=True)
+
+
+def execute(kc, code: str, timeout: float = 60.0) -> tuple[dict, list[tuple[float, dict]]]:
+    """Run code; return the execute_reply content and the IOPub messages with arrival times."""
+    msg_id = kc.execute(code)
+    messages: list[tuple[float, dict]] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        msg = kc.get_iopub_msg(timeout=deadline - time.monotonic())
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
+        messages.append((time.monotonic(), msg))
+    reply = kc.get_shell_msg(timeout=10)
+    return reply["content"], messages
+
+
+def stdout(messages) -> str:
+    return "".join(m["content"]["text"] for _, m in messages if m["msg_type"] == "stream" and m["content"]["name"] == "stdout")
+
+
+@pytest.fixture(scope="module")
+def connected(kernel, tmp_path_factory):
+    from conftest import start_server
+
+    srv = start_server(tmp_path_factory.mktemp("kernel-server"))
+    km, kc = kernel
+    reply, _ = execute(kc, "%load_ext genie_jupyter")
+    assert reply["status"] == "ok"
+    reply, msgs = execute(kc, f"%genie_init 127.0.0.1:{srv.info.port} --token {srv.info.token}")
+    assert reply["status"] == "ok", msgs
+    yield km, kc
+    execute(kc, "%genie_shutdown")
+    srv.stop()
+
+
+def test_output_streams_live(connected):
+    _, kc = connected
+    reply, msgs = execute(kc, "%%remote\nimport time\nprint('first', flush=True)\ntime.sleep(1.5)\nprint('second')")
+    assert reply["status"] == "ok"
+    times = {m["content"]["text"].strip(): t for t, m in msgs if m["msg_type"] == "stream"}
+    assert times["second"] - times["first"] > 1.0
+
+
+def test_rich_output_and_figures(connected):
+    _, kc = connected
+    reply, msgs = execute(
+        kc,
+        "%%remote\nfrom IPython.display import HTML, display\ndisplay(HTML('<i>rich</i>'))\n"
+        "import matplotlib.pyplot as plt\nplt.plot([3, 1, 2])\nplt.show()",
+    )
+    assert reply["status"] == "ok"
+    data = [m["content"]["data"] for _, m in msgs if m["msg_type"] == "display_data"]
+    assert any(d.get("text/html") == "<i>rich</i>" for d in data)
+    assert any("image/png" in d for d in data)
+
+
+def test_remote_traceback_is_shown_and_the_cell_fails(connected):
+    _, kc = connected
+    reply, msgs = execute(kc, "%%remote\ndef inner():\n    raise KeyError('missing-key')\ninner()")
+    assert reply["status"] == "error"
+    errors = [m["content"] for _, m in msgs if m["msg_type"] == "error"]
+    text = plain("\n".join(errors[0]["traceback"]))
+    assert "raise KeyError('missing-key')" in text and "KeyError" in text
+    assert "genie_jupyter" not in text and "magics.py" not in text
+
+
+def test_interrupt_button_interrupts_the_remote_cell(connected):
+    km, kc = connected
+    execute(kc, "%remote survivor = 'still here'")
+    msg_id = kc.execute("%%remote\nimport time\ntime.sleep(60)")
+    time.sleep(1.0)
+    start = time.monotonic()
+    km.interrupt_kernel()
+    reply = kc.get_shell_msg(timeout=10)
+    assert reply["parent_header"]["msg_id"] == msg_id
+    assert time.monotonic() - start < 1.5
+    assert reply["content"]["status"] == "error"
+    assert "KeyboardInterrupt" in plain("\n".join(reply["content"]["traceback"]))
+    while True:  # drain this cell's IOPub
+        msg = kc.get_iopub_msg(timeout=5)
+        if msg["parent_header"].get("msg_id") == msg_id and msg["content"].get("execution_state") == "idle":
+            break
+    reply, msgs = execute(kc, "%%remote\nprint(survivor)")
+    assert reply["status"] == "ok" and stdout(msgs) == "still here\n"
+
+
+def test_embedded_local_server_in_a_kernel(kernel):
+    _, kc = kernel
+    execute(kc, "%load_ext genie_jupyter")
+    reply, msgs = execute(kc, "%genie_init")
+    assert reply["status"] == "ok" and "embedded local server" in stdout(msgs)
+    reply, msgs = execute(kc, "%%remote\nprint('from the embedded server')")
+    assert stdout(msgs) == "from the embedded server\n"
+    execute(kc, "%genie_shutdown")
+
+
+def test_server_killed_mid_cell_fails_with_connection_lost(kernel, tmp_path):
+    from conftest import start_server
+
+    srv = start_server(tmp_path)
+    _, kc = kernel
+    execute(kc, "%load_ext genie_jupyter")
+    execute(kc, f"%genie_init 127.0.0.1:{srv.info.port} --token {srv.info.token}")
+    msg_id = kc.execute("%%remote\nimport time\ntime.sleep(60)")
+    time.sleep(0.5)
+    srv.proc.kill()
+    start = time.monotonic()
+    reply = kc.get_shell_msg(timeout=15)
+    assert reply["parent_header"]["msg_id"] == msg_id
+    assert time.monotonic() - start < 6
+    assert reply["content"]["ename"] == "ConnectionLost"
+    assert "lost" in plain("\n".join(reply["content"]["traceback"]))
+    srv.stop()

@@ -1,0 +1,75 @@
+"""The magics in an in-process IPython shell, against a real server."""
+
+import numpy as np
+import pytest
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+
+import genie_core
+from genie_core.errors import NotInitializedError, RemoteError
+
+
+@pytest.fixture
+def shell():
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "genie_jupyter")
+    ip.run_line_magic("load_ext", "genie_jupyter")  # loading twice is harmless
+    yield ip
+    genie_core.shutdown()
+
+
+@pytest.fixture
+def connected(shell, server, capsys):
+    shell.run_line_magic("genie_init", f"genie://127.0.0.1:{server.info.port} --token {server.info.token} --timeout 10")
+    assert "Connected to genie server genie://127.0.0.1" in capsys.readouterr().out
+    return shell
+
+
+def test_remote_before_init_says_what_to_run(shell):
+    genie_core.shutdown()
+    result = shell.run_cell("%%remote\nprint(1)")
+    assert isinstance(result.error_in_exec, NotInitializedError)
+    assert "%genie_init" in str(result.error_in_exec)
+
+
+def test_remote_cell_output_and_line_form(connected, capsys):
+    result = connected.run_cell("%%remote\nx = 20\nprint('remote says', x + 1)")
+    assert result.success
+    assert "remote says 21" in capsys.readouterr().out
+    connected.run_cell("%remote print(x * 2)")
+    assert "40" in capsys.readouterr().out
+
+
+def test_push_and_pull(connected):
+    connected.user_ns["a"] = np.arange(4)
+    assert connected.run_cell("%%remote --push a --pull b,c\nb = a * 3\nc = 'done'").success
+    np.testing.assert_array_equal(connected.user_ns["b"], np.arange(4) * 3)
+    assert connected.user_ns["c"] == "done"
+    connected.user_ns["z"] = 5
+    connected.run_line_magic("genie_push", "z")
+    connected.run_cell("%remote w = z + 1")
+    connected.run_line_magic("genie_pull", "w")
+    assert connected.user_ns["w"] == 6
+
+
+def test_push_of_an_undefined_name_is_a_usage_error(connected):
+    result = connected.run_cell("%%remote --push missing\n1")
+    assert isinstance(result.error_in_exec, UsageError) and "missing" in str(result.error_in_exec)
+
+
+def test_remote_error_raises_locally_with_the_remote_traceback(connected):
+    result = connected.run_cell("%%remote\nraise ValueError('bad value on the server')")
+    error = result.error_in_exec
+    assert isinstance(error, RemoteError) and error.ename == "ValueError"
+    assert "bad value on the server" in "".join(error._render_traceback_())
+
+
+def test_timeout_interrupts_the_remote_cell(connected):
+    result = connected.run_cell("%%remote --timeout 0.5\nimport time\ntime.sleep(30)")
+    assert isinstance(result.error_in_exec, RemoteError) and result.error_in_exec.ename == "KeyboardInterrupt"
+
+
+def test_shutdown(connected, capsys):
+    connected.run_line_magic("genie_shutdown", "")
+    assert "closed" in capsys.readouterr().out
+    assert not genie_core.is_initialized()
