@@ -3,6 +3,7 @@ requests to per-session worker processes, and answers heartbeats. It never runs 
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
@@ -406,6 +407,12 @@ def run_server(config: ClusterConfig, parent_pid: int | None = None) -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     print(server.ready_line(), flush=True)
+    if not ipaddress.ip_address(socket.gethostbyname(config.ip) if ":" not in config.ip else config.ip).is_loopback:
+        print(
+            f"WARNING: listening on {config.ip} without encryption: anyone who can reach this port and has the token "
+            "runs code here, and traffic is readable on the network. Prefer 127.0.0.1 and an SSH tunnel.",
+            file=sys.stderr, flush=True,
+        )
     server.serve_forever()
     print("genie server stopped", flush=True)
     return 0

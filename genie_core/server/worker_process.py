@@ -34,6 +34,7 @@ class WorkerProcess:
         self.id = worker_id
         self.slot = slot
         env = dict(os.environ)
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # so CUDA's GPU N is NVML's (and nvidia-smi's) GPU N
         env["CUDA_VISIBLE_DEVICES"] = "" if slot == CPU else str(slot)
         env["GENIE_WORKER_ID"] = worker_id
         env.pop("GENIE_TOKEN", None)  # user code has no business with the server's token
