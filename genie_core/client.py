@@ -15,12 +15,15 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import zmq
 
 from .errors import AuthenticationError, ConnectionFailed, ConnectionLost, ProtocolError, RemoteError, WorkerDied
+from .events import ClusterEvent, EventBus, EventType, Severity
 from .loop import SocketLoop
+from .monitoring.health import Grade, HealthCheck, HealthReport, worst
+from .nodes import NodeInfo
 from .protocol import Codec, Message, derive_key
 from .serialize import deserialize_namespace, serialize_namespace
 
@@ -101,7 +104,7 @@ class Client:
         enable_heartbeat: bool = True,
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 4.0,
-        on_event: Callable[[str, dict[str, Any]], None] | None = None,
+        events: EventBus | None = None,
     ) -> None:
         self.host, self.port = host, port
         self.address = f"{host}:{port}"
@@ -110,7 +113,9 @@ class Client:
         self.enable_heartbeat = enable_heartbeat
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
-        self.on_event = on_event
+        self.events = events or EventBus()
+        self.metrics: NodeInfo | None = None  # the newest snapshot the server pushed
+        self.server_health: HealthReport | None = None
         self.session = ""
         self.node: dict[str, Any] = {}
         self.slot: int | None = None
@@ -155,6 +160,10 @@ class Client:
         self._last_heard = time.monotonic()
         if self.enable_heartbeat:
             self._loop.call_every(self.heartbeat_interval, self._heartbeat)
+        node = self.node.get("node_id", self.address)
+        self._event(EventType.CONNECTED, Severity.INFO, f"connected to {self.address} (session {self.session[:8]})", session=self.session[:8])
+        self._event(EventType.BACKEND_SELECTED, Severity.INFO, "tcp: the only data-plane backend so far (network discovery is not built yet)",
+                    backend="tcp", reason="only backend implemented", candidates=[{"name": "tcp", "available": True}], node=node)
         return self
 
     def _probe_tcp(self) -> None:
@@ -213,7 +222,10 @@ class Client:
                 self.rtt = time.monotonic() - getattr(self._pending.get(msg.parent), "sent", time.monotonic())
                 if self.lost_reason is not None and self.session:
                     self.lost_reason = None
-                    self._event("node_recovered", {"address": self.address})
+                    self._event(EventType.NODE_RECOVERED, Severity.INFO, f"{self.address} answers again")
+            if not msg.parent:
+                self._on_push(msg)
+                continue
             request = self._pending.get(msg.parent)
             if request is None:
                 continue
@@ -258,14 +270,36 @@ class Client:
             if request.type != "ping":
                 self._pending.pop(rid, None)
                 request._put(_Closed(ConnectionLost(reason)))
-        self._event("node_lost", {"address": self.address, "reason": reason})
+        self._event(EventType.NODE_LOST, Severity.ERROR, reason, last_seen=time.time() - (time.monotonic() - self._last_heard))
 
-    def _event(self, kind: str, data: dict[str, Any]) -> None:
-        if self.on_event is not None:
-            try:
-                self.on_event(kind, data)
-            except Exception:
-                log.exception("event handler failed for %s", kind)
+    def _on_push(self, msg: Message) -> None:
+        """Messages the server sends on its own: events and metric snapshots."""
+        if msg.type == "event":
+            self.events.emit(ClusterEvent.from_dict(msg.content))
+        elif msg.type == "metrics":
+            self.metrics = NodeInfo.from_dict(msg.content["node"])
+            if msg.content.get("health"):
+                self.server_health = HealthReport.from_dict(msg.content["health"])
+            self.events.emit(ClusterEvent(EventType.METRICS, self.metrics.node_id, Severity.INFO, msg.content))
+
+    def _event(self, kind: EventType, severity: Severity, message: str, **data: Any) -> None:
+        node = self.node.get("node_id", self.address)
+        self.events.emit(ClusterEvent(kind, node, severity, {"message": message, "address": self.address, **data}))
+
+    @property
+    def health(self) -> HealthReport | None:
+        """The server's own report plus what only the client sees: the network and the peer."""
+        base = self.server_health
+        if base is None and self.lost_reason is None:
+            return None
+        checks = list(base.checks) if base else []
+        if self.rtt is not None:
+            slow = self.rtt >= 0.5
+            checks.append(HealthCheck("network", Grade.DEGRADED if slow else Grade.HEALTHY, f"network: heartbeat round trip {self.rtt * 1000:.1f} ms"))
+        lost = self.lost_reason is not None
+        checks.append(HealthCheck("peers", Grade.UNHEALTHY if lost else Grade.HEALTHY, self.lost_reason if lost else f"peers: {self.address} reachable"))
+        node = base.node if base else self.node.get("node_id", self.address)
+        return HealthReport(node, worst([c.grade for c in checks]), checks)
 
     # -- the API --------------------------------------------------------------------------
     @property
@@ -296,8 +330,9 @@ class Client:
         self._request(Message("ping")).wait(timeout)
         return time.perf_counter() - start
 
-    def info(self, timeout: float = 5.0) -> dict[str, Any]:
-        return self._request(Message("info")).wait(timeout).content
+    def info(self, timeout: float = 5.0, history_points: int = 60, events: int = 50) -> dict[str, Any]:
+        """The server's node, latest readings, health, recent history and events, sessions."""
+        return self._request(Message("info", {"history_points": history_points, "events": events})).wait(timeout).content
 
     def close(self, notify: bool = True) -> None:
         if self._closed:
@@ -308,6 +343,8 @@ class Client:
             except Exception:
                 pass  # the server reaps the session after its lease anyway
         self._closed = True
+        if self.session:
+            self._event(EventType.SESSION_CLOSED, Severity.INFO, f"session {self.session[:8]} closed", session=self.session[:8])
         for request in list(self._pending.values()):
             request._put(_Closed(ConnectionLost(f"the connection to {self.address} was closed")))
         self._pending.clear()

@@ -13,7 +13,10 @@ from typing import Any
 from .client import Client
 from .config import DEFAULT_PORT, ClusterConfig, ConnectionInfo, parse_address
 from .errors import ConfigError, NotInitializedError
+from .events import EventBus
 from .local_server import LocalServer
+from .monitoring.health import HealthReport
+from .nodes import NodeInfo
 
 log = logging.getLogger("genie")
 
@@ -46,6 +49,24 @@ class ClusterState:
     def embedded(self) -> bool:
         return self.local_server is not None
 
+    @property
+    def events(self) -> EventBus:
+        """Where cluster events arrive (widgets subscribe here)."""
+        return self.client.events if self.client is not None else self.server.bus
+
+    @property
+    def metrics(self) -> NodeInfo | None:
+        """The newest readings of the node (pushed by the server about once a second)."""
+        if self.client is not None:
+            return self.client.metrics
+        return self.server.monitor.latest if self.server.monitor else None
+
+    @property
+    def health(self) -> HealthReport | None:
+        if self.client is not None:
+            return self.client.health
+        return self.server.monitor.health_report if self.server.monitor else None
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "role": self.role,
@@ -56,6 +77,7 @@ class ClusterState:
             "node": self.node,
             "session": self.client.session[:8] if self.client else None,
             "lost_reason": self.client.lost_reason if self.client else None,
+            "health": self.health.to_dict() if self.health else None,
             "phases": [{"name": n, "seconds": round(s, 4)} for n, s in self.phases],
         }
 

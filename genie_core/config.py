@@ -59,6 +59,12 @@ class ClusterConfig:
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 4.0
     session_lease: float = 30.0
+    enable_gpu_monitoring: bool = True
+    gpu_poll_interval: float = 1.0
+    enable_health_checks: bool = True
+    health_check_interval: float = 5.0
+    simulate_gpus: int = 0  # a labelled fake GPU source, for demos and tests without a GPU
+    state_dir: str | None = None
     max_message_bytes: int = 8 << 30
     log_level: str = "WARNING"
     extra: dict[str, Any] = field(default_factory=dict)
@@ -99,6 +105,10 @@ class ClusterConfig:
                 f"invalid heartbeat settings: need 0 < heartbeat_interval ({self.heartbeat_interval})"
                 f" < heartbeat_timeout ({self.heartbeat_timeout})"
             )
+        if self.gpu_poll_interval < 0.1:
+            raise ConfigError(f"invalid gpu_poll_interval {self.gpu_poll_interval}: at least 0.1 s (NVML calls serialize in the driver)")
+        if self.health_check_interval <= 0:
+            raise ConfigError(f"invalid health_check_interval {self.health_check_interval}: must be positive")
         self.gpus = parse_gpus(self.gpus)
 
     def resolved_node_id(self) -> str:
@@ -160,6 +170,14 @@ def runtime_dir() -> Path:
         path = Path(os.environ["XDG_RUNTIME_DIR"]) / "genie"
     else:
         path = Path.home() / ".local" / "share" / "genie" / "runtime"
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return path
+
+
+def state_dir(node_id: str, configured: str | None = None) -> Path:
+    """Where a server keeps what survives a restart (metric history, events)."""
+    base = Path(configured or os.environ.get("GENIE_STATE_DIR") or Path.home() / ".local" / "state" / "genie")
+    path = base / node_id
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     return path
 

@@ -19,6 +19,7 @@ from genie_core.config import ConnectionInfo
 @pytest.fixture(scope="session", autouse=True)
 def _private_runtime_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ["GENIE_RUNTIME_DIR"] = str(tmp_path_factory.mktemp("genie-runtime"))
+    os.environ["GENIE_STATE_DIR"] = str(tmp_path_factory.mktemp("genie-state"))
 
 
 @dataclass
@@ -48,7 +49,8 @@ class RunningServer:
 
 def start_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> RunningServer:
     cf = tmp_path / f"server-{os.urandom(3).hex()}.json"
-    full_env = dict(os.environ, GENIE_TOKEN="test-token-" + os.urandom(8).hex(), **(env or {}))
+    full_env = dict(os.environ, GENIE_TOKEN="test-token-" + os.urandom(8).hex(), GENIE_STATE_DIR=str(tmp_path / "state"))
+    full_env.update(env or {})
     proc = subprocess.Popen(
         [sys.executable, "-m", "genie_core", "serve", "--port", "0", "--connection-file", str(cf), *args],
         env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -193,7 +193,8 @@ def test_stopped_server_is_detected_as_lost(tmp_path):
     srv = start_server(tmp_path)
     try:
         events = []
-        client = srv.client(heartbeat_interval=0.25, heartbeat_timeout=1.0, on_event=lambda k, d: events.append(k))
+        client = srv.client(heartbeat_interval=0.25, heartbeat_timeout=1.0)
+        client.events.subscribe(lambda e: events.append(e.type.value.lower()))
         srv.proc.send_signal(signal.SIGSTOP)
         assert wait_until(lambda: "node_lost" in events, timeout=4)
         srv.proc.send_signal(signal.SIGCONT)

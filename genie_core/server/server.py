@@ -20,10 +20,14 @@ from typing import Any
 import zmq
 
 from .. import __version__
-from ..config import ClusterConfig, ConnectionInfo, new_token, runtime_dir
+from ..config import ClusterConfig, ConnectionInfo, new_token, runtime_dir, state_dir
 from ..errors import ConfigError, ProtocolError
+from ..events import ClusterEvent, EventBus, EventType, Severity
 from ..gpus import list_gpus
 from ..loop import SocketLoop
+from ..monitoring import GPUSource, NvmlSource, SimulatedGPUSource, create_resource_monitor
+from ..monitoring.history_store import HistoryStore
+from ..nodes import NodeInfo
 from ..protocol import PROTOCOL, PROTOCOL_VERSION, Codec, Message, derive_key, split_identities
 from .session import Session
 from .worker_process import CPU, WorkerProcess, describe_exit
@@ -37,7 +41,10 @@ WORKER_REQUESTS = {"execute", "push", "pull"}
 class Server:
     """`Server(config).start()` binds and returns; `serve_forever()` or `start_in_thread()` runs it."""
 
-    def __init__(self, config: ClusterConfig | None = None, *, parent_pid: int | None = None, spare_workers: int = 1) -> None:
+    def __init__(
+        self, config: ClusterConfig | None = None, *, parent_pid: int | None = None, spare_workers: int = 1,
+        gpu_source: GPUSource | None = None,
+    ) -> None:
         self.config = config or ClusterConfig.resolve(node_role="server")
         self.token = self.config.token or new_token()
         self.node_id = self.config.resolved_node_id()
@@ -64,6 +71,10 @@ class Server:
         self._worker_dir = ""
         self._seq = 0
         self._stopped = threading.Event()
+        self.bus = EventBus()
+        self.monitor = None
+        self.store: HistoryStore | None = None
+        self._gpu_source = gpu_source
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> "Server":
@@ -96,8 +107,45 @@ class Server:
         info = ConnectionInfo(self.config.ip, self.port, self.token, self.node_id, os.getpid(), PROTOCOL_VERSION)
         path = self.config.connection_file or runtime_dir() / f"genie-server-{self.node_id}-{self.port}.json"
         self.connection_file = info.write(path)
+        self._start_monitoring()
         self._refill_spares()
         return self
+
+    def _start_monitoring(self) -> None:
+        self.bus.subscribe(self._on_event)
+        if not self.config.enable_gpu_monitoring:
+            return
+        folder = state_dir(self.node_id, self.config.state_dir)
+        try:
+            self.store = HistoryStore(folder / "history.sqlite")
+            self.bus.preload(self.store.events(200))
+        except Exception as exc:  # a read-only home must not stop the server
+            log.warning("metric history will not survive a restart: %s", exc)
+        source = self._gpu_source
+        if source is None:
+            source = SimulatedGPUSource(self.config.simulate_gpus) if self.config.simulate_gpus else NvmlSource(indices=self.config.gpus)
+        local = NodeInfo(self.node_id, socket.gethostname(), "server", self.address, "tcp", disk_path=str(folder))
+        self.monitor = create_resource_monitor(local, self.config, bus=self.bus, gpu_source=source, store=self.store, on_reading=self._on_reading)
+        self.monitor.start()
+
+    def _on_reading(self, node: NodeInfo) -> None:
+        """Monitor thread: hand the snapshot to the loop thread, which owns the socket."""
+        health = self.monitor.health_report if self.monitor is not None else None
+        content = {"node": node.to_dict(), "health": health.to_dict() if health else None}
+        self._loop.call_soon(lambda: self._broadcast("metrics", content))
+
+    def _on_event(self, event: ClusterEvent) -> None:
+        if self.store is not None and event.type is not EventType.METRICS:
+            try:
+                self.store.add_event(event)
+            except Exception:
+                log.exception("could not store an event")
+        content = event.to_dict()
+        self._loop.call_soon(lambda: self._broadcast("event", content))
+
+    def _broadcast(self, kind: str, content: dict[str, Any]) -> None:
+        for session in list(self.sessions.values()):
+            self._send(session.event_identity, Message(kind, content, session=session.id))
 
     @property
     def address(self) -> str:
@@ -125,6 +173,10 @@ class Server:
             self._thread.join(timeout)
 
     def _cleanup(self) -> None:
+        if self.monitor is not None:
+            self.monitor.stop()
+        if self.store is not None:
+            self.store.close()
         procs = list(self.workers.values()) + self.spares + self.dying
         for w in procs:
             w.stop()
@@ -186,6 +238,8 @@ class Server:
             return
         session.last_seen = time.monotonic()
         if msg.type == "ping":
+            if identity != session.identity:
+                session.heartbeat_identity = identity
             self._reply(identity, msg, "pong", {"time": time.time()})
             return
         if identity != session.identity:
@@ -235,7 +289,19 @@ class Server:
         }
 
     def _on_info(self, session: Session, msg: Message) -> None:
-        self._reply(session.identity, msg, "info_reply", {"node": self.node_info(), "sessions": [s.info() for s in self.sessions.values()]})
+        monitor = self.monitor
+        latest = monitor.latest if monitor is not None else None
+        health = monitor.health_report if monitor is not None else None
+        self._reply(session.identity, msg, "info_reply", {
+            "node": self.node_info(),
+            "metrics": latest.to_dict() if latest else None,
+            "health": health.to_dict() if health else None,
+            "history": monitor.history_all(points=int(msg.content.get("history_points", 60))) if monitor else {},
+            "events": [e.to_dict() for e in self.bus.history(limit=int(msg.content.get("events", 50)))],
+            "sessions": [s.info() for s in self.sessions.values()],
+            "monitoring": {"enabled": monitor is not None, "interval": self.config.gpu_poll_interval,
+                           "source": getattr(monitor.gpu_source, "name", "") if monitor else ""},
+        })
 
     def _on_close(self, session: Session, msg: Message) -> None:
         self._close_session(session, "closed by the client")
@@ -378,6 +444,8 @@ class Server:
     def _close_session(self, session: Session, why: str) -> None:
         log.info("session %s closed: %s", session.id[:8], why)
         self.sessions.pop(session.id, None)
+        self.bus.emit(ClusterEvent(EventType.SESSION_CLOSED, self.node_id, Severity.INFO,
+                                   {"session": session.id[:8], "client": session.client, "message": f"session {session.id[:8]} closed: {why}"}))
         for worker in session.workers.values():
             self.workers.pop(worker.id, None)
             worker.stop()

@@ -19,6 +19,7 @@ class Session:
         self.last_seen = time.monotonic()
         self.created = time.time()
         self._seqs: dict[bytes, int] = {}
+        self.heartbeat_identity: bytes | None = None  # events go there: never queued behind a transfer
 
     def accept_seq(self, identity: bytes, seq: int) -> bool:
         """Sequence numbers rise strictly per connection; anything else is a replay."""
@@ -29,6 +30,10 @@ class Session:
             return False  # the main socket and a heartbeat socket, with room for one reconnect
         self._seqs[identity] = seq
         return True
+
+    @property
+    def event_identity(self) -> bytes:
+        return self.heartbeat_identity or self.identity
 
     def info(self) -> dict[str, Any]:
         return {

@@ -1,0 +1,11 @@
+"""Resource monitoring and health: readings (NVML, psutil), events, grades, history."""
+
+from .gpu_source import GPUSource, NvmlSource, SimulatedGPUSource, StaticGPUSource
+from .health import Grade, HealthCheck, HealthChecker, HealthReport
+from .resource_monitor import ResourceMonitor, Thresholds, create_resource_monitor
+
+__all__ = [
+    "GPUSource", "NvmlSource", "SimulatedGPUSource", "StaticGPUSource",
+    "Grade", "HealthCheck", "HealthChecker", "HealthReport",
+    "ResourceMonitor", "Thresholds", "create_resource_monitor",
+]
