@@ -33,6 +33,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--connection-file", default=None, help="where to write the connection file")
     serve.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     serve.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default: $GENIE_LOG_LEVEL)")
+    serve.add_argument("--poll-interval", type=float, default=None, help="seconds between GPU/host readings (default 1)")
+    serve.add_argument("--no-monitoring", action="store_true", help="do not poll GPUs and the host")
+    serve.add_argument("--simulate-gpus", type=int, default=None, metavar="N",
+                       help="report N simulated GPUs (labelled as fake) instead of reading NVML: for demos and tests without a GPU")
+
+    for name, text in (("status", "print one report of a server: node, GPUs, health, sessions, events"),
+                       ("top", "a live terminal dashboard of a server")):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("address", nargs="?", default=None, help="host[:port] (default: the newest local server)")
+        cmd.add_argument("--token", default=None, help="the server's token (else $GENIE_TOKEN or its connection file)")
+        cmd.add_argument("--connection-file", default=None)
+        if name == "status":
+            cmd.add_argument("--json", action="store_true", help="machine-readable output")
+        else:
+            cmd.add_argument("--iterations", type=int, default=None, help="stop after N updates")
 
     demo = sub.add_parser("demo", help="start a local server and run the quickstart notebook, printing each cell")
     demo.add_argument("notebook", nargs="?", default=None, help="notebook to run (default: 01_quickstart)")
@@ -45,6 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return _serve(args)
+        if args.command == "status":
+            from .terminal import status
+
+            return status(args.address, args.token, args.connection_file, args.json)
+        if args.command == "top":
+            from .terminal import top
+
+            return top(args.address, args.token, args.connection_file, args.iterations)
         if args.command == "demo":
             from genie_jupyter.demo import run_demo
 
@@ -54,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `genie status --json | head`
+        sys.stderr.close()
+        return 0
     return 1
 
 
@@ -63,6 +89,8 @@ def _serve(args: argparse.Namespace) -> int:
     config = ClusterConfig.resolve(
         node_role="server", ip=args.ip, master_port=args.port, token=args.token, gpus=args.gpus,
         node_id=args.node_id, connection_file=args.connection_file, log_level=args.log_level,
+        gpu_poll_interval=args.poll_interval, enable_gpu_monitoring=False if args.no_monitoring else None,
+        simulate_gpus=args.simulate_gpus,
     )
     logging.basicConfig(level=config.log_level.upper(), format="[genie %(levelname)s] %(message)s")
     return run_server(config, parent_pid=args.parent_pid)

@@ -105,6 +105,7 @@ class Client:
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 4.0,
         events: EventBus | None = None,
+        purpose: str = "session",
     ) -> None:
         self.host, self.port = host, port
         self.address = f"{host}:{port}"
@@ -113,6 +114,7 @@ class Client:
         self.enable_heartbeat = enable_heartbeat
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
+        self.purpose = purpose  # "probe" for one-shot tools like `genie status`
         self.events = events or EventBus()
         self.metrics: NodeInfo | None = None  # the newest snapshot the server pushed
         self.server_health: HealthReport | None = None
@@ -141,7 +143,7 @@ class Client:
         self._loop.add_socket(self._main, self._on_readable)
         self._loop.add_socket(self._hb, self._on_readable)
         self._loop.start()
-        hello = Message("hello", {"client": {"host": socket.gethostname(), "pid": os.getpid(), "user": os.environ.get("USER", "")}})
+        hello = Message("hello", {"client": {"host": socket.gethostname(), "pid": os.getpid(), "user": os.environ.get("USER", ""), "purpose": self.purpose}})
         left = self.timeout - (time.monotonic() - start)
         try:
             welcome = self._request(hello, self._main).wait(timeout=max(left, 0.1))

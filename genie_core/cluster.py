@@ -147,18 +147,7 @@ def _init_client(config: ClusterConfig, phases: list[tuple[str, float]]) -> Clus
         host, port, token = info.ip, info.port, info.token
         phases.append(("local server", time.perf_counter() - t))
     else:
-        host, port = parse_address(config.master_addr, config.master_port or DEFAULT_PORT)
-        assert port is not None
-        if config.connection_file:
-            token = token or ConnectionInfo.read(config.connection_file).token
-        if token is None:
-            found = ConnectionInfo.find(host, port)
-            token = found.token if found else None
-        if token is None:
-            raise ConfigError(
-                f"no token for {host}:{port}: pass --token (or token=...), set GENIE_TOKEN, or pass the server's "
-                "connection file (printed by `genie serve`)"
-            )
+        host, port, token = resolve_server(config)
     t = time.perf_counter()
     client = Client(
         host, port, token, timeout=config.timeout, enable_heartbeat=config.enable_heartbeat,
@@ -176,6 +165,25 @@ def _init_client(config: ClusterConfig, phases: list[tuple[str, float]]) -> Clus
         local_server=local, phases=phases,
     )
     return _state
+
+
+def resolve_server(config: ClusterConfig) -> tuple[str, int, str]:
+    """(host, port, token) of a server named by address, with the token from the argument or
+    `GENIE_TOKEN`, then the connection file, then a local server's connection file."""
+    host, port = parse_address(config.master_addr or "", config.master_port or DEFAULT_PORT)
+    assert port is not None
+    token = config.token
+    if config.connection_file:
+        token = token or ConnectionInfo.read(config.connection_file).token
+    if token is None:
+        found = ConnectionInfo.find(host, port)
+        token = found.token if found else None
+    if token is None:
+        raise ConfigError(
+            f"no token for {host}:{port}: pass --token (or token=...), set GENIE_TOKEN, or pass the server's "
+            "connection file (printed by `genie serve`)"
+        )
+    return host, port, token
 
 
 async def init(*args: Any, **kwargs: Any) -> ClusterState:

@@ -224,6 +224,21 @@ class ConnectionInfo:
             raise ConfigError(f"connection file {str(path)!r} is not a Genie connection file ({exc})") from None
 
     @classmethod
+    def all_local(cls) -> list[tuple[Path, "ConnectionInfo"]]:
+        """Connection files of servers on this machine whose process is still running."""
+        found = []
+        for path in sorted(runtime_dir().glob("genie-*.json"), key=lambda p: p.stat().st_mtime):
+            try:
+                info = cls.read(path)
+                os.kill(info.pid, 0)
+            except (ConfigError, ProcessLookupError):
+                continue
+            except PermissionError:
+                pass
+            found.append((path, info))
+        return found
+
+    @classmethod
     def find(cls, host: str, port: int) -> "ConnectionInfo | None":
         """A connection file in this machine's runtime folder for a local server at host:port."""
         local = {"127.0.0.1", "localhost", "::1", socket.gethostname()}

@@ -444,8 +444,9 @@ class Server:
     def _close_session(self, session: Session, why: str) -> None:
         log.info("session %s closed: %s", session.id[:8], why)
         self.sessions.pop(session.id, None)
-        self.bus.emit(ClusterEvent(EventType.SESSION_CLOSED, self.node_id, Severity.INFO,
-                                   {"session": session.id[:8], "client": session.client, "message": f"session {session.id[:8]} closed: {why}"}))
+        if session.client.get("purpose") != "probe":
+            self.bus.emit(ClusterEvent(EventType.SESSION_CLOSED, self.node_id, Severity.INFO, {
+                "session": session.id[:8], "client": session.client, "message": f"session {session.id[:8]} closed: {why}"}))
         for worker in session.workers.values():
             self.workers.pop(worker.id, None)
             worker.stop()
