@@ -125,7 +125,7 @@ class Client:
         self.rtt: float | None = None
         self._pending: dict[str, Request] = {}
         self._seq = itertools.count(1)
-        self._send_lock = threading.Lock()
+        self._send_locks: dict[Any, threading.Lock] = {}  # one per socket: a big request never holds up a ping
         self._last_heard = time.monotonic()
         self._ctx: zmq.Context | None = None
         self._loop: SocketLoop | None = None
@@ -139,6 +139,7 @@ class Client:
         host = f"[{self.host}]" if ":" in self.host else self.host
         self._main = self._dealer(ctx, f"tcp://{host}:{self.port}")
         self._hb = self._dealer(ctx, f"tcp://{host}:{self.port}")
+        self._send_locks = {self._main: threading.Lock(), self._hb: threading.Lock()}
         self._loop = SocketLoop("client")
         self._loop.add_socket(self._main, self._on_readable)
         self._loop.add_socket(self._hb, self._on_readable)
@@ -202,7 +203,7 @@ class Client:
         self._pending[msg.id] = request
         target = sock or self._main
         msg.session = self.session
-        with self._send_lock:  # sequence numbers must reach the socket in order
+        with self._send_locks[target]:  # sequence numbers must reach each socket in order
             msg.seq = next(self._seq)
             frames = self.codec.pack(msg)
             self._loop.call_soon(lambda: target.send_multipart(frames, copy=False))

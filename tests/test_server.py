@@ -287,3 +287,19 @@ def test_push_pull_arrays_and_python_objects(client):
 def test_pulling_an_undefined_name_is_a_clear_error(client):
     with pytest.raises(RemoteError, match="not defined on the server: nope"):
         client.pull(["nope"])
+
+
+def test_heartbeats_are_not_delayed_by_a_large_transfer(tmp_path):
+    srv = start_server(tmp_path)
+    try:
+        client = srv.client(heartbeat_interval=0.1, heartbeat_timeout=0.6)
+        lost = []
+        client.events.subscribe(lost.append, types=["NODE_LOST"])
+        big = torch.ones(3 << 27, dtype=torch.float32)  # 1.5 GiB: its signature alone takes over a second to check
+        client.push({"big": big}, timeout=60)
+        replies = run(client, "print(big.numel())")
+        assert stdout_of(replies) == f"{big.numel()}\n"
+        assert not lost, lost[0].message
+        client.close()
+    finally:
+        srv.stop()

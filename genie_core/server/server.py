@@ -14,6 +14,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ from .worker_process import CPU, WorkerProcess, describe_exit
 
 log = logging.getLogger("genie.server")
 
+BIG_MESSAGE = 8 << 20  # bytes of buffers above which a signature is checked off the loop thread
 TERMINAL_REPLIES = {"execute_reply", "push_reply", "pull_reply", "error_reply"}
 WORKER_REQUESTS = {"execute", "push", "pull"}
 
@@ -75,6 +78,8 @@ class Server:
         self.monitor = None
         self.store: HistoryStore | None = None
         self._gpu_source = gpu_source
+        self._backlog: dict[bytes, deque[list[Any]]] = {}
+        self._verifier = ThreadPoolExecutor(max_workers=2, thread_name_prefix="genie-verify")
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> "Server":
@@ -173,6 +178,7 @@ class Server:
             self._thread.join(timeout)
 
     def _cleanup(self) -> None:
+        self._verifier.shutdown(wait=False, cancel_futures=True)
         if self.monitor is not None:
             self.monitor.stop()
         if self.store is not None:
@@ -220,8 +226,42 @@ class Server:
         except (ProtocolError, IndexError) as exc:
             log.warning("dropped a malformed message: %s", exc)
             return
+        backlog = self._backlog.get(identity)
+        if backlog is not None:  # an earlier big message from this connection is still being verified
+            backlog.append(body)
+        elif sum(len(f) for f in body[4:]) >= BIG_MESSAGE:
+            self._verify_in_background(identity, body)
+        else:
+            self._on_client_message(identity, body, None)
+
+    def _verify_in_background(self, identity: bytes, body: list[Any]) -> None:
+        """Hash big buffers off the loop thread (hashlib releases the GIL), so heartbeats and
+        other sessions are answered meanwhile; later messages of this connection wait their turn."""
+        self._backlog[identity] = deque()
+
+        def verify() -> Message | ProtocolError:
+            try:
+                return self.codec.unpack(body)
+            except ProtocolError as exc:
+                return exc
+
+        future = self._verifier.submit(verify)
+        future.add_done_callback(lambda f: self._loop.call_soon(lambda: self._verified(identity, body, f.result())))
+
+    def _verified(self, identity: bytes, body: list[Any], result: Message | ProtocolError) -> None:
+        backlog = self._backlog.pop(identity, deque())
+        self._on_client_message(identity, body, result)
+        while backlog:
+            if identity in self._backlog:  # another big one started: the rest waits behind it
+                self._backlog[identity].extend(backlog)
+                return
+            self._on_client_frames([identity, *backlog.popleft()])
+
+    def _on_client_message(self, identity: bytes, body: list[Any], verified: Message | ProtocolError | None) -> None:
         try:
-            msg = self.codec.unpack(body)
+            if isinstance(verified, ProtocolError):
+                raise verified
+            msg = verified or self.codec.unpack(body)
         except ProtocolError as exc:
             log.warning("dropped a message that failed authentication or parsing: %s", exc)
             self._answer_failed_hello(identity, body, str(exc))
