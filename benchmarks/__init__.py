@@ -1,0 +1,1 @@
+"""Benchmarks, measured beside their anchors in one run. `python -m benchmarks [--quick] [NAME ...]`."""

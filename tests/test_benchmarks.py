@@ -1,0 +1,12 @@
+"""Every benchmark runs in quick mode, so none of them rots. (Figures are not asserted here.)"""
+
+import json
+
+from benchmarks.__main__ import ALL, main
+
+
+def test_benchmarks_run_in_quick_mode(tmp_path):
+    assert main(["--quick", "--out", str(tmp_path), *ALL]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [r["name"] for r in results["benchmarks"]] == ALL
+    assert (tmp_path / "results.md").read_text().startswith("# Benchmark results")
