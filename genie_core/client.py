@@ -29,7 +29,7 @@ from .serialize import deserialize_namespace, serialize_namespace
 
 log = logging.getLogger("genie.client")
 
-TERMINAL = {"welcome", "pong", "execute_reply", "push_reply", "pull_reply", "error_reply", "interrupt_reply", "close_reply", "info_reply", "auth_failed"}
+TERMINAL = {"welcome", "pong", "execute_reply", "push_reply", "pull_reply", "error_reply", "interrupt_reply", "close_reply", "info_reply", "tensor_reply", "auth_failed"}
 
 
 @dataclass

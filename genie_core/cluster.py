@@ -160,6 +160,9 @@ def _init_client(config: ClusterConfig, phases: list[tuple[str, float]]) -> Clus
             local.stop()
         raise
     phases.append(("connect", time.perf_counter() - t))
+    from .remote_tensor import enable
+
+    enable()  # remote_accelerator tensors: registered now if torch is imported, else right after it is
     _state = ClusterState(
         config=config, role="client", address=f"{host}:{port}", node=client.node, client=client,
         local_server=local, phases=phases,

@@ -37,8 +37,7 @@ from .worker_process import CPU, WorkerProcess, describe_exit
 log = logging.getLogger("genie.server")
 
 BIG_MESSAGE = 8 << 20  # bytes of buffers above which a signature is checked off the loop thread
-TERMINAL_REPLIES = {"execute_reply", "push_reply", "pull_reply", "error_reply"}
-WORKER_REQUESTS = {"execute", "push", "pull"}
+TERMINAL_REPLIES = {"execute_reply", "push_reply", "pull_reply", "tensor_reply", "error_reply"}
 
 
 class Server:
@@ -356,7 +355,7 @@ class Server:
     def _on_execute(self, session: Session, msg: Message) -> None:
         self._to_worker(session, msg)
 
-    _on_push = _on_pull = _on_execute
+    _on_push = _on_pull = _on_tensor_ops = _on_execute
 
     def _to_worker(self, session: Session, msg: Message) -> None:
         slot, problem = self._slot_for(session, msg.content.get("gpu"))

@@ -43,6 +43,7 @@ class Worker:
         self.current: str = ""  # id of the request being served
         self.executing = False
         self.shell: Any = None
+        self.tensors: Any = None  # the remote-tensor store, made on first use
 
     # -- I/O (loop thread) --------------------------------------------------------------
     def _on_readable(self, sock: zmq.Socket) -> None:
@@ -146,6 +147,15 @@ class Worker:
             return
         metas, buffers = serialize_namespace({n: self.shell.user_ns[n] for n in names})
         self.send("pull_reply", {"status": "ok", "values": metas}, buffers)
+
+    def on_tensor_ops(self, msg: Message) -> None:
+        """Replay a client's recorded tensor ops (see genie_core.remote_tensor)."""
+        if self.tensors is None:
+            from ..remote_tensor.executor import TensorExecutor
+
+            self.tensors = TensorExecutor()
+        content, buffers = self.tensors.run(msg.buffers)
+        self.send("tensor_reply", content, buffers)
 
     def on_shutdown(self, msg: Message) -> None:
         raise SystemExit

@@ -1,0 +1,171 @@
+"""The `remote_accelerator` device: PyTorch's PrivateUse1 backend renamed, a device module
+(`torch.remote_accelerator`), and the few factory kernels that creating tensors needs."""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+import threading
+from typing import Any
+
+DEVICE_TYPE = "remote_accelerator"
+_registered = False
+_lock = threading.Lock()
+_streams: dict[tuple[int, int], Any] = {}
+
+
+def stream_for(index: int | None) -> Any:
+    """The op stream of `remote_accelerator:index` in the current session."""
+    from ..cluster import current_client
+    from .stream import OpStream
+
+    client = current_client("using remote_accelerator tensors")
+    index = 0 if index is None else index
+    count = device_count()
+    if not 0 <= index < count:
+        raise RuntimeError(f"{DEVICE_TYPE}:{index} does not exist: the server has {count} device(s) ({DEVICE_TYPE}:0..{count - 1})")
+    key = (id(client), index)
+    stream = _streams.get(key)
+    if stream is None or stream.client is not client:
+        for old in [k for k, s in _streams.items() if not s.alive]:
+            del _streams[old]
+        stream = _streams[key] = OpStream(client, index)
+    return stream
+
+
+def device_count() -> int:
+    """Remote GPUs of the connected server; a server without GPUs offers its CPU as device 0."""
+    from .. import cluster
+
+    state = cluster._state
+    if state is None or state.client is None or not state.client.connected:
+        return 0
+    return max(1, len(state.node.get("gpus") or []))
+
+
+class _DeviceModule:
+    """`torch.remote_accelerator`: what `torch.cuda` offers, for the remote devices."""
+
+    @staticmethod
+    def is_available() -> bool:
+        return device_count() > 0
+
+    @staticmethod
+    def device_count() -> int:
+        return device_count()
+
+    @staticmethod
+    def is_initialized() -> bool:
+        return True
+
+    @staticmethod
+    def _is_in_bad_fork() -> bool:
+        return False
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        """Run everything recorded so far on the device and wait for it (one round trip)."""
+        import torch
+
+        index = torch.device(device).index if device is not None else 0
+        stream_for(index).flush(sync=True)
+
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        """Seed the remote devices' generators (recorded; applied before the next ops run)."""
+        for index in range(device_count()):
+            stream_for(index).record(("seed", int(seed)))
+
+    manual_seed_all = manual_seed
+
+    @staticmethod
+    def stats() -> dict[str, int]:
+        """Round trips and ops sent so far, per device index (for benchmarks and curiosity)."""
+        return {
+            f"{s.index}": {"round_trips": s.round_trips, "ops_sent": s.ops_sent, "pending": s.pending(), "server_tensors": s.server_tensors}
+            for s in _streams.values() if s.alive
+        }
+
+
+def _factory_kernels(lib: Any) -> None:
+    import torch
+
+    from .ops import RemoteDevice
+    from .tensor import RemoteTensor
+
+    def make(name: str):  # noqa: ANN202
+        packet, overload = name.split(".")
+        op = getattr(getattr(torch.ops.aten, packet), overload)
+
+        def kernel(*args: Any, **kwargs: Any) -> Any:
+            device = kwargs.get("device")
+            stream = stream_for(device.index if device is not None else 0)
+            meta_kwargs = dict(kwargs, device=torch.device("meta"))
+            out = op(*args, **meta_kwargs)
+            r = RemoteTensor(out.shape, out.stride(), out.storage_offset(), out.dtype, stream)
+            stream.record(("op", str(op), args, dict(kwargs, device=RemoteDevice()), [r._rid]))
+            return r
+
+        return kernel
+
+    for name in (
+        "empty.memory_format", "empty_strided.default", "arange.start_step", "arange.start", "arange.default", "eye.default", "eye.m",
+        "linspace.default", "logspace.default", "randperm.default", "range.step", "tril_indices.default", "triu_indices.default",
+        "full.default", "zeros.default", "ones.default", "scalar_tensor.default",
+    ):
+        packet, overload = name.split(".")
+        if hasattr(torch.ops.aten, packet) and overload in getattr(torch.ops.aten, packet).overloads():
+            lib.impl(name if overload != "default" else packet, make(name), "PrivateUse1")
+
+
+def register() -> None:
+    """Make `remote_accelerator` a torch device. Idempotent; needs torch imported."""
+    global _registered, _lib
+    with _lock:
+        if _registered:
+            return
+        import torch
+        from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+        if torch._C._get_privateuse1_backend_name() not in ("privateuseone", DEVICE_TYPE):
+            raise RuntimeError(f"PyTorch's PrivateUse1 backend is already taken by {torch._C._get_privateuse1_backend_name()!r}")
+        _setup_privateuseone_for_python_backend(DEVICE_TYPE, backend_module=_DeviceModule())
+        _lib = torch.library.Library("aten", "IMPL")
+        _factory_kernels(_lib)
+        _registered = True
+
+
+_lib: Any = None
+
+
+class _AfterTorchImport(importlib.abc.MetaPathFinder):
+    """Registers the device right after `import torch`, so connecting never imports torch."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        original = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            original(module)
+            register()
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def enable() -> None:
+    if "torch" in sys.modules:
+        register()
+    elif not any(isinstance(f, _AfterTorchImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterTorchImport())

@@ -1,0 +1,240 @@
+"""`RemoteTensor`: a tensor on `remote_accelerator:N` that holds only an id. Every aten op on it
+is recorded (its output shape worked out locally on `meta` tensors, cached), and runs on the
+server when a value is needed."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from .ops import Ref, RemoteDevice
+from .stream import OpStream, new_id
+
+aten = torch.ops.aten
+DEVICE_TYPE = "remote_accelerator"
+
+# Ops that need a value: answered by one round trip.
+_LOCAL_SCALAR = aten._local_scalar_dense.default
+_TO_COPY = aten._to_copy.default
+_COPY = aten.copy_.default
+
+_meta_cache: dict[Any, Any] = {}
+_alias_cache: dict[Any, list[tuple[int, Any]]] = {}
+
+
+class RemoteTensor(torch.Tensor):
+    _rid: int
+    _stream: OpStream
+
+    @staticmethod
+    def __new__(cls, shape, stride, offset, dtype, stream: OpStream, rid: int | None = None, requires_grad: bool = False):
+        r = torch.Tensor._make_wrapper_subclass(
+            cls, shape, strides=stride, storage_offset=offset, dtype=dtype,
+            device=torch.device(DEVICE_TYPE, stream.index), requires_grad=requires_grad,
+        )
+        r._rid = new_id() if rid is None else rid
+        r._stream = stream
+        weakref.finalize(r, stream.free, r._rid)
+        return r
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        text = repr(self.detach().cpu())
+        suffix = f", device='{self.device}'"
+        if self.grad_fn is not None:
+            suffix += f", grad_fn=<{type(self.grad_fn).__name__}>"
+        elif self.requires_grad:
+            suffix += ", requires_grad=True"
+        return text[:-1] + suffix + ")" if text.endswith(")") else text
+
+    def numpy(self, *, force: bool = False) -> Any:  # type: ignore[override]
+        return self.detach().cpu().numpy()
+
+    def tolist(self) -> Any:  # type: ignore[override]
+        return self.detach().cpu().tolist()
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
+        return dispatch(func, args, kwargs or {})
+
+
+def _streams_of(flat: list[Any]) -> OpStream:
+    stream = None
+    for a in flat:
+        if isinstance(a, RemoteTensor):
+            if stream is None:
+                stream = a._stream
+            elif a._stream is not stream:
+                raise RuntimeError(
+                    f"Expected all tensors to be on the same device, but found at least two devices, "
+                    f"{DEVICE_TYPE}:{stream.index} and {DEVICE_TYPE}:{a._stream.index} (or two Genie sessions)!"
+                )
+    assert stream is not None
+    return stream
+
+
+def _is_remote_device(value: Any) -> bool:
+    return isinstance(value, torch.device) and value.type == DEVICE_TYPE
+
+
+def dispatch(func, args: tuple, kwargs: dict) -> Any:  # noqa: ANN001
+    flat, spec = tree_flatten((args, kwargs))
+    stream = _streams_of(flat)
+
+    if func is _LOCAL_SCALAR:
+        return stream.fetch(args[0]._rid).item()
+    if func is _TO_COPY:
+        device = kwargs.get("device")
+        if device is not None and not _is_remote_device(device):
+            local = stream.fetch(args[0]._rid)
+            return func(local, **kwargs)
+    if func is _COPY:
+        dst, src = args[0], args[1]
+        if not isinstance(dst, RemoteTensor):  # remote -> local
+            return dst.copy_(stream.fetch(src._rid))
+
+    # Local (CPU) tensors in the arguments travel with the op: uploaded once, by value.
+    uploads: list[int] = []
+
+    def encode(a: Any) -> Any:
+        if isinstance(a, RemoteTensor):
+            return Ref(a._rid)
+        if isinstance(a, torch.Tensor):
+            if a.device.type == "meta":
+                raise RuntimeError("meta tensors cannot be mixed with remote tensors")
+            rid = new_id()
+            stream.record(("put", rid, a.detach().clone()))  # a snapshot: later local changes must not leak in
+            uploads.append(rid)
+            return Ref(rid)
+        if _is_remote_device(a):
+            return RemoteDevice()
+        if isinstance(a, torch.Generator):
+            raise NotImplementedError("explicit torch.Generator objects are not supported on remote tensors; use torch.manual_seed")
+        return a
+
+    outputs = _output_specs(func, flat, spec, args, kwargs)
+    if outputs is None:
+        return _run_eagerly(func, stream, args, kwargs, encode, uploads)
+    out_meta, aliases = outputs
+    results: list[Any] = []
+    out_ids: list[int | None] = []
+    meta_flat, meta_spec = tree_flatten(out_meta)
+    for position, m in enumerate(meta_flat):
+        alias = aliases.get(position)
+        if alias is not None:  # an in-place or out= op: the result *is* that argument
+            target = _argument(alias, args, kwargs)
+            if isinstance(m, torch.Tensor) and tuple(m.shape) != tuple(target.shape):
+                raise RuntimeError(
+                    f"{func}: resizing a remote tensor in place is not supported (from {tuple(target.shape)} to {tuple(m.shape)}); "
+                    "use the out-of-place form"
+                )
+            results.append(target)
+            out_ids.append(None)
+        elif isinstance(m, torch.Tensor):
+            r = RemoteTensor(m.shape, m.stride(), m.storage_offset(), m.dtype, stream)
+            results.append(r)
+            out_ids.append(r._rid)
+        else:
+            results.append(m)
+            out_ids.append(None)
+    enc_args, enc_kwargs = tree_map(encode, args), tree_map(encode, kwargs)
+    stream.record(("op", str(func), enc_args, enc_kwargs, out_ids))
+    for rid in uploads:
+        stream.record(("free", rid))
+    return tree_unflatten(results, meta_spec)
+
+
+def _argument(alias: Any, args: tuple, kwargs: dict) -> Any:
+    if alias[0] == "pos" and alias[1] < len(args):
+        return args[alias[1]]
+    return kwargs[alias[-1]]
+
+
+def _aliases(func) -> dict[int, Any]:  # noqa: ANN001
+    """Which outputs are written-to arguments (in-place and out= ops), from the op's schema."""
+    found = _alias_cache.get(func)
+    if found is None:
+        found = {}
+        schema = func._schema
+        for i, ret in enumerate(schema.returns):
+            info = ret.alias_info
+            if info is None or not info.is_write:
+                continue
+            for pos, arg in enumerate(schema.arguments):
+                if arg.alias_info is not None and arg.alias_info.before_set == info.before_set:
+                    found[i] = ("kw", arg.name) if arg.kwarg_only else ("pos", pos, arg.name)
+                    break
+        _alias_cache[func] = found
+    return found
+
+
+def _signature(a: Any) -> Any:
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, tuple(a.shape), tuple(a.stride()), a.storage_offset(), isinstance(a, RemoteTensor))
+    if isinstance(a, list):
+        return tuple(_signature(x) for x in a)
+    return a
+
+
+def _to_meta(a: Any) -> Any:
+    if isinstance(a, torch.Tensor):
+        return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta").as_strided(a.shape, a.stride(), a.storage_offset()) \
+            if a.storage_offset() else torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+    if _is_remote_device(a):
+        return torch.device("meta")
+    return a
+
+
+def _output_specs(func, flat: list[Any], spec: Any, args: tuple, kwargs: dict) -> tuple[Any, dict[int, Any]] | None:  # noqa: ANN001
+    """Output shapes from the op's meta kernel (cached), or None when they depend on data."""
+    try:
+        key = (func, tuple(_signature(a) for a in flat), spec)
+        hash(key)
+    except TypeError:
+        key = None
+    cached = _meta_cache.get(key) if key is not None else None
+    if cached is None:
+        margs, mkwargs = tree_map(_to_meta, args), tree_map(_to_meta, kwargs)
+        try:
+            out = func(*margs, **mkwargs)
+        except NotImplementedError:
+            return None  # no meta kernel, or a data-dependent output shape: run it on the server now
+        except RuntimeError as exc:
+            if "meta" in str(exc).lower() and ("cannot" in str(exc).lower() or "not implemented" in str(exc).lower()):
+                return None
+            raise  # a real error (shapes, dtypes): raised here, at the op, as PyTorch would
+        cached = (out, _aliases(func))
+        if key is not None:
+            if len(_meta_cache) > 50_000:
+                _meta_cache.clear()
+            _meta_cache[key] = cached
+    return cached
+
+
+def _run_eagerly(func, stream: OpStream, args: tuple, kwargs: dict, encode, uploads: list[int]) -> Any:  # noqa: ANN001
+    """Ops whose output shape depends on the data (nonzero, masked_select, unique, ...): one round trip."""
+    returns = func._schema.returns
+    count = 16 if any("[]" in str(r.type) for r in returns) else len(returns)
+    out_ids = [new_id() for _ in range(count)]
+    enc_args, enc_kwargs = tree_map(encode, args), tree_map(encode, kwargs)
+    stream.record(("op", str(func), enc_args, enc_kwargs, out_ids))
+    described = stream.flush(eager=True)["eager"]
+    for rid in uploads:
+        stream.record(("free", rid))
+    results = []
+    for item in described["outputs"]:
+        if "value" in item:
+            results.append(item["value"])
+        else:
+            results.append(RemoteTensor(item["shape"], item["stride"], item["offset"], getattr(torch, item["dtype"]), stream, rid=item["id"]))
+    used = {item.get("id") for item in described["outputs"]}
+    for rid in out_ids:
+        if rid not in used:
+            stream.record(("free", rid))
+    if described["tuple"]:
+        return tuple(results) if not any("[]" in str(r.type) for r in returns) else results
+    return results[0]
