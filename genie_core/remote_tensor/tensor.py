@@ -8,7 +8,6 @@ import weakref
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .ops import Ref, RemoteDevice
 from .stream import OpStream, new_id
@@ -81,8 +80,33 @@ def _is_remote_device(value: Any) -> bool:
     return isinstance(value, torch.device) and value.type == DEVICE_TYPE
 
 
+def _leaves(args: tuple, kwargs: dict) -> list[Any]:
+    """Aten arguments are shallow: values, or one level of lists (cat, foreach, index)."""
+    flat: list[Any] = []
+    for a in (*args, *kwargs.values()):
+        if type(a) is list or type(a) is tuple:
+            flat.extend(a)
+        else:
+            flat.append(a)
+    return flat
+
+
+def _shape_of(args: tuple, kwargs: dict) -> tuple:
+    """The nesting of the arguments, for the meta cache key."""
+    return tuple(len(a) if type(a) in (list, tuple) else -1 for a in args), tuple(kwargs)
+
+
+def _map(fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def one(a: Any) -> Any:
+        if type(a) is list or type(a) is tuple:
+            return type(a)(fn(x) for x in a)
+        return fn(a)
+
+    return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
+
+
 def dispatch(func, args: tuple, kwargs: dict) -> Any:  # noqa: ANN001
-    flat, spec = tree_flatten((args, kwargs))
+    flat = _leaves(args, kwargs)
     stream = _streams_of(flat)
 
     if func is _LOCAL_SCALAR:
@@ -116,21 +140,22 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:  # noqa: ANN001
             raise NotImplementedError("explicit torch.Generator objects are not supported on remote tensors; use torch.manual_seed")
         return a
 
-    outputs = _output_specs(func, flat, spec, args, kwargs)
+    outputs = _output_specs(func, flat, args, kwargs)
     if outputs is None:
         return _run_eagerly(func, stream, args, kwargs, encode, uploads)
     out_meta, aliases = outputs
+    is_sequence = type(out_meta) in (tuple, list)
+    metas = out_meta if is_sequence else (out_meta,)
     results: list[Any] = []
     out_ids: list[int | None] = []
-    meta_flat, meta_spec = tree_flatten(out_meta)
-    for position, m in enumerate(meta_flat):
+    for position, m in enumerate(metas):
         alias = aliases.get(position)
         if alias is not None:  # an in-place or out= op: the result *is* that argument
             target = _argument(alias, args, kwargs)
-            if isinstance(m, torch.Tensor) and tuple(m.shape) != tuple(target.shape):
+            if isinstance(m, torch.Tensor) and (tuple(m.shape), tuple(m.stride())) != (tuple(target.shape), tuple(target.stride())):
                 raise RuntimeError(
-                    f"{func}: resizing a remote tensor in place is not supported (from {tuple(target.shape)} to {tuple(m.shape)}); "
-                    "use the out-of-place form"
+                    f"{func}: changing a remote tensor's shape or strides in place is not supported "
+                    f"(from {tuple(target.shape)} to {tuple(m.shape)}); use the out-of-place form"
                 )
             results.append(target)
             out_ids.append(None)
@@ -141,11 +166,13 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:  # noqa: ANN001
         else:
             results.append(m)
             out_ids.append(None)
-    enc_args, enc_kwargs = tree_map(encode, args), tree_map(encode, kwargs)
+    enc_args, enc_kwargs = _map(encode, args, kwargs)
     stream.record(("op", str(func), enc_args, enc_kwargs, out_ids))
     for rid in uploads:
         stream.record(("free", rid))
-    return tree_unflatten(results, meta_spec)
+    if not is_sequence:
+        return results[0]
+    return type(out_meta)(results)
 
 
 def _argument(alias: Any, args: tuple, kwargs: dict) -> Any:
@@ -189,16 +216,15 @@ def _to_meta(a: Any) -> Any:
     return a
 
 
-def _output_specs(func, flat: list[Any], spec: Any, args: tuple, kwargs: dict) -> tuple[Any, dict[int, Any]] | None:  # noqa: ANN001
+def _output_specs(func, flat: list[Any], args: tuple, kwargs: dict) -> tuple[Any, dict[int, Any]] | None:  # noqa: ANN001
     """Output shapes from the op's meta kernel (cached), or None when they depend on data."""
     try:
-        key = (func, tuple(_signature(a) for a in flat), spec)
-        hash(key)
-    except TypeError:
-        key = None
-    cached = _meta_cache.get(key) if key is not None else None
+        key = (func, tuple(_signature(a) for a in flat), _shape_of(args, kwargs))
+        cached = _meta_cache.get(key)
+    except TypeError:  # something unhashable in the arguments: no caching
+        key, cached = None, None
     if cached is None:
-        margs, mkwargs = tree_map(_to_meta, args), tree_map(_to_meta, kwargs)
+        margs, mkwargs = _map(_to_meta, args, kwargs)
         try:
             out = func(*margs, **mkwargs)
         except NotImplementedError:
@@ -220,7 +246,7 @@ def _run_eagerly(func, stream: OpStream, args: tuple, kwargs: dict, encode, uplo
     returns = func._schema.returns
     count = 16 if any("[]" in str(r.type) for r in returns) else len(returns)
     out_ids = [new_id() for _ in range(count)]
-    enc_args, enc_kwargs = tree_map(encode, args), tree_map(encode, kwargs)
+    enc_args, enc_kwargs = _map(encode, args, kwargs)
     stream.record(("op", str(func), enc_args, enc_kwargs, out_ids))
     described = stream.flush(eager=True)["eager"]
     for rid in uploads:

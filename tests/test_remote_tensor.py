@@ -1,0 +1,224 @@
+"""The remote_accelerator device against a real server subprocess (a CPU server here).
+
+Every result is compared bit for bit with eager CPU execution of the same code.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.nn as nn
+
+import genie_core
+from genie_core.errors import ConnectionLost, NotInitializedError, RemoteError
+
+DEV = "remote_accelerator:0"
+
+
+@pytest.fixture(scope="module")
+def remote(tmp_path_factory):
+    from conftest import start_server
+
+    srv = start_server(tmp_path_factory.mktemp("tensor-server"))
+    genie_core.init_sync(f"127.0.0.1:{srv.info.port}", token=srv.info.token, timeout=20)
+    yield srv
+    genie_core.shutdown()
+    srv.stop()
+
+
+def trips() -> int:
+    return torch.remote_accelerator.stats()["0"]["round_trips"]
+
+
+def test_the_snippet_runs_remotely_in_one_round_trip(remote):
+    torch.manual_seed(0)
+    x = torch.randn(1000, 1000, device=DEV)
+    y = torch.relu(x @ x) + 1
+    before = trips()
+    result = y.cpu()
+    assert trips() == before + 1
+    torch.manual_seed(0)
+    cx = torch.randn(1000, 1000)
+    assert torch.equal(result, torch.relu(cx @ cx) + 1)
+
+
+def test_device_api(remote):
+    x = torch.ones(2, device=torch.device(DEV))
+    assert x.device == torch.device("remote_accelerator", 0) and x.is_remote_accelerator and not x.is_cpu
+    assert torch.remote_accelerator.is_available() and torch.remote_accelerator.device_count() == 1
+    before = trips()
+    torch.remote_accelerator.synchronize()
+    assert trips() == before + 1
+    with pytest.raises(RuntimeError, match="remote_accelerator:1 does not exist"):
+        torch.zeros(1, device="remote_accelerator:1")
+
+
+def test_a_ten_thousand_op_chain_costs_one_round_trip(remote):
+    x = torch.zeros(4, device=DEV)
+    for _ in range(10_000):
+        x = x + 1
+    before = trips()
+    assert torch.equal(x.cpu(), torch.full((4,), 10_000.0))
+    assert trips() == before + 1
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class CNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8 * 4 * 4, 10)
+
+    def forward(self, x):
+        x = torch.max_pool2d(torch.relu(self.bn(self.conv(x))), 2)
+        return self.fc(x.flatten(1))
+
+
+def twins(cls):
+    torch.manual_seed(3)
+    local = cls()
+    torch.manual_seed(3)
+    return local, cls().to(DEV)
+
+
+@pytest.mark.parametrize("cls, shape", [(MLP, (5, 16)), (CNN, (2, 3, 8, 8))], ids=["mlp", "cnn"])
+def test_forward_matches_cpu(remote, cls, shape):
+    local, model = twins(cls)
+    inp = torch.randn(*shape)
+    assert torch.equal(model(inp.to(DEV)).cpu(), local(inp))
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    lambda p: torch.optim.Adam(p, lr=1e-2),
+], ids=["sgd-momentum", "adam"])
+def test_training_steps_match_cpu(remote, make_opt):
+    local, model = twins(CNN)
+    opt_local, opt = make_opt(local.parameters()), make_opt(model.parameters())  # built after .to(), as with CUDA
+    torch.manual_seed(5)
+    batches = [(torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))) for _ in range(3)]
+    for inp, target in batches:
+        for m, o, dev in ((local, opt_local, "cpu"), (model, opt, DEV)):
+            loss = nn.functional.cross_entropy(m(inp.to(dev)), target.to(dev))
+            o.zero_grad()
+            loss.backward()
+            o.step()
+    for (name, p), q in zip(local.named_parameters(), model.parameters()):
+        assert torch.equal(p, q.cpu()), name
+    assert torch.equal(local.bn.running_mean, model.bn.running_mean.cpu())  # BatchNorm running stats
+    assert torch.equal(local.bn.running_var, model.bn.running_var.cpu())
+    assert int(model.bn.num_batches_tracked) == 3
+
+
+def test_views_and_in_place_ops(remote):
+    base = torch.arange(12.0).reshape(3, 4)
+    x = base.clone().to(DEV)
+    v = x.view(-1)
+    v.add_(1)
+    x[0] = -1.0
+    x[:, 1].mul_(10)
+    x.t().mul_(2)
+    expected = base.clone()
+    expected.view(-1).add_(1)
+    expected[0] = -1.0
+    expected[:, 1].mul_(10)
+    expected.t().mul_(2)
+    assert torch.equal(x.cpu(), expected)
+
+
+def test_indexing(remote):
+    base = torch.arange(24.0).reshape(4, 6)
+    x = base.to(DEV)
+    mask = base > 10
+    idx = torch.tensor([3, 0])
+    assert torch.equal(x[1:3, ::2].cpu(), base[1:3, ::2])
+    assert torch.equal(x[..., None].cpu(), base[..., None])
+    assert torch.equal(x[idx].cpu(), base[idx])
+    assert torch.equal(x[mask.to(DEV)].cpu(), base[mask])  # a data-dependent shape: run eagerly
+    y = x.clone()
+    y[idx] = 0.0
+    ref = base.clone()
+    ref[idx] = 0.0
+    assert torch.equal(y.cpu(), ref)
+
+
+def test_values_for_python(remote):
+    x = torch.tensor([1.5, -2.0, 3.25]).to(DEV)
+    assert float(x.sum()) == 2.75 and int(x[2]) == 3 and bool(x[0] > 0) and x.max().item() == 3.25
+    assert x.tolist() == [1.5, -2.0, 3.25]
+    assert x.numpy().tolist() == [1.5, -2.0, 3.25]
+    assert "device='remote_accelerator:0'" in repr(x)
+    if x[1] < 0:  # control flow on a remote value
+        assert True
+
+
+def test_dtypes_round_trip_bit_exact(remote):
+    for dtype in (torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int64, torch.uint8, torch.bool, torch.complex64):
+        t = (torch.randn(33, 7) * 50).to(dtype) if not dtype.is_complex else torch.randn(5, dtype=dtype)
+        back = t.to(DEV).cpu()
+        assert back.dtype == dtype and torch.equal(back, t), dtype
+
+
+def test_garbage_collected_tensors_are_freed_remotely(remote):
+    keep = torch.zeros(10, device=DEV)
+    for _ in range(200):
+        keep = keep + torch.ones(10, device=DEV)  # the temporaries die as we go
+    keep.cpu()
+    gc.collect()
+    torch.remote_accelerator.synchronize()
+    assert torch.remote_accelerator.stats()["0"]["server_tensors"] < 20
+
+
+def test_a_server_side_error_is_raised_at_materialization_naming_the_op(remote):
+    x = torch.arange(3.0).to(DEV)
+    y = x[torch.tensor([10])]  # the shape is fine, so nothing can fail locally
+    with pytest.raises(RemoteError, match=r"aten\.index\.Tensor.*out of bounds"):
+        y.cpu()
+    with pytest.raises(RemoteError, match="depends on a remote op that failed"):
+        (y + 1).cpu()
+    assert torch.equal((x + 1).cpu(), torch.arange(3.0) + 1)  # the device stays usable
+
+
+def test_shape_errors_are_raised_locally_at_the_op(remote):
+    a, b = torch.ones(2, 3, device=DEV), torch.ones(4, 5, device=DEV)
+    before = trips()
+    with pytest.raises(RuntimeError, match="cannot be multiplied|same reduction dim"):
+        a @ b
+    assert trips() == before
+
+
+def test_unsupported_cases_are_refused_clearly(remote):
+    x = torch.ones(3, 3, device=DEV)
+    with pytest.raises(RuntimeError, match="in place is not supported"):
+        x.resize_(10)
+    with pytest.raises(RuntimeError, match="in place is not supported"):
+        x.t_()
+    with pytest.raises(NotImplementedError, match="Generator"):
+        torch.randn(3, device=DEV, generator=torch.Generator())
+
+
+def test_tensors_of_an_ended_session_say_so(tmp_path):
+    from conftest import start_server
+
+    srv = start_server(tmp_path)
+    try:
+        genie_core.init_sync(f"127.0.0.1:{srv.info.port}", token=srv.info.token, timeout=20)
+        x = torch.ones(2, device=DEV)
+        genie_core.shutdown()
+        with pytest.raises(ConnectionLost, match="session that has ended"):
+            x.cpu()
+        with pytest.raises(NotInitializedError, match="genie_init"):
+            torch.ones(2, device=DEV)
+    finally:
+        srv.stop()
