@@ -107,6 +107,7 @@ class GenieMagics(Magics):
     @argument("--gpu", type=int, default=None, help="run on the worker of this GPU (default: the session's GPU)")
     @argument("--push", default=None, help="local variables to send first, e.g. a,b")
     @argument("--pull", default=None, help="remote variables to bring back after, e.g. c,d")
+    @argument("--to", default=None, help="put pushed tensors on this remote device, e.g. cuda (default: the remote CPU)")
     @argument("--timeout", type=float, default=None, help="interrupt the cell after this many seconds")
     @line_cell_magic
     def remote(self, line: str, cell: str | None = None) -> None:
@@ -119,7 +120,7 @@ class GenieMagics(Magics):
         client = current_client("running a %%remote cell")
         push = _names(args.push)
         if push:
-            client.push(self._local_values(push, "--push"), gpu=args.gpu)
+            client.push(self._local_values(push, "--push"), gpu=args.gpu, device=args.to)
         run_remote(client, cell, gpu=args.gpu, timeout=args.timeout)
         pull = _names(args.pull)
         if pull:
@@ -127,11 +128,18 @@ class GenieMagics(Magics):
 
     @line_magic
     def genie_push(self, line: str) -> None:
-        """`%genie_push a b`: send local variables to the session's worker."""
-        names = shlex.split(line)
-        if not names:
+        """`%genie_push a b [--to cuda]`: send local variables to the session's worker."""
+        words = shlex.split(line)
+        device = None
+        if "--to" in words:
+            at = words.index("--to")
+            if at + 1 >= len(words):
+                raise UsageError("%genie_push: --to needs a device, e.g. --to cuda")
+            device = words[at + 1]
+            del words[at : at + 2]
+        if not words:
             raise UsageError("%genie_push needs variable names, e.g. %genie_push x y")
-        current_client("%genie_push").push(self._local_values(names, "%genie_push"))
+        current_client("%genie_push").push(self._local_values(words, "%genie_push"), device=device)
 
     @line_magic
     def genie_pull(self, line: str) -> None:

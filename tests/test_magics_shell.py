@@ -52,6 +52,18 @@ def test_push_and_pull(connected):
     assert connected.user_ns["w"] == 6
 
 
+def test_push_to_a_device_that_does_not_exist_is_a_remote_error(connected):
+    import torch
+
+    connected.user_ns["t"] = torch.ones(2)
+    result = connected.run_cell("%%remote --push t --to cuda:7\nprint(t.device)")
+    assert isinstance(result.error_in_exec, RemoteError)  # this machine has no GPU: said, not ignored
+    connected.run_line_magic("genie_push", "t --to cpu")
+    connected.run_cell("%remote placed = str(t.device)")
+    connected.run_line_magic("genie_pull", "placed")
+    assert connected.user_ns["placed"] == "cpu"
+
+
 def test_push_of_an_undefined_name_is_a_usage_error(connected):
     result = connected.run_cell("%%remote --push missing\n1")
     assert isinstance(result.error_in_exec, UsageError) and "missing" in str(result.error_in_exec)
