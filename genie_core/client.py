@@ -25,11 +25,15 @@ from .loop import SocketLoop
 from .monitoring.health import Grade, HealthCheck, HealthReport, worst
 from .nodes import NodeInfo
 from .protocol import Codec, Message, derive_key
+from .transport.base import InlineTransport
+from .transport.discovery import BackendReport, discover
+
+DATA_THRESHOLD = 1 << 20  # bytes: transfers at least this big use the data plane
 from .serialize import deserialize_namespace, serialize_namespace
 
 log = logging.getLogger("genie.client")
 
-TERMINAL = {"welcome", "pong", "execute_reply", "push_reply", "pull_reply", "error_reply", "interrupt_reply", "close_reply", "info_reply", "tensor_reply", "auth_failed"}
+TERMINAL = {"welcome", "pong", "execute_reply", "push_reply", "pull_reply", "error_reply", "interrupt_reply", "close_reply", "info_reply", "tensor_reply", "data_probe_reply", "set_backend_reply", "auth_failed"}
 
 
 @dataclass
@@ -122,6 +126,9 @@ class Client:
         self.node: dict[str, Any] = {}
         self.slot: int | None = None
         self.lost_reason: str | None = None
+        self.transport: Any = InlineTransport()  # the data plane; chosen by select_backend()
+        self.backend_report: BackendReport | None = None
+        self._transfer_lock = threading.Lock()
         self.rtt: float | None = None
         self._pending: dict[str, Request] = {}
         self._seq = itertools.count(1)
@@ -163,11 +170,18 @@ class Client:
         self._last_heard = time.monotonic()
         if self.enable_heartbeat:
             self._loop.call_every(self.heartbeat_interval, self._heartbeat)
-        node = self.node.get("node_id", self.address)
         self._event(EventType.CONNECTED, Severity.INFO, f"connected to {self.address} (session {self.session[:8]})", session=self.session[:8])
-        self._event(EventType.BACKEND_SELECTED, Severity.INFO, "tcp: the only data-plane backend so far (network discovery is not built yet)",
-                    backend="tcp", reason="only backend implemented", candidates=[{"name": "tcp", "available": True}], node=node)
         return self
+
+    def select_backend(self, requested: str = "auto", budget: float = 1.0) -> BackendReport:
+        """Measure the data-plane backends to this server and use the best (or the one asked for)."""
+        report, transport = discover(self, requested, budget)
+        with self._transfer_lock:
+            self.transport.close()
+            self.transport, self.backend_report = transport, report
+        self._request(Message("set_backend", {"backend": report.chosen})).wait(5)
+        self._event(EventType.BACKEND_SELECTED, Severity.INFO, report.reason, backend=report.chosen, report=report.to_dict())
+        return report
 
     def _probe_tcp(self) -> None:
         """Fail fast, with the reason, when nothing listens (zmq itself would wait silently)."""
@@ -317,16 +331,25 @@ class Client:
 
     def push(self, values: dict[str, Any], *, gpu: int | None = None, device: str | None = None, timeout: float | None = None) -> list[str]:
         metas, buffers = serialize_namespace(values)
-        reply = self._request(Message("push", {"values": metas, "gpu": gpu, "device": device}, buffers)).wait(timeout)
+        content: dict[str, Any] = {"values": metas, "gpu": gpu, "device": device}
+        with self._transfer_lock:  # one transfer at a time on the data plane; the reply frees its buffer
+            if self.transport.name != "zmq" and sum(memoryview(b).nbytes for b in buffers) >= DATA_THRESHOLD:
+                content["data"] = self.transport.put(buffers)
+                buffers = []
+            reply = self._request(Message("push", content, buffers)).wait(timeout)
         if reply.content.get("status") != "ok":
             raise _error_from(reply.content)
         return list(reply.content.get("names", []))
 
     def pull(self, names: list[str], *, gpu: int | None = None, timeout: float | None = None) -> dict[str, Any]:
-        reply = self._request(Message("pull", {"names": list(names), "gpu": gpu})).wait(timeout)
-        if reply.content.get("status") != "ok":
-            raise _error_from(reply.content)
-        return deserialize_namespace(reply.content["values"], reply.buffers)
+        via = None if self.transport.name == "zmq" else self.transport.name
+        with self._transfer_lock:
+            reply = self._request(Message("pull", {"names": list(names), "gpu": gpu, "via": via})).wait(timeout)
+            if reply.content.get("status") != "ok":
+                raise _error_from(reply.content)
+            ref = reply.content.get("data")
+            buffers = self.transport.get(dict(ref, via=via)) if ref else reply.buffers
+        return deserialize_namespace(reply.content["values"], buffers)
 
     def ping(self, timeout: float = 5.0) -> float:
         start = time.perf_counter()
@@ -351,6 +374,7 @@ class Client:
         for request in list(self._pending.values()):
             request._put(_Closed(ConnectionLost(f"the connection to {self.address} was closed")))
         self._pending.clear()
+        self.transport.close()
         if self._loop is not None:
             self._loop.stop()
         if self._ctx is not None:

@@ -32,7 +32,8 @@ class ClusterState:
     role: str
     address: str
     node: dict[str, Any] = field(default_factory=dict)
-    backend: str = "tcp"
+    backend: str = "zmq"
+    backend_report: Any = None  # transport.discovery.BackendReport: candidates, measurements, choice
     phases: list[tuple[str, float]] = field(default_factory=list)
     client: Client | None = None
     server: Any = None
@@ -74,6 +75,7 @@ class ClusterState:
             "connected": self.connected,
             "embedded": self.embedded,
             "backend": self.backend,
+            "backend_report": self.backend_report.to_dict() if self.backend_report else None,
             "node": self.node,
             "session": self.client.session[:8] if self.client else None,
             "lost_reason": self.client.lost_reason if self.client else None,
@@ -160,12 +162,21 @@ def _init_client(config: ClusterConfig, phases: list[tuple[str, float]]) -> Clus
             local.stop()
         raise
     phases.append(("connect", time.perf_counter() - t))
+    t = time.perf_counter()
+    try:
+        report = client.select_backend(config.backend, config.discovery_budget)
+    except BaseException:
+        client.close()
+        if local is not None:
+            local.stop()
+        raise
+    phases.append(("discovery", time.perf_counter() - t))
     from .remote_tensor import enable
 
     enable()  # remote_accelerator tensors: registered now if torch is imported, else right after it is
     _state = ClusterState(
         config=config, role="client", address=f"{host}:{port}", node=client.node, client=client,
-        local_server=local, phases=phases,
+        local_server=local, phases=phases, backend=report.chosen, backend_report=report,
     )
     return _state
 

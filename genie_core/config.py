@@ -15,7 +15,7 @@ from typing import Any
 from .errors import ConfigError
 
 DEFAULT_PORT = 5555
-BACKENDS = ("auto", "tcp")
+BACKENDS = ("auto", "shm", "tcp", "zmq", "ucx", "rdma", "dpdk", "gpudirect")
 ROLES = ("client", "server")
 
 
@@ -65,6 +65,8 @@ class ClusterConfig:
     health_check_interval: float = 5.0
     simulate_gpus: int = 0  # a labelled fake GPU source, for demos and tests without a GPU
     state_dir: str | None = None
+    data_port: int | None = None  # the tcp data plane's port; default: the control port + 1
+    discovery_budget: float = 0.3  # seconds that backend discovery may spend measuring
     max_message_bytes: int = 8 << 30
     log_level: str = "WARNING"
     extra: dict[str, Any] = field(default_factory=dict)

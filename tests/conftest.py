@@ -45,6 +45,10 @@ class RunningServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        # A server killed by a test (SIGKILL) could not clean up; its next start would sweep.
+        from genie_core.transport.segment import sweep_dead
+
+        sweep_dead()
 
 
 def start_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> RunningServer:
@@ -99,3 +103,14 @@ def plain(text: str) -> str:
     import re
 
     return re.sub(r"\x1b\[[0-9;]*m", "", text)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_leaked_segments():
+    """Shared-memory segments must not outlive the servers and workers that made them."""
+    before = {p.name for p in Path("/dev/shm").glob("genie-*")} if Path("/dev/shm").is_dir() else set()
+    yield
+    time.sleep(0.5)
+    after = {p.name for p in Path("/dev/shm").glob("genie-*")} if Path("/dev/shm").is_dir() else set()
+    leaked = sorted(after - before)
+    assert not leaked, f"leaked shared-memory segments: {leaked}"

@@ -23,7 +23,7 @@ def test_init_connects_and_reports_state(server):
     assert genie_core.is_initialized() and genie_core.get_cluster_state() is state
     assert state.connected and state.role == "client" and not state.embedded
     assert state.node["node_id"] == server.info.node_id
-    assert [p["name"] for p in state.to_dict()["phases"]] == ["configure", "connect"]
+    assert [p["name"] for p in state.to_dict()["phases"]] == ["configure", "connect", "discovery"]
     assert stdout_of(run(state.client, "print(6 * 7)")) == "42\n"
     genie_core.shutdown()
     assert not genie_core.is_initialized()

@@ -7,6 +7,7 @@ import ipaddress
 import json
 import logging
 import os
+import hashlib
 import platform
 import shutil
 import socket
@@ -30,6 +31,9 @@ from ..loop import SocketLoop
 from ..monitoring import GPUSource, NvmlSource, SimulatedGPUSource, create_resource_monitor
 from ..monitoring.history_store import HistoryStore
 from ..nodes import NodeInfo
+from ..transport import detect
+from ..transport.data_server import DataServer
+from ..transport.segment import SHM_DIR, Segment, shm_available, sweep_dead
 from ..protocol import PROTOCOL, PROTOCOL_VERSION, Codec, Message, derive_key, split_identities
 from .session import Session
 from .worker_process import CPU, WorkerProcess, describe_exit
@@ -112,8 +116,41 @@ class Server:
         path = self.config.connection_file or runtime_dir() / f"genie-server-{self.node_id}-{self.port}.json"
         self.connection_file = info.write(path)
         self._start_monitoring()
+        self._start_data_plane()
         self._refill_spares()
         return self
+
+    def _start_data_plane(self) -> None:
+        """The tcp data port, a same-host probe for shm, and what this machine's hardware offers."""
+        port = self.config.data_port
+        if port is None:
+            port = self.port + 1 if self.config.master_port else 0
+        try:
+            self.data_server: DataServer | None = DataServer(self.config.ip, port, self.codec.key, self._session_worker_pids).start()
+        except OSError as exc:
+            log.warning("no tcp data plane: cannot listen on %s:%s (%s)", self.config.ip, port, exc.strerror)
+            self.data_server = None
+        self._shm_probe: Path | None = None
+        probe = None
+        if shm_available()[0]:
+            sweep_dead()
+            nonce = os.urandom(32)
+            path = SHM_DIR / f"genie-probe-{os.getpid()}-{os.urandom(6).hex()}"
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(nonce)
+            self._shm_probe = path
+            probe = {"name": path.name, "sha256": hashlib.sha256(nonce).hexdigest()}
+        self.transport_info = {
+            "data_port": self.data_server.port if self.data_server else None,
+            "shm_probe": probe,
+            "detect": detect.server_report(),
+        }
+
+    def _session_worker_pids(self, session_id: str) -> list[int] | None:
+        """For the data port (its threads): the session's worker pids, or None if no such session."""
+        session = self.sessions.get(session_id)
+        return None if session is None else [w.pid for w in list(session.workers.values())]
 
     def _start_monitoring(self) -> None:
         self.bus.subscribe(self._on_event)
@@ -177,6 +214,10 @@ class Server:
             self._thread.join(timeout)
 
     def _cleanup(self) -> None:
+        if getattr(self, "data_server", None) is not None:
+            self.data_server.stop()
+        if getattr(self, "_shm_probe", None) is not None:
+            self._shm_probe.unlink(missing_ok=True)
         self._verifier.shutdown(wait=False, cancel_futures=True)
         if self.monitor is not None:
             self.monitor.stop()
@@ -192,6 +233,7 @@ class Server:
             except Exception:
                 w.proc.kill()
                 w.proc.wait()
+            sweep_segments(w.pid)
         self.router.close()
         self.worker_router.close()
         if self._ctx is not None:
@@ -324,6 +366,7 @@ class Server:
             "platform": platform.platform(),
             "gpus": self.gpus,
             "gpu_reason": self.gpu_reason,
+            "transport": getattr(self, "transport_info", {}),
             "started": self.started,
         }
 
@@ -355,7 +398,49 @@ class Server:
     def _on_execute(self, session: Session, msg: Message) -> None:
         self._to_worker(session, msg)
 
-    _on_push = _on_pull = _on_tensor_ops = _on_execute
+    def _on_push(self, session: Session, msg: Message) -> None:
+        problem = self._check_data_ref(session, msg.content.get("data"))
+        if problem:
+            self._reply(session.identity, msg, "error_reply", {"ename": "PermissionError", "evalue": problem})
+            return
+        self._to_worker(session, msg)
+
+    def _check_data_ref(self, session: Session, ref: Any) -> str:
+        """A pushed segment must be this session's: one its data connection filled (tcp), or a
+        client segment on this host (shm: same user, who can read our /dev/shm files anyway)."""
+        if not ref:
+            return ""
+        name = str(ref.get("segment", ""))
+        if ref.get("via") == "tcp":
+            owner = self.data_server.owner(name) if self.data_server else None
+            return "" if owner == session.id else f"segment {name!r} does not belong to this session"
+        if ref.get("via") == "shm":
+            return "" if name.startswith("genie-c-") and "/" not in name else f"not a client segment: {name!r}"
+        return f"unknown transfer kind {ref.get('via')!r}"
+
+    def _on_data_probe(self, session: Session, msg: Message) -> None:
+        """Discovery: receive a probe payload (inline, or by reading a client's shm segment)."""
+        ref = msg.content.get("data")
+        size = sum(len(b) for b in msg.buffers)
+        if ref:
+            problem = self._check_data_ref(session, ref)
+            if problem:
+                self._reply(session.identity, msg, "error_reply", {"ename": "PermissionError", "evalue": problem})
+                return
+            view = Segment.attach(ref["segment"]).view if ref.get("keep") else Segment.adopt(ref["segment"])
+            size = sum(ref["sizes"])
+            self._probe_scratch = getattr(self, "_probe_scratch", None) or bytearray(size)
+            if len(self._probe_scratch) < size:
+                self._probe_scratch = bytearray(size)
+            memoryview(self._probe_scratch)[:size] = view[:size]  # read it all, as a worker would
+            view.release()
+        self._reply(session.identity, msg, "data_probe_reply", {"bytes": size})
+
+    def _on_set_backend(self, session: Session, msg: Message) -> None:
+        session.backend = str(msg.content.get("backend", ""))[:32]
+        self._reply(session.identity, msg, "set_backend_reply", {"ok": True})
+
+    _on_pull = _on_tensor_ops = _on_execute
 
     def _to_worker(self, session: Session, msg: Message) -> None:
         slot, problem = self._slot_for(session, msg.content.get("gpu"))
@@ -460,6 +545,7 @@ class Server:
             if worker.alive():
                 continue
             self.workers.pop(worker.id, None)
+            sweep_segments(worker.pid)
             session = worker.session
             why = describe_exit(worker.proc.returncode)
             log.warning("worker %s (pid %d) %s", worker.id, worker.pid, why)
@@ -471,7 +557,13 @@ class Server:
                         "evalue": f"the session's worker process (pid {worker.pid}) {why} while running this request; "
                         "its variables are lost, and the next request starts a fresh worker",
                     })
-        self.dying = [w for w in self.dying if not w.reap()]
+        still = []
+        for w in self.dying:
+            if w.reap():
+                sweep_segments(w.pid)
+            else:
+                still.append(w)
+        self.dying = still
         now = time.monotonic()
         for session in list(self.sessions.values()):
             if now - session.last_seen > self.config.session_lease:
@@ -491,6 +583,12 @@ class Server:
             worker.stop()
             self.dying.append(worker)
         session.workers.clear()
+
+
+def sweep_segments(pid: int) -> None:
+    """Remove what a dead worker staged in /dev/shm and nobody collected."""
+    for path in SHM_DIR.glob(f"genie-w-{pid}-*"):
+        path.unlink(missing_ok=True)
 
 
 def _pid_alive(pid: int) -> bool:

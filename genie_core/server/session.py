@@ -19,6 +19,7 @@ class Session:
         self.last_seen = time.monotonic()
         self.created = time.time()
         self._seqs: dict[bytes, int] = {}
+        self.backend = "zmq"  # the data-plane backend the client chose
         self.heartbeat_identity: bytes | None = None  # events go there: never queued behind a transfer
 
     def accept_seq(self, identity: bytes, seq: int) -> bool:
@@ -40,6 +41,7 @@ class Session:
             "id": self.id[:8],
             "client": self.client,
             "slot": self.slot,
+            "backend": self.backend,
             "created": self.created,
             "idle_s": round(time.monotonic() - self.last_seen, 3),
             "workers": [w.info() for w in self.workers.values()],

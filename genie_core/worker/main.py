@@ -22,7 +22,10 @@ import zmq
 from ..loop import SocketLoop
 from ..protocol import Codec, Message
 from ..serialize import deserialize_namespace, serialize_namespace
+from ..transport.segment import Segment, pack_into, split
 from .streams import FLUSH_INTERVAL, OutStream, capture_fd
+
+DATA_THRESHOLD = 1 << 20  # bytes: smaller values travel inline
 
 log = logging.getLogger("genie.worker")
 
@@ -44,6 +47,7 @@ class Worker:
         self.executing = False
         self.shell: Any = None
         self.tensors: Any = None  # the remote-tensor store, made on first use
+        self.staged: list[Segment] = []  # a pull's segment, until the client adopts it
 
     # -- I/O (loop thread) --------------------------------------------------------------
     def _on_readable(self, sock: zmq.Socket) -> None:
@@ -135,7 +139,11 @@ class Worker:
         self.send("execute_reply", reply)
 
     def on_push(self, msg: Message) -> None:
-        values = deserialize_namespace(msg.content["values"], msg.buffers, msg.content.get("device"))
+        buffers = msg.buffers
+        ref = msg.content.get("data")
+        if ref:  # the bytes came by the data plane: the tensors are built on that memory, no copy
+            buffers = split(Segment.adopt(ref["segment"]), [int(n) for n in ref["sizes"]])
+        values = deserialize_namespace(msg.content["values"], buffers, msg.content.get("device"))
         self.shell.user_ns.update(values)
         self.send("push_reply", {"status": "ok", "names": list(values)})
 
@@ -146,6 +154,16 @@ class Worker:
             self.send("pull_reply", {"status": "error", "ename": "NameError", "evalue": f"not defined on the server: {', '.join(missing)}"})
             return
         metas, buffers = serialize_namespace({n: self.shell.user_ns[n] for n in names})
+        total = sum(memoryview(b).nbytes for b in buffers)
+        if msg.content.get("via") in ("tcp", "shm") and total >= DATA_THRESHOLD:
+            for old in self.staged:  # staged earlier and never collected: the client went away
+                old.unlink()
+            segment = Segment.create("genie-w", total)  # the client (or the data port) adopts it
+            sizes = pack_into(segment.view, buffers)
+            segment.close()
+            self.staged = [segment]
+            self.send("pull_reply", {"status": "ok", "values": metas, "data": {"segment": segment.name, "sizes": sizes}})
+            return
         self.send("pull_reply", {"status": "ok", "values": metas}, buffers)
 
     def on_tensor_ops(self, msg: Message) -> None:
@@ -166,7 +184,11 @@ def main(argv: list[str] | None = None) -> None:
     if len(argv) != 2:
         raise SystemExit("usage: python -m genie_core.worker ENDPOINT WORKER_ID")
     worker = Worker(argv[0], argv[1])
-    worker.serve()
+    try:
+        worker.serve()
+    finally:
+        for segment in worker.staged:
+            segment.unlink()
     worker.loop.stop()
     time.sleep(0.05)
     os._exit(0)

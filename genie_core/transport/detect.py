@@ -1,0 +1,104 @@
+"""Is there RDMA, DPDK, GPUDirect or UCX here? Each answer is (available, reason, details).
+
+The sysfs and procfs roots are parameters, so tests can point them at fixture trees: the
+fake lives at the hardware edge only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+Finding = tuple[bool, str, dict[str, Any]]
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
+
+
+def rdma(sys_root: str = "/sys") -> Finding:
+    """RDMA devices, their ports, state and link layer, from /sys/class/infiniband."""
+    base = Path(sys_root) / "class" / "infiniband"
+    if not base.is_dir():
+        return False, "no /sys/class/infiniband devices (no RDMA driver loaded)", {}
+    devices = []
+    for dev in sorted(base.iterdir()):
+        ports = []
+        for port in sorted((dev / "ports").glob("*")):
+            ports.append({
+                "port": port.name,
+                "state": _read(port / "state"),  # e.g. "4: ACTIVE"
+                "link_layer": _read(port / "link_layer"),  # InfiniBand or Ethernet (RoCE)
+                "rate": _read(port / "rate"),
+            })
+        devices.append({"name": dev.name, "ports": ports})
+    active = [d for d in devices if any("ACTIVE" in p["state"] for p in d["ports"])]
+    if not devices:
+        return False, "/sys/class/infiniband is empty", {"devices": []}
+    if not active:
+        return False, f"RDMA devices {', '.join(d['name'] for d in devices)} have no ACTIVE port", {"devices": devices}
+    try:
+        import pyverbs  # noqa: F401
+
+        verbs = True
+    except ImportError:
+        verbs = False
+    return True, f"RDMA device(s) {', '.join(d['name'] for d in active)} with an ACTIVE port", {"devices": devices, "pyverbs": verbs}
+
+
+def dpdk(sys_root: str = "/sys", proc_root: str = "/proc") -> Finding:
+    """DPDK needs its library, hugepages, and NICs bound to vfio-pci or a uio driver."""
+    details: dict[str, Any] = {}
+    lib = False
+    if shutil.which("pkg-config"):
+        lib = subprocess.run(["pkg-config", "--exists", "libdpdk"], capture_output=True).returncode == 0
+    details["libdpdk"] = lib
+    meminfo = _read(Path(proc_root) / "meminfo")
+    huge = 0
+    for line in meminfo.splitlines():
+        if line.startswith("HugePages_Total:"):
+            huge = int(line.split()[1])
+    details["hugepages"] = huge
+    bound = []
+    for driver in ("vfio-pci", "uio_pci_generic", "igb_uio"):
+        d = Path(sys_root) / "bus" / "pci" / "drivers" / driver
+        if d.is_dir():
+            bound += [f"{p.name} ({driver})" for p in d.iterdir() if p.name.count(":") == 2]
+    details["bound_nics"] = bound
+    missing = [what for what, ok in (("libdpdk (pkg-config)", lib), ("hugepages", huge > 0), ("NICs bound to vfio-pci/uio", bool(bound))) if not ok]
+    if missing:
+        return False, "no " + ", no ".join(missing), details
+    return True, f"libdpdk, {huge} hugepages, {len(bound)} bound NIC(s)", details
+
+
+def gpudirect(proc_root: str = "/proc") -> Finding:
+    """GPUDirect RDMA needs the nvidia_peermem kernel module."""
+    modules = _read(Path(proc_root) / "modules")
+    loaded = any(line.split()[0] in ("nvidia_peermem", "nv_peer_mem") for line in modules.splitlines() if line)
+    if loaded:
+        return True, "nvidia_peermem is loaded", {}
+    return False, "the nvidia_peermem kernel module is not loaded", {}
+
+
+def ucx() -> Finding:
+    if importlib.util.find_spec("ucxx") is None:
+        return False, "the ucxx bindings are not installed (pip install genie-jupyter[ucx])", {}
+    return False, "ucxx is installed, but Genie's UCX data path is not built yet", {}
+
+
+def server_report(sys_root: str = "/sys", proc_root: str = "/proc") -> dict[str, Any]:
+    """What this machine supports, for the server's welcome message and `genie status`."""
+    out = {}
+    for name, fn in (("rdma", lambda: rdma(sys_root)), ("dpdk", lambda: dpdk(sys_root, proc_root)),
+                     ("gpudirect", lambda: gpudirect(proc_root)), ("ucx", ucx)):
+        ok, reason, details = fn()
+        out[name] = {"available": ok, "reason": reason, "details": details}
+    out["hostname"] = os.uname().nodename
+    return out

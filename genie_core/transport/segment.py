@@ -1,0 +1,131 @@
+"""Shared-memory segments in /dev/shm that client, server and worker on one host can all map.
+
+Plain files under /dev/shm with mode 0600 (no resource tracker to fight over who unlinks),
+reused while big enough: fresh large allocations are slow, reused mappings are not.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+SHM_DIR = Path("/dev/shm")
+
+
+def shm_available() -> tuple[bool, str]:
+    if not SHM_DIR.is_dir():
+        return False, "no /dev/shm on this machine"
+    if not os.access(SHM_DIR, os.W_OK):
+        return False, "/dev/shm is not writable"
+    return True, ""
+
+
+class Segment:
+    def __init__(self, name: str, size: int, create: bool) -> None:
+        self.name = name
+        self.path = SHM_DIR / name
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(self.path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, max(size, 1))
+                try:
+                    os.posix_fallocate(fd, 0, max(size, 1))  # no space: ENOSPC now, not SIGBUS later
+                except OSError:
+                    os.unlink(self.path)
+                    raise
+            else:
+                size = os.fstat(fd).st_size
+            self.size = size
+            self.map = mmap.mmap(fd, max(size, 1))
+        finally:
+            os.close(fd)
+        self.view = memoryview(self.map)
+
+    @classmethod
+    def create(cls, prefix: str, size: int) -> "Segment":
+        return cls(f"{prefix}-{os.getpid()}-{os.urandom(6).hex()}", size, create=True)
+
+    @classmethod
+    def attach(cls, name: str) -> "Segment":
+        if "/" in name or not name.startswith("genie-"):
+            raise ValueError(f"not a genie segment name: {name!r}")
+        return cls(name, 0, create=False)
+
+    @classmethod
+    def adopt(cls, name: str) -> memoryview:
+        """Map a segment and remove its name: the memory is ours for as long as anything views it
+        (tensors made from it included), and is freed when the last view goes. No copy."""
+        segment = cls.attach(name)
+        segment.unlink()
+        return segment.view
+
+    def close(self) -> None:
+        try:
+            self.view.release()
+            self.map.close()
+        except (BufferError, ValueError):
+            pass  # something still views it; the mapping goes when that does
+
+    def unlink(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def sweep_dead() -> int:
+    """Remove genie segments whose creating process is gone (it was killed before cleaning up)."""
+    removed = 0
+    if not SHM_DIR.is_dir():
+        return 0
+    for path in SHM_DIR.glob("genie-*"):
+        parts = path.name.split("-")
+        if len(parts) < 4 or not parts[2].isdigit():
+            continue
+        try:
+            os.kill(int(parts[2]), 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            removed += 1
+        except PermissionError:
+            pass
+    return removed
+
+
+class SegmentPool:
+    """One reusable segment, grown when a transfer needs more."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.segment: Segment | None = None
+
+    def get(self, size: int) -> Segment:
+        if self.segment is None or self.segment.size < size:
+            self.release()
+            self.segment = Segment.create(self.prefix, max(size, 1 << 20))
+        return self.segment
+
+    def release(self) -> None:
+        if self.segment is not None:
+            self.segment.close()
+            self.segment.unlink()
+            self.segment = None
+
+
+def pack_into(view: memoryview, buffers: list) -> list[int]:
+    """Copy buffers back to back into `view`; return their sizes."""
+    sizes, offset = [], 0
+    for b in buffers:
+        m = memoryview(b).cast("B")
+        view[offset : offset + m.nbytes] = m
+        offset += m.nbytes
+        sizes.append(m.nbytes)
+    return sizes
+
+
+def split(view: memoryview, sizes: list[int]) -> list[memoryview]:
+    """Views of consecutive buffers in `view` (no copies)."""
+    out, offset = [], 0
+    for n in sizes:
+        out.append(view[offset : offset + n])
+        offset += n
+    return out

@@ -1,0 +1,86 @@
+"""Framing on a raw data connection: length-prefixed JSON headers, then raw payload bytes
+received straight into their destination with `recv_into` (no intermediate copies)."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import json
+import socket
+import struct
+from typing import Any
+
+GREETING = b"GENIE-DATA/1"
+CHUNK = 8 << 20
+
+
+def send_header(sock: socket.socket, header: dict[str, Any]) -> None:
+    body = json.dumps(header, separators=(",", ":")).encode()
+    sock.sendall(struct.pack("!I", len(body)) + body)
+
+
+def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:], min(len(view) - got, CHUNK))
+        if n == 0:
+            raise ConnectionError("data connection closed mid-transfer")
+        got += n
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_exact_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def recv_header(sock: socket.socket, limit: int = 1 << 20) -> dict[str, Any]:
+    (n,) = struct.unpack("!I", recv_exact(sock, 4))
+    if n > limit:
+        raise ConnectionError(f"header of {n} bytes refused")
+    header = json.loads(recv_exact(sock, n))
+    if not isinstance(header, dict):
+        raise ConnectionError("header is not a JSON object")
+    return header
+
+
+def handshake_mac(key: bytes, nonce: bytes, session: str) -> bytes:
+    return hmac.new(key, b"genie data connection\0" + nonce + session.encode(), hashlib.sha256).digest()
+
+
+def payload_mac(key: bytes) -> "hmac.HMAC":
+    return hmac.new(key, b"genie data payload\0", hashlib.sha256)
+
+
+def is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return address == "localhost"
+
+
+def send_payload(sock: socket.socket, buffers: list[Any], mac: "hmac.HMAC | None") -> None:
+    """Send buffers back to back; with a MAC, hash each chunk as it goes (hashlib and sendall
+    both release the GIL) and send the 32-byte digest last."""
+    for b in buffers:
+        view = memoryview(b).cast("B")
+        for start in range(0, len(view), CHUNK):
+            chunk = view[start : start + CHUNK]
+            sock.sendall(chunk)
+            if mac is not None:
+                mac.update(chunk)
+    if mac is not None:
+        sock.sendall(mac.digest())
+
+
+def recv_payload_into(sock: socket.socket, view: memoryview, mac: "hmac.HMAC | None") -> None:
+    for start in range(0, len(view), CHUNK):
+        chunk = view[start : start + CHUNK]
+        recv_exact_into(sock, chunk)
+        if mac is not None:
+            mac.update(chunk)
+    if mac is not None:
+        digest = recv_exact(sock, 32)
+        if not hmac.compare_digest(digest, mac.digest()):
+            raise ConnectionError("payload failed authentication")
