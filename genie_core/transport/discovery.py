@@ -18,6 +18,10 @@ GIB = 1024**3
 ORDER = ["shm", "tcp", "zmq", "ucx", "rdma", "dpdk", "gpudirect"]
 
 
+def rate(bps: float) -> str:
+    return f"{bps / GIB:.2f} GiB/s" if bps >= GIB else f"{bps / 1e6:.1f} MB/s"
+
+
 class BackendUnavailable(GenieError):
     """A backend was asked for by name and cannot be used here."""
 
@@ -34,7 +38,7 @@ class Candidate:
     def summary(self) -> str:
         if not self.available:
             return f"{self.name}: unavailable ({self.reason})"
-        bw = f"{self.bandwidth / GIB:.2f} GiB/s" if self.bandwidth else "not measured"
+        bw = rate(self.bandwidth) if self.bandwidth else "not measured"
         rtt = f", {self.rtt_s * 1e3:.2f} ms round trip" if self.rtt_s is not None else ""
         return f"{self.name}: {bw}{rtt}"
 
@@ -89,7 +93,9 @@ def discover(client: Any, requested: str = "auto", budget: float = 1.0) -> tuple
 
     # zmq: the control connection itself; always there.
     rtt = _median_time(client.ping, 5)
-    blob = bytes(min(4 << 20, _probe_size(2e8, budget)))
+    small = bytes(256 << 10)
+    guess = len(small) / max(_median_time(lambda: client._request(_probe_message(small)).wait(10), 1), 1e-6)
+    blob = bytes(min(4 << 20, _probe_size(guess, budget)))
     took = _median_time(lambda: client._request(_probe_message(blob)).wait(10), 2)
     candidates.append(Candidate("zmq", True, "the control connection (buffers signed inline)", rtt, len(blob) / took))
 
@@ -170,8 +176,8 @@ def discover(client: Any, requested: str = "auto", budget: float = 1.0) -> tuple
     else:
         chosen = max(usable, key=lambda c: c.bandwidth)
         others = [c for c in usable if c is not chosen]
-        versus = ", ".join(f"{c.name} {c.bandwidth / GIB:.2f} GiB/s" for c in others)
-        reason = f"{chosen.name}: {chosen.reason}, {chosen.bandwidth / GIB:.2f} GiB/s" + (f" vs {versus}" if versus else "")
+        versus = ", ".join(f"{c.name} {rate(c.bandwidth)}" for c in others)
+        reason = f"{chosen.name}: {chosen.reason}, {rate(chosen.bandwidth)}" + (f" vs {versus}" if versus else "")
     for name, t in transports.items():
         if name != chosen.name:
             t.close()

@@ -1,0 +1,102 @@
+"""A real "other host": the server and the client in two network namespaces joined by a veth
+pair, rate-limited with tc tbf, the client with its own /dev/shm. Discovery must see a slow link
+and no shared memory; transfers must still be bit-exact (with payload HMACs: not loopback)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from genie_core.config import ConnectionInfo
+
+RATE_MBIT = 200
+SERVER_IP, CLIENT_IP = "10.231.77.1", "10.231.77.2"  # inside namespaces this test makes
+
+
+def sh(*cmd: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture
+def hosts():
+    tag = os.urandom(2).hex()
+    srv, cli = f"genie-s{tag}", f"genie-c{tag}"
+    if os.geteuid() != 0 or sh("ip", "netns", "add", srv).returncode != 0:
+        pytest.skip("cannot create network namespaces here (needs root and `ip netns`)")
+    try:
+        steps = [
+            ("ip", "netns", "add", cli),
+            ("ip", "link", "add", f"v{tag}s", "type", "veth", "peer", "name", f"v{tag}c"),
+            ("ip", "link", "set", f"v{tag}s", "netns", srv),
+            ("ip", "link", "set", f"v{tag}c", "netns", cli),
+            ("ip", "-n", srv, "addr", "add", f"{SERVER_IP}/24", "dev", f"v{tag}s"),
+            ("ip", "-n", cli, "addr", "add", f"{CLIENT_IP}/24", "dev", f"v{tag}c"),
+            ("ip", "-n", srv, "link", "set", f"v{tag}s", "up"),
+            ("ip", "-n", cli, "link", "set", f"v{tag}c", "up"),
+            ("ip", "-n", srv, "link", "set", "lo", "up"),
+            ("ip", "-n", cli, "link", "set", "lo", "up"),
+            ("ip", "netns", "exec", srv, "tc", "qdisc", "add", "dev", f"v{tag}s", "root", "tbf", "rate", f"{RATE_MBIT}mbit", "burst", "64kb", "latency", "100ms"),
+            ("ip", "netns", "exec", cli, "tc", "qdisc", "add", "dev", f"v{tag}c", "root", "tbf", "rate", f"{RATE_MBIT}mbit", "burst", "64kb", "latency", "100ms"),
+        ]
+        for step in steps:
+            result = sh(*step)
+            if result.returncode != 0:
+                pytest.skip(f"network namespace set-up failed at {' '.join(step)}: {result.stderr.strip()}")
+        yield srv, cli
+    finally:
+        sh("ip", "netns", "del", srv)
+        sh("ip", "netns", "del", cli)
+
+
+CLIENT = textwrap.dedent("""
+    import json, sys, torch, genie_core
+    state = genie_core.init_sync(sys.argv[1], token=sys.argv[2], timeout=20, discovery_budget=1.0)
+    t = torch.randn(1 << 20)  # 4 MiB
+    state.client.push({"t": t})
+    back = state.client.pull(["t"])["t"]
+    print(json.dumps({"report": state.backend_report.to_dict(), "equal": bool(torch.equal(back, t))}))
+    genie_core.shutdown()
+""")
+
+
+def test_discovery_across_a_rate_limited_link(hosts, tmp_path):
+    srv_ns, cli_ns = hosts
+    cf = tmp_path / "server.json"
+    env = dict(os.environ, GENIE_TOKEN="netns-" + os.urandom(8).hex(), GENIE_STATE_DIR=str(tmp_path / "state"))
+    server = subprocess.Popen(
+        ["ip", "netns", "exec", srv_ns, sys.executable, "-m", "genie_core", "serve", "--ip", SERVER_IP, "--port", "0", "--connection-file", str(cf)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert "ready" in server.stdout.readline()
+        info = ConnectionInfo.read(cf)
+        script = tmp_path / "client.py"
+        script.write_text(CLIENT)
+        inner = f"mount -t tmpfs tmpfs /dev/shm && exec {sys.executable} {script} {SERVER_IP}:{info.port} {info.token}"
+        start = time.monotonic()
+        result = subprocess.run(
+            ["ip", "netns", "exec", cli_ns, "unshare", "--mount", "sh", "-c", inner],
+            capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=os.getcwd()),
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        out = json.loads(result.stdout.strip().splitlines()[-1])
+        report = {c["name"]: c for c in out["report"]["candidates"]}
+        assert out["equal"]
+        assert not report["shm"]["available"] and "not visible here" in report["shm"]["reason"]
+        tcp = report["tcp"]
+        assert tcp["available"] and tcp["details"]["payload_mac"] is True  # off loopback: payloads are MACed
+        link = RATE_MBIT * 1e6 / 8
+        assert 0.3 * link < tcp["bandwidth"] < 1.3 * link, f"measured {tcp['bandwidth'] / 1e6:.1f} MB/s on a {link / 1e6:.0f} MB/s link"
+        assert out["report"]["chosen"] in ("tcp", "zmq")
+        print(f"\nnetns link {link / 1e6:.0f} MB/s: tcp measured {tcp['bandwidth'] / 1e6:.1f} MB/s, rtt {tcp['rtt_s'] * 1e3:.2f} ms; "
+              f"zmq {report['zmq']['bandwidth'] / 1e6:.1f} MB/s; chose {out['report']['chosen']}: {out['report']['reason']}")
+        assert time.monotonic() - start < 60
+    finally:
+        server.terminate()
+        server.wait(10)

@@ -1,0 +1,155 @@
+"""Data-plane backends against a real server: each one bit-exact, discovery's report, forced
+choices, authentication of the data port, and detection (fixture sysfs trees at the edge)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import genie_core
+from conftest import start_server
+from genie_core.errors import RemoteError
+from genie_core.transport import detect, wire
+from genie_core.transport.discovery import BackendUnavailable
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = start_server(tmp_path_factory.mktemp("transport-server"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def connect(server):
+    def _connect(backend="auto"):
+        return genie_core.init_sync(f"127.0.0.1:{server.info.port}", token=server.info.token, backend=backend, timeout=20)
+
+    yield _connect
+    genie_core.shutdown()
+
+
+def values():
+    gen = torch.Generator().manual_seed(1)
+    return {
+        "f32": torch.randn(1 << 20, generator=gen),  # 4 MiB: over the inline threshold
+        "bf16": torch.randn(3, 1 << 19, generator=gen).to(torch.bfloat16),
+        "strided": torch.randn(2048, 1024, generator=gen).t()[::2],
+        "arr": np.arange(1 << 20, dtype=np.int64),
+        "small": torch.arange(5),
+        "obj": {"nested": [1, 2.5, "x"]},
+    }
+
+
+@pytest.mark.parametrize("backend", ["shm", "tcp", "zmq"])
+def test_each_backend_moves_data_bit_exact(connect, backend):
+    state = connect(backend)
+    assert state.backend == backend and state.client.transport.name == backend
+    sent = values()
+    state.client.push(sent)
+    state.client.execute("f32_sum = float(f32.double().sum())").wait(30)
+    back = state.client.pull(list(sent) + ["f32_sum"])
+    for name, value in sent.items():
+        if isinstance(value, torch.Tensor):
+            assert back[name].dtype == value.dtype and torch.equal(back[name], value), name
+        elif isinstance(value, np.ndarray):
+            np.testing.assert_array_equal(back[name], value)
+        else:
+            assert back[name] == value
+    assert back["f32_sum"] == float(sent["f32"].double().sum())
+
+
+def test_auto_discovery_reports_every_candidate_with_a_reason(connect):
+    state = connect()
+    report = state.backend_report
+    names = [c.name for c in report.candidates]
+    assert names == ["shm", "tcp", "zmq", "ucx", "rdma", "dpdk", "gpudirect"]
+    for c in report.candidates:
+        assert c.reason
+        if c.available:
+            assert c.bandwidth > 0 and c.rtt_s > 0
+    assert report.candidate("shm").available and report.candidate("tcp").available  # same host, loopback
+    assert report.chosen in ("shm", "tcp") and report.chosen in report.reason and "/s" in report.reason
+    assert report.elapsed_s < 1.0  # the budget on loopback
+    for name in ("rdma", "dpdk", "gpudirect", "ucx"):  # this machine: none of them, each with its reason
+        assert not report.candidate(name).available
+    events = state.events.history(["BACKEND_SELECTED"])
+    assert events and events[-1].data["report"]["chosen"] == report.chosen
+
+
+def test_a_forced_unavailable_backend_is_an_error_not_a_fallback(connect):
+    with pytest.raises(BackendUnavailable, match="'rdma' is unavailable: here: no /sys/class/infiniband"):
+        connect("rdma")
+    assert not genie_core.is_initialized()
+
+
+def test_the_data_port_refuses_a_wrong_proof(server, connect):
+    state = connect("tcp")
+    port = state.backend_report.candidate("tcp").details["port"]
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        greeting = wire.recv_exact(sock, len(wire.GREETING) + 32)
+        assert greeting.startswith(wire.GREETING)
+        wire.send_header(sock, {"session": state.client.session, "proof": os.urandom(32).hex()})
+        assert wire.recv_header(sock)["ok"] is False
+
+
+def test_a_session_cannot_read_or_adopt_another_sessions_data(server, connect):
+    state = connect("tcp")
+    other = server.client()
+    try:
+        ref = state.client.transport.put([bytes(2 << 20)])
+        from genie_core.protocol import Message
+
+        with pytest.raises(RemoteError, match="does not belong to this session"):
+            other._request(Message("push", {"values": [], "data": ref})).wait(10)
+        fake = {"segment": f"genie-w-{os.getpid()}-deadbeef0000", "sizes": [10], "via": "tcp"}
+        with pytest.raises(ConnectionError, match="no such staged data"):
+            state.client.transport.get(fake)
+    finally:
+        other.close()
+
+
+# -- detection against fixture trees (the fake sits at the hardware edge only) ---------------
+
+def make_ib(root: Path, state: str, link: str = "Ethernet") -> None:
+    port = root / "class" / "infiniband" / "mlx5_0" / "ports" / "1"
+    port.mkdir(parents=True)
+    (port / "state").write_text(state + "\n")
+    (port / "link_layer").write_text(link + "\n")
+    (port / "rate").write_text("100 Gb/sec (4X EDR)\n")
+
+
+def test_rdma_detection(tmp_path):
+    ok, reason, _ = detect.rdma(str(tmp_path))
+    assert not ok and "no /sys/class/infiniband" in reason
+    make_ib(tmp_path, "4: ACTIVE")
+    ok, reason, details = detect.rdma(str(tmp_path))
+    assert ok and "mlx5_0" in reason and details["devices"][0]["ports"][0]["link_layer"] == "Ethernet"
+    down = tmp_path / "down"
+    make_ib(down, "1: DOWN", "InfiniBand")
+    ok, reason, _ = detect.rdma(str(down))
+    assert not ok and "no ACTIVE port" in reason
+
+
+def test_dpdk_and_gpudirect_detection(tmp_path):
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc" / "meminfo").write_text("MemTotal: 1 kB\nHugePages_Total:    1024\n")
+    (tmp_path / "proc" / "modules").write_text("nvidia_peermem 16384 0 - Live 0x0\nnvidia 1 0 - Live 0x0\n")
+    nic = tmp_path / "sys" / "bus" / "pci" / "drivers" / "vfio-pci" / "0000:3b:00.0"
+    nic.mkdir(parents=True)
+    ok, reason, details = detect.dpdk(str(tmp_path / "sys"), str(tmp_path / "proc"))
+    assert details["hugepages"] == 1024 and details["bound_nics"] == ["0000:3b:00.0 (vfio-pci)"]
+    assert ok == details["libdpdk"] and (ok or "no libdpdk" in reason)
+    assert detect.gpudirect(str(tmp_path / "proc"))[0]
+    assert not detect.gpudirect(str(tmp_path))[0]
+
+
+def test_detection_on_this_machine_is_honest():
+    for name, finding in (("rdma", detect.rdma()), ("dpdk", detect.dpdk()), ("gpudirect", detect.gpudirect()), ("ucx", detect.ucx())):
+        ok, reason, _ = finding
+        assert not ok and reason, name  # this kernel has no InfiniBand, hugepages or vfio; no ucxx
