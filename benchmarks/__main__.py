@@ -12,7 +12,7 @@ from pathlib import Path
 
 import genie_core
 
-ALL = ["monitor_overhead", "remote_tensors"]
+ALL = ["monitor_overhead", "remote_tensors", "bulk_transfer"]
 
 
 def machine() -> dict:

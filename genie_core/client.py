@@ -336,7 +336,11 @@ class Client:
             if self.transport.name != "zmq" and sum(memoryview(b).nbytes for b in buffers) >= DATA_THRESHOLD:
                 content["data"] = self.transport.put(buffers)
                 buffers = []
-            reply = self._request(Message("push", content, buffers)).wait(timeout)
+            try:
+                reply = self._request(Message("push", content, buffers)).wait(timeout)
+            finally:
+                if "data" in content and hasattr(self.transport, "after"):
+                    self.transport.after()
         if reply.content.get("status") != "ok":
             raise _error_from(reply.content)
         return list(reply.content.get("names", []))

@@ -14,7 +14,7 @@ import threading
 from typing import Any, Callable
 
 from . import wire
-from .segment import Segment
+from .segment import Segment, segment_spares
 
 log = logging.getLogger("genie.data")
 
@@ -55,6 +55,7 @@ class DataServer:
 
     def _serve(self, conn: socket.socket, addr: Any) -> None:
         made: list[Segment] = []  # segments this connection filled; the worker adopts them
+        spares = segment_spares("genie-s")
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = addr[0]
         mac_on = not wire.is_loopback(peer)
@@ -70,7 +71,7 @@ class DataServer:
                 elif op == "put":
                     sizes = [int(n) for n in header["sizes"]]
                     self._forget_adopted(made)
-                    segment = Segment.create("genie-s", sum(sizes))
+                    segment = spares.take(sum(sizes), refill=False)
                     made.append(segment)
                     try:
                         wire.recv_payload_into(conn, segment.view[: sum(sizes)], wire.payload_mac(self.key) if mac_on else None)
@@ -78,6 +79,7 @@ class DataServer:
                         segment.close()
                     self.segments[segment.name] = session
                     wire.send_header(conn, {"ok": True, "segment": segment.name, "sizes": sizes})
+                    spares.refill(sum(sizes))
                 elif op == "get":
                     self._send_staged(conn, session, header, mac_on)
                 elif op == "sink":  # discovery: how fast can we receive
@@ -93,6 +95,7 @@ class DataServer:
         except (ConnectionError, OSError, ValueError, KeyError) as exc:
             log.debug("data connection from %s ended: %s", peer, exc)
         finally:
+            spares.close()
             for segment in made:  # filled but never adopted (the client went away): free them
                 self.segments.pop(segment.name, None)
                 segment.unlink()

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 from pathlib import Path
+from typing import Any, Callable
 
 SHM_DIR = Path("/dev/shm")
 
@@ -29,12 +31,11 @@ class Segment:
         fd = os.open(self.path, flags, 0o600)
         try:
             if create:
-                os.ftruncate(fd, max(size, 1))
-                try:
-                    os.posix_fallocate(fd, 0, max(size, 1))  # no space: ENOSPC now, not SIGBUS later
-                except OSError:
+                st = os.statvfs(SHM_DIR)
+                if size > st.f_bavail * st.f_frsize:  # a full tmpfs would SIGBUS us later: refuse now
                     os.unlink(self.path)
-                    raise
+                    raise OSError(28, f"not enough shared memory for {size} bytes in {SHM_DIR}")
+                os.ftruncate(fd, max(size, 1))
             else:
                 size = os.fstat(fd).st_size
             self.size = size
@@ -70,6 +71,72 @@ class Segment:
 
     def unlink(self) -> None:
         self.path.unlink(missing_ok=True)
+
+
+def touch(view: memoryview) -> None:
+    """Fault every page in now (one write per 4 KiB page), so a transfer later need not."""
+    import numpy as np
+
+    if len(view):
+        np.frombuffer(view, dtype=np.uint8)[::4096] = 0
+
+
+class Spares:
+    """One ready buffer of the size last asked for, made and faulted in on a background thread:
+    fresh memory is slow to touch (page faults), so repeated transfers of a size find it warm."""
+
+    def __init__(self, make: "Callable[[int], Any]", release: "Callable[[Any], None]", view: "Callable[[Any], memoryview]", cap: int = 1 << 30) -> None:
+        self._make, self._release, self._view, self._cap = make, release, view, cap
+        self._lock = threading.Lock()
+        self._spare: Any = None
+        self._size = -1
+        self._closed = False
+
+    def take(self, size: int, refill: bool = True) -> Any:
+        """A buffer of `size` bytes; with `refill=False`, call `refill(size)` once the transfer is
+        done, so faulting in the next spare does not compete with this transfer for the CPU."""
+        with self._lock:
+            spare, self._spare = (self._spare, None) if self._size == size else (None, self._spare)
+            stale = None if spare is not None or self._spare is None else self._spare
+            if stale is not None:
+                self._spare = None
+        if stale is not None:
+            self._release(stale)
+        if spare is None:
+            spare = self._make(size)
+        if refill:
+            self.refill(size)
+        return spare
+
+    def refill(self, size: int) -> None:
+        if 0 < size <= self._cap and not self._closed:
+            threading.Thread(target=self._refill, args=(size,), daemon=True, name="genie-spare").start()
+
+    def _refill(self, size: int) -> None:
+        fresh = self._make(size)
+        touch(self._view(fresh))
+        with self._lock:
+            if self._closed or self._spare is not None:
+                old, fresh = fresh, None
+            else:
+                self._spare, self._size, old = fresh, size, None
+        if old is not None:
+            self._release(old)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            self._release(spare)
+
+
+def segment_spares(prefix: str) -> Spares:
+    def release(segment: "Segment") -> None:
+        segment.close()
+        segment.unlink()
+
+    return Spares(lambda size: Segment.create(prefix, size), release, lambda segment: segment.view)
 
 
 def sweep_dead() -> int:

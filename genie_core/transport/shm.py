@@ -6,15 +6,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from .segment import Segment, pack_into, split
+from .segment import Segment, pack_into, segment_spares, split
 
 
 class ShmTransport:
     name = "shm"
 
+    def __init__(self) -> None:
+        self.spares = segment_spares("genie-c")
+
     def put(self, buffers: list[Any]) -> dict[str, Any]:
         total = sum(memoryview(b).nbytes for b in buffers)
-        segment = Segment.create("genie-c", total)
+        segment = self.spares.take(total, refill=False)
+        self._last = total
         try:
             sizes = pack_into(segment.view, buffers)
         except BaseException:
@@ -24,8 +28,12 @@ class ShmTransport:
             segment.close()
         return {"segment": segment.name, "sizes": sizes, "via": "shm"}
 
+    def after(self) -> None:
+        """The transfer is over: prepare the next segment now."""
+        self.spares.refill(getattr(self, "_last", 0))
+
     def get(self, ref: dict[str, Any]) -> list[Any]:
         return split(Segment.adopt(ref["segment"]), [int(n) for n in ref["sizes"]])
 
     def close(self) -> None:
-        pass
+        self.spares.close()

@@ -9,6 +9,7 @@ from typing import Any
 
 from ..errors import AuthenticationError, ConnectionFailed
 from . import wire
+from .segment import Spares
 
 
 class TcpTransport:
@@ -31,6 +32,9 @@ class TcpTransport:
         if not wire.recv_header(self.sock).get("ok"):
             raise AuthenticationError(f"the data port at {self.address} refused this session")
         self.sock.settimeout(None)
+        import numpy as np
+
+        self.spares = Spares(lambda n: memoryview(np.empty(n, dtype=np.uint8)), lambda b: None, lambda b: b)
 
     def _mac(self) -> Any:
         return wire.payload_mac(self.key) if self.mac_on else None
@@ -51,9 +55,11 @@ class TcpTransport:
         reply = wire.recv_header(self.sock)
         if not reply.get("ok"):
             raise ConnectionError(f"data get failed: {reply.get('error')}")
-        import numpy as np
-
-        out = [memoryview(np.empty(n, dtype=np.uint8)) for n in sizes]  # the destination: bytes land here directly
+        whole = self.spares.take(total, refill=False)  # the destination: bytes land here directly
+        out, offset = [], 0
+        for n in sizes:
+            out.append(whole[offset : offset + n])
+            offset += n
         mac = self._mac()
         for buf in out:
             wire.recv_payload_into(self.sock, memoryview(buf), None)
@@ -64,6 +70,7 @@ class TcpTransport:
 
             if not _hmac.compare_digest(wire.recv_exact(self.sock, 32), mac.digest()):
                 raise ConnectionError("pulled data failed authentication")
+        self.spares.refill(total)
         return out
 
     def ping(self) -> float:
@@ -86,6 +93,7 @@ class TcpTransport:
         return time.perf_counter() - start
 
     def close(self) -> None:
+        self.spares.close()
         try:
             self.sock.close()
         except OSError:

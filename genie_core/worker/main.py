@@ -22,7 +22,7 @@ import zmq
 from ..loop import SocketLoop
 from ..protocol import Codec, Message
 from ..serialize import deserialize_namespace, serialize_namespace
-from ..transport.segment import Segment, pack_into, split
+from ..transport.segment import Segment, pack_into, segment_spares, split
 from .streams import FLUSH_INTERVAL, OutStream, capture_fd
 
 DATA_THRESHOLD = 1 << 20  # bytes: smaller values travel inline
@@ -48,6 +48,7 @@ class Worker:
         self.shell: Any = None
         self.tensors: Any = None  # the remote-tensor store, made on first use
         self.staged: list[Segment] = []  # a pull's segment, until the client adopts it
+        self.spares = segment_spares("genie-w")
 
     # -- I/O (loop thread) --------------------------------------------------------------
     def _on_readable(self, sock: zmq.Socket) -> None:
@@ -158,11 +159,12 @@ class Worker:
         if msg.content.get("via") in ("tcp", "shm") and total >= DATA_THRESHOLD:
             for old in self.staged:  # staged earlier and never collected: the client went away
                 old.unlink()
-            segment = Segment.create("genie-w", total)  # the client (or the data port) adopts it
+            segment = self.spares.take(total, refill=False)  # the client (or the data port) adopts it
             sizes = pack_into(segment.view, buffers)
             segment.close()
             self.staged = [segment]
             self.send("pull_reply", {"status": "ok", "values": metas, "data": {"segment": segment.name, "sizes": sizes}})
+            self.spares.refill(total)
             return
         self.send("pull_reply", {"status": "ok", "values": metas}, buffers)
 
@@ -187,6 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         worker.serve()
     finally:
+        worker.spares.close()
         for segment in worker.staged:
             segment.unlink()
     worker.loop.stop()

@@ -1,0 +1,120 @@
+"""Bulk transfer: a 256 MiB tensor pushed to and pulled from the server through each Genie
+backend, beside torch.distributed gloo send/recv, ipyparallel push/pull (when installed) and a
+preallocated memcpy (the same-host limit), interleaved round by round on the same machine.
+
+Targets (issues 4 and 5): tcp at least gloo's throughput; shm at least half of memcpy; push at
+least 2x ipyparallel's push."""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from genie_core.client import Client
+
+from . import _servers
+
+GIB = 1024**3
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+class Gloo:
+    def __init__(self, nbytes: int) -> None:
+        port, script = _free_port(), str(Path(__file__).with_name("_gloo_peer.py"))
+        self.peers = [subprocess.Popen([sys.executable, script, str(r), str(nbytes), port], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, text=True) for r in (0, 1)]
+        for p in self.peers:
+            assert p.stdout.readline().strip() == "ready"
+
+    def once(self) -> float:
+        for p in self.peers:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        return float(self.peers[1].stdout.readline())
+
+    def close(self) -> None:
+        for p in self.peers:
+            p.stdin.close()
+            p.wait(30)
+
+
+def _timed(fn) -> float:  # noqa: ANN001
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def run(quick: bool = False) -> dict:
+    nbytes = (16 if quick else 256) << 20
+    rounds = 2 if quick else 7
+    t = torch.randn(nbytes // 4)
+    proc, info = _servers.start()
+    clients = {}
+    results: dict[str, list[float]] = {}
+    try:
+        for backend in ("tcp", "shm", "zmq"):
+            c = Client(info.ip, info.port, info.token, timeout=30).connect()
+            c.select_backend(backend)
+            clients[backend] = c
+        gloo = Gloo(nbytes)
+        ipp_rc = None
+        try:
+            import ipyparallel as ipp
+
+            cluster = ipp.Cluster(n=1, log_level=40)
+            ipp_rc = cluster.start_and_connect_sync()
+            ipp_rc.wait_for_engines(1, timeout=60)
+            view = ipp_rc[:]
+        except ImportError:
+            cluster = None
+        dst = torch.empty_like(t)
+        for name, c in clients.items():  # warm: the first transfer maps memory everywhere
+            c.push({"t": t})
+            c.pull(["t"])
+        for _ in range(rounds):  # interleaved: noise hits every contender alike
+            for name, c in clients.items():
+                results.setdefault(f"genie_{name}_push", []).append(_timed(lambda: c.push({"t": t})))
+                results.setdefault(f"genie_{name}_pull", []).append(_timed(lambda: c.pull(["t"])))
+            results.setdefault("gloo_send_recv", []).append(gloo.once())
+            results.setdefault("memcpy_preallocated", []).append(_timed(lambda: dst.copy_(t)))
+            if ipp_rc is not None:
+                results.setdefault("ipyparallel_push", []).append(_timed(lambda: view.push({"t": t}, block=True)))
+                results.setdefault("ipyparallel_pull", []).append(_timed(lambda: view.pull("t", block=True)))
+        gloo.close()
+        if cluster is not None:
+            ipp_rc.close()
+            cluster.stop_cluster_sync()
+    finally:
+        for c in clients.values():
+            c.close()
+        _servers.stop(proc)
+    rate = {k: nbytes / statistics.median(v) / GIB for k, v in results.items()}
+    p99 = {k: nbytes / max(v) / GIB for k, v in results.items()}
+    out = {"name": "bulk_transfer", "mib": nbytes >> 20, "rounds": rounds}
+    for k in results:
+        out[f"{k}_gib_s_p50"] = round(rate[k], 3)
+        out[f"{k}_gib_s_worst"] = round(p99[k], 3)
+    out["tcp_push_vs_gloo"] = round(rate["genie_tcp_push"] / rate["gloo_send_recv"], 2)
+    out["tcp_pull_vs_gloo"] = round(rate["genie_tcp_pull"] / rate["gloo_send_recv"], 2)
+    out["shm_push_vs_memcpy"] = round(rate["genie_shm_push"] / rate["memcpy_preallocated"], 3)
+    if "ipyparallel_push" in rate:
+        best = max(rate["genie_tcp_push"], rate["genie_shm_push"])
+        out["best_push_vs_ipyparallel_push"] = round(best / rate["ipyparallel_push"], 2)
+    out["targets"] = "tcp >= gloo; shm >= 0.5 x memcpy; push >= 2 x ipyparallel push"
+    out["met"] = {
+        "tcp_vs_gloo": out["tcp_push_vs_gloo"] >= 1.0,
+        "shm_vs_memcpy": out["shm_push_vs_memcpy"] >= 0.5,
+        "vs_ipyparallel": out.get("best_push_vs_ipyparallel_push", 0) >= 2.0 if "ipyparallel_push" in rate else "ipyparallel not installed",
+    }
+    return out
