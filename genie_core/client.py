@@ -329,12 +329,14 @@ class Client:
     def interrupt(self) -> None:
         self._request(Message("interrupt"))
 
-    def push(self, values: dict[str, Any], *, gpu: int | None = None, device: str | None = None, timeout: float | None = None) -> list[str]:
+    def push(self, values: dict[str, Any], *, gpu: int | None = None, device: str | None = None, timeout: float | None = None,
+             progress: Any = None) -> list[str]:
+        """Send values to the session's worker. `progress(done, total)` follows the bytes (data plane only)."""
         metas, buffers = serialize_namespace(values)
         content: dict[str, Any] = {"values": metas, "gpu": gpu, "device": device}
         with self._transfer_lock:  # one transfer at a time on the data plane; the reply frees its buffer
             if self.transport.name != "zmq" and sum(memoryview(b).nbytes for b in buffers) >= DATA_THRESHOLD:
-                content["data"] = self.transport.put(buffers)
+                content["data"] = self.transport.put(buffers, progress)
                 buffers = []
             try:
                 reply = self._request(Message("push", content, buffers)).wait(timeout)
@@ -345,14 +347,15 @@ class Client:
             raise _error_from(reply.content)
         return list(reply.content.get("names", []))
 
-    def pull(self, names: list[str], *, gpu: int | None = None, timeout: float | None = None) -> dict[str, Any]:
+    def pull(self, names: list[str], *, gpu: int | None = None, timeout: float | None = None, progress: Any = None) -> dict[str, Any]:
+        """Bring values back from the session's worker. `progress(done, total)` as with `push`."""
         via = None if self.transport.name == "zmq" else self.transport.name
         with self._transfer_lock:
             reply = self._request(Message("pull", {"names": list(names), "gpu": gpu, "via": via})).wait(timeout)
             if reply.content.get("status") != "ok":
                 raise _error_from(reply.content)
             ref = reply.content.get("data")
-            buffers = self.transport.get(dict(ref, via=via)) if ref else reply.buffers
+            buffers = self.transport.get(dict(ref, via=via), progress) if ref else reply.buffers
         return deserialize_namespace(reply.content["values"], buffers)
 
     def ping(self, timeout: float = 5.0) -> float:

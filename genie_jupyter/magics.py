@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 import sys
 import time
-from typing import Any
+from typing import Any, Iterator
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
@@ -16,6 +17,8 @@ import genie_core
 from genie_core.cluster import current_client
 from genie_core.client import Client, Request
 from genie_core.errors import RemoteError
+
+from .progress import TransferProgress
 
 INTERRUPT_GRACE = 5.0  # seconds to wait for the remote side after an interrupt
 
@@ -81,6 +84,15 @@ def _next(request: Request, deadline: float | None, interrupted_at: float | None
     return msg
 
 
+@contextlib.contextmanager
+def _progress(label: str) -> Iterator[TransferProgress]:
+    bar = TransferProgress(label)
+    try:
+        yield bar
+    finally:
+        bar.finish()
+
+
 def _names(text: str | None) -> list[str]:
     return [n.strip() for n in (text or "").replace(" ", ",").split(",") if n.strip()]
 
@@ -120,11 +132,13 @@ class GenieMagics(Magics):
         client = current_client("running a %%remote cell")
         push = _names(args.push)
         if push:
-            client.push(self._local_values(push, "--push"), gpu=args.gpu, device=args.to)
+            with _progress("push") as bar:
+                client.push(self._local_values(push, "--push"), gpu=args.gpu, device=args.to, progress=bar)
         run_remote(client, cell, gpu=args.gpu, timeout=args.timeout)
         pull = _names(args.pull)
         if pull:
-            self.shell.user_ns.update(client.pull(pull, gpu=args.gpu))
+            with _progress("pull") as bar:
+                self.shell.user_ns.update(client.pull(pull, gpu=args.gpu, progress=bar))
 
     @line_magic
     def genie_push(self, line: str) -> None:
@@ -139,7 +153,8 @@ class GenieMagics(Magics):
             del words[at : at + 2]
         if not words:
             raise UsageError("%genie_push needs variable names, e.g. %genie_push x y")
-        current_client("%genie_push").push(self._local_values(words, "%genie_push"), device=device)
+        with _progress("push") as bar:
+            current_client("%genie_push").push(self._local_values(words, "%genie_push"), device=device, progress=bar)
 
     @line_magic
     def genie_pull(self, line: str) -> None:
@@ -147,7 +162,8 @@ class GenieMagics(Magics):
         names = shlex.split(line)
         if not names:
             raise UsageError("%genie_pull needs variable names, e.g. %genie_pull x y")
-        self.shell.user_ns.update(current_client("%genie_pull").pull(names))
+        with _progress("pull") as bar:
+            self.shell.user_ns.update(current_client("%genie_pull").pull(names, progress=bar))
 
     @line_magic
     def genie_shutdown(self, line: str) -> None:

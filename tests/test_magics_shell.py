@@ -64,6 +64,21 @@ def test_push_to_a_device_that_does_not_exist_is_a_remote_error(connected):
     assert connected.user_ns["placed"] == "cpu"
 
 
+def test_slow_transfers_show_a_progress_bar(connected, monkeypatch):
+    import torch
+    from IPython.utils.capture import capture_output
+
+    from genie_jupyter import progress
+
+    monkeypatch.setattr(progress, "DELAY", 0.0)  # every transfer counts as slow here
+    genie_core.get_cluster_state().client.select_backend("tcp")
+    connected.user_ns["big"] = torch.zeros(32 << 20)
+    with capture_output() as captured:
+        assert connected.run_cell("%genie_push big").success
+    html = [o.data.get("text/html", "") for o in captured.outputs]
+    assert html and "<progress" in html[0] and "MiB" in html[-1] and "/s" in html[-1]
+
+
 def test_push_of_an_undefined_name_is_a_usage_error(connected):
     result = connected.run_cell("%%remote --push missing\n1")
     assert isinstance(result.error_in_exec, UsageError) and "missing" in str(result.error_in_exec)

@@ -153,3 +153,18 @@ def test_detection_on_this_machine_is_honest():
     for name, finding in (("rdma", detect.rdma()), ("dpdk", detect.dpdk()), ("gpudirect", detect.gpudirect()), ("ucx", detect.ucx())):
         ok, reason, _ = finding
         assert not ok and reason, name  # this kernel has no InfiniBand, hugepages or vfio; no ucxx
+
+
+@pytest.mark.parametrize("backend", ["shm", "tcp"])
+def test_progress_follows_the_bytes(connect, backend):
+    state = connect(backend)
+    t = torch.randn(40 << 20)  # 160 MiB: several chunks
+    seen = []
+    state.client.push({"t": t}, progress=lambda done, total: seen.append((done, total)))
+    assert len(seen) >= 3 and seen[-1] == (t.numel() * 4, t.numel() * 4)
+    assert all(a[0] < b[0] for a, b in zip(seen, seen[1:]))
+    pulled = []
+    back = state.client.pull(["t"], progress=lambda done, total: pulled.append((done, total)))["t"]
+    assert torch.equal(back, t)
+    if backend == "tcp":  # shm pulls adopt the worker's memory: nothing to wait for
+        assert pulled[-1] == (t.numel() * 4, t.numel() * 4)

@@ -9,11 +9,12 @@ from typing import Any, Protocol
 class Transport(Protocol):
     name: str
 
-    def put(self, buffers: list[Any]) -> dict[str, Any] | None:
-        """Stage buffers where the session's worker can read them; None means "send inline"."""
+    def put(self, buffers: list[Any], progress: Any = None) -> dict[str, Any] | None:
+        """Stage buffers where the session's worker can read them; None means "send inline".
+        `progress(done, total)` is called as bytes go."""
         ...
 
-    def get(self, ref: dict[str, Any]) -> list[Any]:
+    def get(self, ref: dict[str, Any], progress: Any = None) -> list[Any]:
         """Fetch buffers a worker staged (ref from its reply)."""
         ...
 
@@ -25,10 +26,10 @@ class InlineTransport:
 
     name = "zmq"
 
-    def put(self, buffers: list[Any]) -> dict[str, Any] | None:
+    def put(self, buffers: list[Any], progress: Any = None) -> dict[str, Any] | None:
         return None
 
-    def get(self, ref: dict[str, Any]) -> list[Any]:
+    def get(self, ref: dict[str, Any], progress: Any = None) -> list[Any]:
         raise RuntimeError("inline transfers carry their buffers in the message")
 
     def close(self) -> None:

@@ -89,7 +89,7 @@ def gpudirect(proc_root: str = "/proc") -> Finding:
 
 def ucx() -> Finding:
     if importlib.util.find_spec("ucxx") is None:
-        return False, "the ucxx bindings are not installed (pip install genie-jupyter[ucx])", {}
+        return False, "the ucxx bindings are not installed (and Genie's UCX data path is not built yet)", {}
     return False, "ucxx is installed, but Genie's UCX data path is not built yet", {}
 
 

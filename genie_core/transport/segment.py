@@ -178,13 +178,18 @@ class SegmentPool:
             self.segment = None
 
 
-def pack_into(view: memoryview, buffers: list) -> list[int]:
+def pack_into(view: memoryview, buffers: list, progress: Any = None, chunk: int = 64 << 20) -> list[int]:
     """Copy buffers back to back into `view`; return their sizes."""
     sizes, offset = [], 0
+    total = sum(memoryview(b).nbytes for b in buffers)
     for b in buffers:
         m = memoryview(b).cast("B")
-        view[offset : offset + m.nbytes] = m
-        offset += m.nbytes
+        for start in range(0, m.nbytes, chunk):
+            piece = m[start : start + chunk]
+            view[offset : offset + len(piece)] = piece
+            offset += len(piece)
+            if progress is not None:
+                progress(offset, total)
         sizes.append(m.nbytes)
     return sizes
 

@@ -15,12 +15,12 @@ class ShmTransport:
     def __init__(self) -> None:
         self.spares = segment_spares("genie-c")
 
-    def put(self, buffers: list[Any]) -> dict[str, Any]:
+    def put(self, buffers: list[Any], progress: Any = None) -> dict[str, Any]:
         total = sum(memoryview(b).nbytes for b in buffers)
         segment = self.spares.take(total, refill=False)
         self._last = total
         try:
-            sizes = pack_into(segment.view, buffers)
+            sizes = pack_into(segment.view, buffers, progress)
         except BaseException:
             segment.unlink()
             raise
@@ -32,7 +32,7 @@ class ShmTransport:
         """The transfer is over: prepare the next segment now."""
         self.spares.refill(getattr(self, "_last", 0))
 
-    def get(self, ref: dict[str, Any]) -> list[Any]:
+    def get(self, ref: dict[str, Any], progress: Any = None) -> list[Any]:
         return split(Segment.adopt(ref["segment"]), [int(n) for n in ref["sizes"]])
 
     def close(self) -> None:

@@ -39,16 +39,16 @@ class TcpTransport:
     def _mac(self) -> Any:
         return wire.payload_mac(self.key) if self.mac_on else None
 
-    def put(self, buffers: list[Any]) -> dict[str, Any]:
+    def put(self, buffers: list[Any], progress: Any = None) -> dict[str, Any]:
         sizes = [memoryview(b).nbytes for b in buffers]
         wire.send_header(self.sock, {"op": "put", "sizes": sizes})
-        wire.send_payload(self.sock, buffers, self._mac())
+        wire.send_payload(self.sock, buffers, self._mac(), progress)
         reply = wire.recv_header(self.sock)
         if not reply.get("ok"):
             raise ConnectionError(f"data put failed: {reply.get('error')}")
         return {"segment": reply["segment"], "sizes": sizes, "via": "tcp"}
 
-    def get(self, ref: dict[str, Any]) -> list[Any]:
+    def get(self, ref: dict[str, Any], progress: Any = None) -> list[Any]:
         sizes = [int(n) for n in ref["sizes"]]
         total = sum(sizes)
         wire.send_header(self.sock, {"op": "get", "segment": ref["segment"], "size": total})
@@ -61,8 +61,10 @@ class TcpTransport:
             out.append(whole[offset : offset + n])
             offset += n
         mac = self._mac()
+        done = 0
         for buf in out:
-            wire.recv_payload_into(self.sock, memoryview(buf), None)
+            wire.recv_payload_into(self.sock, memoryview(buf), None, progress, done, total)
+            done += len(buf)
             if mac is not None:
                 mac.update(buf)
         if mac is not None:

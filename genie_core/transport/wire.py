@@ -9,7 +9,7 @@ import ipaddress
 import json
 import socket
 import struct
-from typing import Any
+from typing import Any, Callable  # noqa: F401 (Callable: the Progress alias)
 
 GREETING = b"GENIE-DATA/1"
 CHUNK = 8 << 20
@@ -60,9 +60,14 @@ def is_loopback(address: str) -> bool:
         return address == "localhost"
 
 
-def send_payload(sock: socket.socket, buffers: list[Any], mac: "hmac.HMAC | None") -> None:
+Progress = "Callable[[int, int], None] | None"  # (bytes done, bytes in all)
+
+
+def send_payload(sock: socket.socket, buffers: list[Any], mac: "hmac.HMAC | None", progress: Progress = None) -> None:
     """Send buffers back to back; with a MAC, hash each chunk as it goes (hashlib and sendall
     both release the GIL) and send the 32-byte digest last."""
+    total = sum(memoryview(b).nbytes for b in buffers)
+    done = 0
     for b in buffers:
         view = memoryview(b).cast("B")
         for start in range(0, len(view), CHUNK):
@@ -70,16 +75,21 @@ def send_payload(sock: socket.socket, buffers: list[Any], mac: "hmac.HMAC | None
             sock.sendall(chunk)
             if mac is not None:
                 mac.update(chunk)
+            done += len(chunk)
+            if progress is not None:
+                progress(done, total)
     if mac is not None:
         sock.sendall(mac.digest())
 
 
-def recv_payload_into(sock: socket.socket, view: memoryview, mac: "hmac.HMAC | None") -> None:
+def recv_payload_into(sock: socket.socket, view: memoryview, mac: "hmac.HMAC | None", progress: Progress = None, base: int = 0, total: int = 0) -> None:
     for start in range(0, len(view), CHUNK):
         chunk = view[start : start + CHUNK]
         recv_exact_into(sock, chunk)
         if mac is not None:
             mac.update(chunk)
+        if progress is not None:
+            progress(base + start + len(chunk), total or len(view))
     if mac is not None:
         digest = recv_exact(sock, 32)
         if not hmac.compare_digest(digest, mac.digest()):
