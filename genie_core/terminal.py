@@ -107,10 +107,15 @@ def render(info: dict[str, Any]) -> Group:
 
     sessions = info.get("sessions") or []
     visible = [s for s in sessions if s["client"].get("purpose") != "probe"]
-    parts.append(Text(f"backend   tcp · sessions {len(visible)}"))
+    transport = node.get("transport") or {}
+    offered = ["zmq"] + (["tcp (port %s)" % transport["data_port"]] if transport.get("data_port") else []) + (["shm"] if transport.get("shm_probe") else [])
+    hardware = ", ".join(f"{k}: {v['reason']}" for k, v in (transport.get("detect") or {}).items() if isinstance(v, dict))
+    parts.append(Text(f"data plane offers {', '.join(offered)}" + (f"  ({hardware})" if hardware else "")))
+    parts.append(Text(f"sessions  {len(visible)}"))
     for s in visible:
         workers = ", ".join(f"pid {w['pid']} {'gpu ' + str(w['slot']) if w['slot'] >= 0 else 'cpu'}{' busy' if w['busy'] else ''}" for w in s["workers"]) or "no worker yet"
-        parts.append(Text(f"  {s['id']}  {s['client'].get('user', '')}@{s['client'].get('host', '?')} (pid {s['client'].get('pid', '?')})  idle {s['idle_s']:.1f} s  {workers}"))
+        parts.append(Text(f"  {s['id']}  {s['client'].get('user', '')}@{s['client'].get('host', '?')} (pid {s['client'].get('pid', '?')})  "
+                          f"backend {s.get('backend', '?')}  idle {s['idle_s']:.1f} s  {workers}"))
 
     events = [e for e in info.get("events") or [] if e["type"] != EventType.METRICS.value][-8:]
     if events:
