@@ -12,7 +12,7 @@ from pathlib import Path
 
 import genie_core
 
-ALL = ["monitor_overhead", "remote_tensors", "bulk_transfer"]
+ALL = ["monitor_overhead", "remote_tensors", "bulk_transfer", "cell_roundtrip", "connect_time", "failure_detection", "concurrency"]
 
 
 def machine() -> dict:

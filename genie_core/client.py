@@ -170,6 +170,9 @@ class Client:
         self._last_heard = time.monotonic()
         if self.enable_heartbeat:
             self._loop.call_every(self.heartbeat_interval, self._heartbeat)
+            # A crashed server closes its connections: notice at once, without waiting for heartbeats.
+            monitor = self._hb.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._loop.add_socket(monitor, self._on_disconnect)
         self._event(EventType.CONNECTED, Severity.INFO, f"connected to {self.address} (session {self.session[:8]})", session=self.session[:8])
         return self
 
@@ -251,6 +254,14 @@ class Client:
             if msg.type == "error_reply" and msg.content.get("ename") == "SessionNotFound":
                 self._mark_lost(msg.content.get("evalue", "session not found"))
             request._put(msg)
+
+    def _on_disconnect(self, monitor: zmq.Socket) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while monitor.poll(0):
+            event = recv_monitor_message(monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED and not self._closed:
+                self._mark_lost(f"connection to genie server at {self.address} lost: the server closed the connection (it stopped or crashed)")
 
     def _on_unauthenticated(self, frames: list[Any], exc: ProtocolError) -> None:
         try:
@@ -384,5 +395,9 @@ class Client:
         self.transport.close()
         if self._loop is not None:
             self._loop.stop()
+        try:
+            self._hb.disable_monitor()
+        except (AttributeError, zmq.ZMQError):
+            pass
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
