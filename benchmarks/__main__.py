@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.names:
         result = importlib.import_module(f"benchmarks.{name}").run(quick=args.quick)
         results["benchmarks"].append(result)
-        print(json.dumps(result, indent=1))
+        print(json.dumps(result, indent=1), file=sys.stderr)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         lines += [f"| {k} | {v} |" for k, v in r.items() if k != "name"]
         lines.append("")
     (out / "results.md").write_text("\n".join(lines))
+    print("\n".join(lines))
     print(f"written: {out / 'results.json'}, {out / 'results.md'}", file=sys.stderr)
     return 0
 
