@@ -208,6 +208,15 @@ def test_unsupported_cases_are_refused_clearly(remote):
         torch.randn(3, device=DEV, generator=torch.Generator())
 
 
+def test_autocast_is_refused_and_compile_falls_back_to_correct_results(remote):
+    x = torch.arange(4.0).to(DEV)
+    with pytest.raises(NotImplementedError, match="autocast is not supported on remote_accelerator"):
+        with torch.autocast("remote_accelerator", dtype=torch.bfloat16):
+            pass
+    compiled = torch.compile(lambda t: t * 2 + 1)  # dynamo breaks the graph; the ops are recorded as usual
+    assert torch.equal(compiled(x).cpu(), torch.arange(4.0) * 2 + 1)
+
+
 def test_tensors_of_an_ended_session_say_so(tmp_path):
     from conftest import start_server
 

@@ -168,3 +168,22 @@ def test_progress_follows_the_bytes(connect, backend):
     assert torch.equal(back, t)
     if backend == "tcp":  # shm pulls adopt the worker's memory: nothing to wait for
         assert pulled[-1] == (t.numel() * 4, t.numel() * 4)
+
+
+def test_a_tensor_over_4_gib_round_trips(connect):
+    import psutil
+
+    nbytes = (4 << 30) + (256 << 20)
+    if psutil.virtual_memory().available < 3.5 * nbytes:
+        pytest.skip(f"needs about {3.5 * nbytes / 2**30:.0f} GiB of free memory for three copies")
+    state = connect("shm")
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    t[::4096] = torch.arange(nbytes // 4096 + 1, dtype=torch.int64)[: t[::4096].numel()].to(torch.uint8)
+    t[-1] = 7
+    state.client.push({"huge": t})
+    reply = state.client.execute("print(huge.numel(), int(huge[-1]))").wait(120)
+    assert reply.content["status"] == "ok"
+    back = state.client.pull(["huge"])["huge"]
+    assert back.numel() == nbytes and torch.equal(back, t)
+    del back, t
+    state.client.execute("del huge").wait(60)

@@ -68,6 +68,14 @@ class _DeviceModule:
         return 0
 
     @staticmethod
+    def get_amp_supported_dtype() -> list[Any]:
+        """torch.autocast asks this first: refuse clearly rather than run without the casts asked for."""
+        raise NotImplementedError(
+            "torch.autocast is not supported on remote_accelerator devices yet; cast explicitly instead "
+            "(model.to(torch.bfloat16), x.to(torch.bfloat16)), or use autocast inside a %%remote cell"
+        )
+
+    @staticmethod
     def synchronize(device: Any = None) -> None:
         """Run everything recorded so far on the device and wait for it (one round trip)."""
         import torch
