@@ -19,7 +19,11 @@ def start(*args: str) -> tuple[subprocess.Popen, ConnectionInfo]:
         [sys.executable, "-m", "genie_core", "serve", "--port", "0", "--connection-file", str(cf), *args],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
-    line = proc.stdout.readline()
+    line = ""
+    for _ in range(20):  # the ready line, past anything a library printed first
+        line = proc.stdout.readline()
+        if "ready" in line or not line:
+            break
     if "ready" not in line:
         proc.kill()
         raise RuntimeError(f"server did not start: {line!r}")

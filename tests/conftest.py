@@ -59,7 +59,11 @@ def start_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None) 
         [sys.executable, "-m", "genie_core", "serve", "--port", "0", "--connection-file", str(cf), *args],
         env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    line = proc.stdout.readline()
+    line = ""
+    for _ in range(20):  # the ready line, past anything a library printed first
+        line = proc.stdout.readline()
+        if "ready" in line or not line:
+            break
     if "ready" not in line:
         proc.kill()
         raise RuntimeError(f"server did not start: {line!r} {proc.stderr.read()}")

@@ -74,7 +74,7 @@ def test_discovery_across_a_rate_limited_link(hosts, tmp_path):
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
-        assert "ready" in server.stdout.readline()
+        assert any("ready" in server.stdout.readline() for _ in range(20))
         info = ConnectionInfo.read(cf)
         script = tmp_path / "client.py"
         script.write_text(CLIENT)
@@ -93,7 +93,7 @@ def test_discovery_across_a_rate_limited_link(hosts, tmp_path):
         assert tcp["available"] and tcp["details"]["payload_mac"] is True  # off loopback: payloads are MACed
         link = RATE_MBIT * 1e6 / 8
         assert 0.3 * link < tcp["bandwidth"] < 1.3 * link, f"measured {tcp['bandwidth'] / 1e6:.1f} MB/s on a {link / 1e6:.0f} MB/s link"
-        assert out["report"]["chosen"] in ("tcp", "zmq")
+        assert out["report"]["chosen"] in ("tcp", "zmq", "ucx")
         print(f"\nnetns link {link / 1e6:.0f} MB/s: tcp measured {tcp['bandwidth'] / 1e6:.1f} MB/s, rtt {tcp['rtt_s'] * 1e3:.2f} ms; "
               f"zmq {report['zmq']['bandwidth'] / 1e6:.1f} MB/s; chose {out['report']['chosen']}: {out['report']['reason']}")
         assert time.monotonic() - start < 60

@@ -103,7 +103,7 @@ class _DeviceModule:
 def _factory_kernels(lib: Any) -> None:
     import torch
 
-    from .ops import RemoteDevice
+    from .ops import RemoteDevice, encode_value
     from .tensor import RemoteTensor
 
     def make(name: str):  # noqa: ANN202
@@ -116,7 +116,9 @@ def _factory_kernels(lib: Any) -> None:
             meta_kwargs = dict(kwargs, device=torch.device("meta"))
             out = op(*args, **meta_kwargs)
             r = RemoteTensor(out.shape, out.stride(), out.storage_offset(), out.dtype, stream)
-            stream.record(("op", str(op), args, dict(kwargs, device=RemoteDevice()), [r._rid]))
+            enc_kwargs = {k: encode_value(v) for k, v in kwargs.items()}
+            enc_kwargs["device"] = RemoteDevice()
+            stream.record(("op", str(op), tuple(encode_value(a) for a in args), enc_kwargs, [r._rid]))
             return r
 
         return kernel

@@ -10,7 +10,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from ..serialize import serialize_namespace
-from .ops import Ref, RemoteDevice
+from .ops import MemoryFormat, Ref, RemoteDevice
 
 
 class _Failed:
@@ -37,6 +37,8 @@ class TensorExecutor:
             return t
         if isinstance(value, RemoteDevice):
             return self.device
+        if isinstance(value, MemoryFormat):
+            return getattr(torch, value.name)
         return value
 
     def run(self, frames: list[Any]) -> tuple[dict[str, Any], list[Any]]:

@@ -30,6 +30,28 @@ class RemoteDevice:
         return (RemoteDevice, ())
 
 
+class MemoryFormat:
+    """`torch.preserve_format` and friends: they pickle by a name that pickle looks up by scanning
+    sys.modules, which can land on the notebook's `__main__`; send the plain name instead."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (MemoryFormat, (self.name,))
+
+
+def encode_value(value: Any) -> Any:
+    """A non-tensor argument, made safe to pickle for the worker."""
+    import torch
+
+    if isinstance(value, torch.memory_format):
+        return MemoryFormat(str(value).removeprefix("torch."))
+    return value
+
+
 # Op records, in order: (kind, ...) tuples.
 #   ("op", name, args, kwargs, out_ids)   run torch.ops.<name>, store tensor outputs under out_ids
 #   ("put", id, tensor)                   a CPU tensor uploaded by the client (its bytes travel out of band)

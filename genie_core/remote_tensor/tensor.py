@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .ops import Ref, RemoteDevice
+from .ops import Ref, RemoteDevice, encode_value
 from .stream import OpStream, new_id
 
 aten = torch.ops.aten
@@ -138,7 +138,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:  # noqa: ANN001
             return RemoteDevice()
         if isinstance(a, torch.Generator):
             raise NotImplementedError("explicit torch.Generator objects are not supported on remote tensors; use torch.manual_seed")
-        return a
+        return encode_value(a)
 
     outputs = _output_specs(func, flat, args, kwargs)
     if outputs is None:

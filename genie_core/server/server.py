@@ -125,11 +125,20 @@ class Server:
         port = self.config.data_port
         if port is None:
             port = self.port + 1 if self.config.master_port else 0
+        self.data_owners: dict[str, str] = {}  # segments filled by the tcp and ucx listeners -> session
         try:
-            self.data_server: DataServer | None = DataServer(self.config.ip, port, self.codec.key, self._session_worker_pids).start()
+            self.data_server: DataServer | None = DataServer(self.config.ip, port, self.codec.key, self._session_worker_pids, self.data_owners).start()
         except OSError as exc:
             log.warning("no tcp data plane: cannot listen on %s:%s (%s)", self.config.ip, port, exc.strerror)
             self.data_server = None
+        self.ucx_server = None
+        if detect.ucx()[0]:
+            try:
+                from ..transport.ucx import UcxDataServer
+
+                self.ucx_server = UcxDataServer(self.codec.key, self._session_worker_pids, self.data_owners)
+            except Exception as exc:
+                log.warning("no ucx data plane: %s", exc)
         self._shm_probe: Path | None = None
         probe = None
         if shm_available()[0]:
@@ -143,6 +152,7 @@ class Server:
             probe = {"name": path.name, "sha256": hashlib.sha256(nonce).hexdigest()}
         self.transport_info = {
             "data_port": self.data_server.port if self.data_server else None,
+            "ucx_port": self.ucx_server.port if self.ucx_server else None,
             "shm_probe": probe,
             "detect": detect.server_report(),
         }
@@ -216,6 +226,8 @@ class Server:
     def _cleanup(self) -> None:
         if getattr(self, "data_server", None) is not None:
             self.data_server.stop()
+        if getattr(self, "ucx_server", None) is not None:
+            self.ucx_server.stop()
         if getattr(self, "_shm_probe", None) is not None:
             self._shm_probe.unlink(missing_ok=True)
         self._verifier.shutdown(wait=False, cancel_futures=True)
@@ -411,8 +423,8 @@ class Server:
         if not ref:
             return ""
         name = str(ref.get("segment", ""))
-        if ref.get("via") == "tcp":
-            owner = self.data_server.owner(name) if self.data_server else None
+        if ref.get("via") in ("tcp", "ucx"):
+            owner = self.data_owners.get(name)
             return "" if owner == session.id else f"segment {name!r} does not belong to this session"
         if ref.get("via") == "shm":
             return "" if name.startswith("genie-c-") and "/" not in name else f"not a client segment: {name!r}"

@@ -20,8 +20,10 @@ log = logging.getLogger("genie.data")
 
 
 class DataServer:
-    def __init__(self, ip: str, port: int, key: bytes, session_workers: Callable[[str], list[int] | None]) -> None:
-        """`session_workers(session_id)` -> the pids of that session's workers, or None if unknown."""
+    def __init__(self, ip: str, port: int, key: bytes, session_workers: Callable[[str], list[int] | None],
+                 owners: dict[str, str] | None = None) -> None:
+        """`session_workers(session_id)` -> the pids of that session's workers, or None if unknown;
+        `owners` maps the segments filled here to their session (shared with the ucx listener)."""
         self.key = key
         self.session_workers = session_workers
         family = socket.AF_INET6 if ":" in ip else socket.AF_INET
@@ -30,7 +32,7 @@ class DataServer:
         self.listener.bind((ip, port))
         self.listener.listen(64)
         self.port = self.listener.getsockname()[1]
-        self.segments: dict[str, str] = {}  # segment name -> session that owns it
+        self.segments: dict[str, str] = {} if owners is None else owners  # segment name -> session that owns it
         self._stop = False
         self._scratch = bytearray(wire.CHUNK)
 

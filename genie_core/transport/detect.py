@@ -89,8 +89,11 @@ def gpudirect(proc_root: str = "/proc") -> Finding:
 
 def ucx() -> Finding:
     if importlib.util.find_spec("ucxx") is None:
-        return False, "the ucxx bindings are not installed (and Genie's UCX data path is not built yet)", {}
-    return False, "ucxx is installed, but Genie's UCX data path is not built yet", {}
+        return False, "the ucxx bindings are not installed (pip install 'genie-jupyter[ucx]')", {}
+    from .ucx import available
+
+    ok, reason = available()
+    return ok, reason, {}
 
 
 def server_report(sys_root: str = "/sys", proc_root: str = "/proc") -> dict[str, Any]:

@@ -150,19 +150,45 @@ def discover(client: Any, requested: str = "auto", budget: float = 1.0) -> tuple
         except (GenieError, OSError, ConnectionError) as exc:
             candidates.append(Candidate("tcp", False, f"data port {client.host}:{port} not usable: {exc}"))
 
-    # Hardware and libraries: both ends must have them.
+    # ucx: both ends need the ucxx bindings; the server says so by offering a UCX port.
     local_ucx = detect.ucx()
-    candidates.append(Candidate("ucx", False, local_ucx[1]))
+    ucx_port = server.get("ucx_port")
+    ucx_candidate = None
+    if not local_ucx[0]:
+        candidates.append(Candidate("ucx", False, f"here: {local_ucx[1]}"))
+    elif not ucx_port:
+        candidates.append(Candidate("ucx", False, f"server: {(server_detect.get('ucx') or {}).get('reason', 'offers no UCX port')}"))
+    else:
+        try:
+            from .ucx import UcxTransport
+
+            ucx_t = UcxTransport(client.host, int(ucx_port), client.codec.key, client.session, timeout=min(5.0, budget * 4))
+            ucx_rtt = _median_time(ucx_t.ping, 10)
+            first = 256 << 10
+            guess = first / max(ucx_t.sink(first), 1e-6)
+            size = min(32 << 20, _probe_size(guess, budget))
+            bw = size / statistics.median(ucx_t.sink(size) for _ in range(2))
+            transports["ucx"] = ucx_t
+            ucx_candidate = Candidate("ucx", True, f"UCX port {ucx_port} ({local_ucx[1]})", ucx_rtt, bw, {"port": int(ucx_port)})
+            candidates.append(ucx_candidate)
+        except (GenieError, OSError, ConnectionError) as exc:
+            candidates.append(Candidate("ucx", False, f"UCX port {client.host}:{ucx_port} not usable: {exc}"))
+
+    # Hardware: both ends must have it. RDMA in practice is UCX over a detected RDMA device.
     for name in ("rdma", "dpdk", "gpudirect"):
         remote = server_detect.get(name) or {"available": False, "reason": "not reported by the server"}
         local = {"rdma": detect.rdma, "dpdk": detect.dpdk, "gpudirect": detect.gpudirect}[name]()
+        details = {"local": local[2], "server": remote.get("details", {})}
         if not local[0]:
-            reason = f"here: {local[1]}"
+            candidates.append(Candidate(name, False, f"here: {local[1]}", details=details))
         elif not remote["available"]:
-            reason = f"server: {remote['reason']}"
+            candidates.append(Candidate(name, False, f"server: {remote['reason']}", details=details))
+        elif name == "rdma" and ucx_candidate is not None:
+            candidates.append(Candidate("rdma", True, "RDMA devices on both ends, used through UCX", ucx_candidate.rtt_s, ucx_candidate.bandwidth, details))
+            transports["rdma"] = transports["ucx"]
         else:
-            reason = "detected on both ends, but it needs the ucx backend, which is unavailable"
-        candidates.append(Candidate(name, False, reason, details={"local": local[2], "server": remote.get("details", {})}))
+            need = "the ucx backend, which is unavailable" if name == "rdma" else "a data path Genie does not have (it is detected and reported only)"
+            candidates.append(Candidate(name, False, f"detected on both ends, but it needs {need}", details=details))
 
     candidates.sort(key=lambda c: ORDER.index(c.name))
     usable = [c for c in candidates if c.available and c.bandwidth]
@@ -179,7 +205,7 @@ def discover(client: Any, requested: str = "auto", budget: float = 1.0) -> tuple
         versus = ", ".join(f"{c.name} {rate(c.bandwidth)}" for c in others)
         reason = f"{chosen.name}: {chosen.reason}, {rate(chosen.bandwidth)}" + (f" vs {versus}" if versus else "")
     for name, t in transports.items():
-        if name != chosen.name:
+        if t is not transports[chosen.name]:
             t.close()
     report = BackendReport(chosen.name, reason, candidates, requested, time.perf_counter() - start)
     return report, transports[chosen.name]

@@ -160,7 +160,7 @@ class Worker:
             return
         metas, buffers = serialize_namespace({n: self.shell.user_ns[n] for n in names})
         total = sum(memoryview(b).nbytes for b in buffers)
-        if msg.content.get("via") in ("tcp", "shm") and total >= DATA_THRESHOLD:
+        if msg.content.get("via") in ("tcp", "shm", "ucx") and total >= DATA_THRESHOLD:
             for old in self.staged:  # staged earlier and never collected: the client went away
                 old.unlink()
             segment = self.spares.take(total, refill=False)  # the client (or the data port) adopts it
