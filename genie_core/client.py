@@ -110,6 +110,7 @@ class Client:
         heartbeat_timeout: float = 4.0,
         events: EventBus | None = None,
         purpose: str = "session",
+        data_port: int | None = None,
     ) -> None:
         self.host, self.port = host, port
         self.address = f"{host}:{port}"
@@ -119,6 +120,7 @@ class Client:
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self.purpose = purpose  # "probe" for one-shot tools like `genie status`
+        self.data_port = data_port  # overrides the data port the server advertises (tunnels, relays)
         self.events = events or EventBus()
         self.metrics: NodeInfo | None = None  # the newest snapshot the server pushed
         self.server_health: HealthReport | None = None

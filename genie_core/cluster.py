@@ -154,6 +154,7 @@ def _init_client(config: ClusterConfig, phases: list[tuple[str, float]]) -> Clus
     client = Client(
         host, port, token, timeout=config.timeout, enable_heartbeat=config.enable_heartbeat,
         heartbeat_interval=config.heartbeat_interval, heartbeat_timeout=config.heartbeat_timeout,
+        data_port=config.data_port,
     )
     try:
         client.connect()

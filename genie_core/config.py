@@ -65,7 +65,8 @@ class ClusterConfig:
     health_check_interval: float = 5.0
     simulate_gpus: int = 0  # a labelled fake GPU source, for demos and tests without a GPU
     state_dir: str | None = None
-    data_port: int | None = None  # the tcp data plane's port; default: the control port + 1
+    data_port: int | None = None  # server: where the tcp data plane listens (default: control port + 1);
+    #                               client: where to reach it, when a tunnel or relay moves it (default: as the server says)
     discovery_budget: float = 0.3  # seconds that backend discovery may spend measuring
     max_message_bytes: int = 8 << 30
     log_level: str = "WARNING"

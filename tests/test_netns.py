@@ -100,3 +100,49 @@ def test_discovery_across_a_rate_limited_link(hosts, tmp_path):
     finally:
         server.terminate()
         server.wait(10)
+
+
+DELAY_S = 0.01
+
+
+def test_round_trips_reflect_a_delayed_link(hosts, tmp_path):
+    """Control and data connections go through a relay in the client's namespace that holds
+    every chunk back 10 ms each way: discovery's round trips must show the 20 ms."""
+    srv_ns, cli_ns = hosts
+    cf = tmp_path / "server.json"
+    env = dict(os.environ, GENIE_TOKEN="netns-" + os.urandom(8).hex(), GENIE_STATE_DIR=str(tmp_path / "state"), GENIE_DATA_PORT="17100")
+    server = subprocess.Popen(
+        ["ip", "netns", "exec", srv_ns, sys.executable, "-m", "genie_core", "serve", "--ip", SERVER_IP, "--port", "0", "--connection-file", str(cf)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    relay = None
+    try:
+        assert any("ready" in server.stdout.readline() for _ in range(20))
+        info = ConnectionInfo.read(cf)
+        relay = subprocess.Popen(
+            ["ip", "netns", "exec", cli_ns, sys.executable, os.path.join(os.path.dirname(__file__), "delay_relay.py"),
+             "17001", SERVER_IP, str(info.port), str(DELAY_S), "17002", SERVER_IP, "17100", str(DELAY_S)],
+            stdout=subprocess.PIPE, text=True,
+        )
+        assert relay.stdout.readline().strip() == "relaying"
+        script = tmp_path / "client.py"
+        script.write_text(textwrap.dedent("""
+            import json, sys, genie_core
+            state = genie_core.init_sync(sys.argv[1], token=sys.argv[2], timeout=20, data_port=17002, discovery_budget=2.0)
+            print(json.dumps(state.backend_report.to_dict()))
+            genie_core.shutdown()
+        """))
+        inner = f"mount -t tmpfs tmpfs /dev/shm && exec {sys.executable} {script} 127.0.0.1:17001 {info.token}"
+        result = subprocess.run(["ip", "netns", "exec", cli_ns, "unshare", "--mount", "sh", "-c", inner],
+                                capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+        assert result.returncode == 0, result.stderr[-2000:]
+        report = {c["name"]: c for c in json.loads(result.stdout.strip().splitlines()[-1])["candidates"]}
+        for name in ("tcp", "zmq"):
+            assert report[name]["available"], report[name]["reason"]
+            assert 2 * DELAY_S <= report[name]["rtt_s"] < 2 * DELAY_S + 0.05, (name, report[name]["rtt_s"])
+        print(f"\nrelay delay {DELAY_S * 1e3:.0f} ms each way: tcp rtt {report['tcp']['rtt_s'] * 1e3:.1f} ms, zmq rtt {report['zmq']['rtt_s'] * 1e3:.1f} ms")
+    finally:
+        if relay is not None:
+            relay.kill()
+        server.terminate()
+        server.wait(10)

@@ -133,7 +133,7 @@ def discover(client: Any, requested: str = "auto", budget: float = 1.0) -> tuple
         candidates.append(Candidate("shm", False, why))
 
     # tcp: a plain socket to the server's data port.
-    port = server.get("data_port")
+    port = client.data_port or server.get("data_port")
     if not port:
         candidates.append(Candidate("tcp", False, "the server has no data port"))
     else:
