@@ -8,9 +8,30 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from .config import ConnectionInfo, new_token, runtime_dir
 from .errors import ConnectionFailed
+
+
+def start_server_process(*args: str, env: dict[str, str] | None = None, connection_file: str | os.PathLike | None = None,
+                         stderr: Any = subprocess.PIPE) -> tuple["subprocess.Popen[str]", ConnectionInfo, str]:
+    """Run `genie serve ARGS` as a child process; return it, its connection info and its ready line
+    once it is ready (for tests, benchmarks and scripts that want a server of their own)."""
+    cf = Path(connection_file) if connection_file else runtime_dir() / f"genie-child-{os.getpid()}-{os.urandom(3).hex()}.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "genie_core", "serve", "--connection-file", str(cf), *args],
+        env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
+    )
+    line = ""
+    for _ in range(20):  # the ready line, past anything a library printed first
+        line = proc.stdout.readline()
+        if "ready" in line or not line:
+            break
+    if "ready" not in line:
+        proc.kill()
+        raise ConnectionFailed(f"the genie server did not start: {line.strip()!r}")
+    return proc, ConnectionInfo.read(cf), line.strip()
 
 
 class LocalServer:

@@ -14,6 +14,7 @@ import pytest
 
 from genie_core.client import Client
 from genie_core.config import ConnectionInfo
+from genie_core.local_server import start_server_process
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -55,19 +56,9 @@ def start_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None) 
     cf = tmp_path / f"server-{os.urandom(3).hex()}.json"
     full_env = dict(os.environ, GENIE_TOKEN="test-token-" + os.urandom(8).hex(), GENIE_STATE_DIR=str(tmp_path / "state"))
     full_env.update(env or {})
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "genie_core", "serve", "--port", "0", "--connection-file", str(cf), *args],
-        env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    line = ""
-    for _ in range(20):  # the ready line, past anything a library printed first
-        line = proc.stdout.readline()
-        if "ready" in line or not line:
-            break
-    if "ready" not in line:
-        proc.kill()
-        raise RuntimeError(f"server did not start: {line!r} {proc.stderr.read()}")
-    return RunningServer(proc, ConnectionInfo.read(cf), cf, line.strip())
+    log = open(tmp_path / f"{cf.stem}.log", "w")  # read by nobody while running: a file never fills up
+    proc, info, line = start_server_process("--port", "0", *args, env=full_env, connection_file=cf, stderr=log)
+    return RunningServer(proc, info, cf, line)
 
 
 @pytest.fixture

@@ -80,6 +80,16 @@ def _probe_size(rate_guess: float, budget: float) -> int:
     return int(min(64 << 20, max(64 << 10, rate_guess * budget / 4)))
 
 
+def _measure_stream(transport: Any, budget: float) -> tuple[float, float]:
+    """Round trip (median of 10 pings) and bandwidth (a sink sized to the budget) of a socket-like
+    backend: a small send guesses the rate, then a transfer of about a quarter of the budget."""
+    rtt = _median_time(transport.ping, 10)
+    first = 256 << 10
+    guess = first / max(transport.sink(first), 1e-6)
+    size = min(32 << 20, _probe_size(guess, budget))
+    return rtt, size / statistics.median(transport.sink(size) for _ in range(2))
+
+
 def discover(client: Any, requested: str = "auto", budget: float = 1.0) -> tuple[BackendReport, Any]:
     """Measure the candidates (within `budget` seconds) and open the chosen transport."""
     from .shm import ShmTransport
@@ -139,11 +149,7 @@ def discover(client: Any, requested: str = "auto", budget: float = 1.0) -> tuple
     else:
         try:
             tcp = TcpTransport(client.host, int(port), client.codec.key, client.session, timeout=min(5.0, budget * 2))
-            tcp_rtt = _median_time(tcp.ping, 10)
-            first = 256 << 10
-            guess = first / max(tcp.sink(first), 1e-6)
-            size = min(32 << 20, _probe_size(guess, budget))
-            bw = size / statistics.median(tcp.sink(size) for _ in range(2))
+            tcp_rtt, bw = _measure_stream(tcp, budget)
             transports["tcp"] = tcp
             detail = {"port": int(port), "payload_mac": tcp.mac_on}
             candidates.append(Candidate("tcp", True, f"data port {port}" + (", payload HMAC on" if tcp.mac_on else " (loopback: no payload HMAC)"), tcp_rtt, bw, detail))
@@ -163,11 +169,7 @@ def discover(client: Any, requested: str = "auto", budget: float = 1.0) -> tuple
             from .ucx import UcxTransport
 
             ucx_t = UcxTransport(client.host, int(ucx_port), client.codec.key, client.session, timeout=min(5.0, budget * 4))
-            ucx_rtt = _median_time(ucx_t.ping, 10)
-            first = 256 << 10
-            guess = first / max(ucx_t.sink(first), 1e-6)
-            size = min(32 << 20, _probe_size(guess, budget))
-            bw = size / statistics.median(ucx_t.sink(size) for _ in range(2))
+            ucx_rtt, bw = _measure_stream(ucx_t, budget)
             transports["ucx"] = ucx_t
             ucx_candidate = Candidate("ucx", True, f"UCX port {ucx_port} ({local_ucx[1]})", ucx_rtt, bw, {"port": int(ucx_port)})
             candidates.append(ucx_candidate)
