@@ -103,12 +103,13 @@ def init_sync(
     **kwargs: Any,
 ) -> ClusterState:
     """Connect to a genie server (or, with no address, start an embedded one) and return the state.
+    `on_phase(name, seconds)` is called as each phase completes (the init widget shows them).
 
     `master_port` defaults to 5555; every argument left out falls back to its `GENIE_*`
     environment variable. `node_role="server"` serves from this process instead.
     Calling it again replaces the previous connection.
     """
-    phases: list[tuple[str, float]] = []
+    phases: list[tuple[str, float]] = _Phases(kwargs.pop("on_phase", None))
     t0 = time.perf_counter()
     connection_file = kwargs.pop("connection_file", None)
     config = ClusterConfig.resolve(
@@ -123,6 +124,19 @@ def init_sync(
         if config.node_role == "server":
             return _init_server(config, phases, t0)
         return _init_client(config, phases)
+
+
+class _Phases(list):
+    """The list of (phase, seconds); `on_phase(name, seconds)` hears of each as it completes."""
+
+    def __init__(self, on_phase: Any = None) -> None:
+        super().__init__()
+        self.on_phase = on_phase
+
+    def append(self, item: tuple[str, float]) -> None:
+        super().append(item)
+        if self.on_phase is not None:
+            self.on_phase(*item)
 
 
 def _init_server(config: ClusterConfig, phases: list[tuple[str, float]], t0: float) -> ClusterState:

@@ -9,6 +9,7 @@ def load_ipython_extension(ipython) -> None:  # noqa: ANN001
     from .magics import GenieMagics
 
     ipython.register_magics(GenieMagics)
+    ipython.magics_manager.register_alias("genie_dashboard", "genie_status")
 
 
 def unload_ipython_extension(ipython) -> None:  # noqa: ANN001

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import shlex
 import sys
 import time
@@ -11,14 +12,27 @@ from typing import Any, Iterator
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from IPython.display import clear_output, publish_display_data
+from IPython.display import clear_output, display, publish_display_data
 
 import genie_core
 from genie_core.cluster import current_client
 from genie_core.client import Client, Request
 from genie_core.errors import RemoteError
 
+from .feed import ClusterFeed
 from .progress import TransferProgress
+from .widgets import Dashboard, InitProgress
+
+_feeds: dict[int, ClusterFeed] = {}
+
+
+def feed_for(state: genie_core.ClusterState) -> ClusterFeed:
+    """One feed per connection, shared by every widget showing it."""
+    feed = _feeds.get(id(state))
+    if feed is None or feed._stopped.is_set():
+        _feeds.clear()
+        feed = _feeds[id(state)] = ClusterFeed(state)
+    return feed
 
 INTERRUPT_GRACE = 5.0  # seconds to wait for the remote side after an interrupt
 
@@ -109,11 +123,37 @@ class GenieMagics(Magics):
     def genie_init(self, line: str) -> None:
         """Connect this notebook to a genie server (replacing any earlier connection)."""
         args = parse_argstring(self.genie_init, line)
+        progress = InitProgress()
+        display(progress)
+
+        def on_phase(name: str, seconds: float) -> None:
+            progress.phases = progress.phases + [{"name": name, "seconds": seconds}]
+
         state = genie_core.init_sync(
             master_addr=args.address, token=args.token, connection_file=args.connection_file,
-            timeout=args.timeout, gpus=args.gpus,
+            timeout=args.timeout, gpus=args.gpus, on_phase=on_phase,
         )
-        print(summary(state))
+        progress.summary = summary(state)
+        print(progress.summary)
+
+    @magic_arguments()
+    @argument("--text", action="store_true", help="a plain-text report instead of the live dashboard")
+    @line_magic
+    def genie_status(self, line: str) -> None:
+        """The live dashboard of the connected server (GPU gauges, health, backend, events)."""
+        args = parse_argstring(self.genie_status, line)
+        state = genie_core.get_cluster_state()
+        if args.text or state.client is None:
+            from rich.console import Console
+
+            from genie_core.terminal import render
+
+            console = Console(file=io.StringIO(), width=120, color_system=None)
+            console.print(render(current_client("%genie_status").info()))
+            print(console.file.getvalue())
+            return
+        display(feed_for(state).attach(Dashboard()))
+
 
     @magic_arguments()
     @argument("--gpu", type=int, default=None, help="run on the worker of this GPU (default: the session's GPU)")

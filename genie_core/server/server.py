@@ -132,13 +132,6 @@ class Server:
             log.warning("no tcp data plane: cannot listen on %s:%s (%s)", self.config.ip, port, exc.strerror)
             self.data_server = None
         self.ucx_server = None
-        if detect.ucx()[0]:
-            try:
-                from ..transport.ucx import UcxDataServer
-
-                self.ucx_server = UcxDataServer(self.codec.key, self._session_worker_pids, self.data_owners)
-            except Exception as exc:
-                log.warning("no ucx data plane: %s", exc)
         self._shm_probe: Path | None = None
         probe = None
         if shm_available()[0]:
@@ -150,12 +143,22 @@ class Server:
                 fh.write(nonce)
             self._shm_probe = path
             probe = {"name": path.name, "sha256": hashlib.sha256(nonce).hexdigest()}
-        self.transport_info = {
-            "data_port": self.data_server.port if self.data_server else None,
-            "ucx_port": self.ucx_server.port if self.ucx_server else None,
-            "shm_probe": probe,
-            "detect": detect.server_report(),
-        }
+        self.transport_info = {"data_port": self.data_server.port if self.data_server else None, "ucx_port": None,
+                               "shm_probe": probe, "detect": {}}
+        # Hardware detection and UCX (importing ucxx takes about a second) happen after we are ready.
+        threading.Thread(target=self._start_slow_backends, name="genie-detect", daemon=True).start()
+
+    def _start_slow_backends(self) -> None:
+        report = detect.server_report()
+        if report["ucx"]["available"]:
+            try:
+                from ..transport.ucx import UcxDataServer
+
+                self.ucx_server = UcxDataServer(self.codec.key, self._session_worker_pids, self.data_owners)
+                self.transport_info["ucx_port"] = self.ucx_server.port
+            except Exception as exc:
+                log.warning("no ucx data plane: %s", exc)
+        self.transport_info["detect"] = report
 
     def _session_worker_pids(self, session_id: str) -> list[int] | None:
         """For the data port (its threads): the session's worker pids, or None if no such session."""

@@ -156,14 +156,18 @@ def discover(client: Any, requested: str = "auto", budget: float = 1.0) -> tuple
         except (GenieError, OSError, ConnectionError) as exc:
             candidates.append(Candidate("tcp", False, f"data port {client.host}:{port} not usable: {exc}"))
 
-    # ucx: both ends need the ucxx bindings; the server says so by offering a UCX port.
-    local_ucx = detect.ucx()
+    # ucx: both ends need the ucxx bindings; the server says so by offering a UCX port. On one host
+    # shared memory is faster, so ucx is measured (and ucxx imported: about a second) only when asked.
     ucx_port = server.get("ucx_port")
     ucx_candidate = None
-    if not local_ucx[0]:
+    same_host = any(c.name == "shm" and c.available for c in candidates)
+    if not ucx_port:
+        reason = (server_detect.get("ucx") or {}).get("reason") or "offers no UCX port (no ucxx there, or still starting)"
+        candidates.append(Candidate("ucx", False, f"server: {reason}"))
+    elif same_host and requested not in ("ucx", "rdma"):
+        candidates.append(Candidate("ucx", True, f"UCX port {ucx_port}; not measured: same host, where shm is faster"))
+    elif not (local_ucx := detect.ucx())[0]:
         candidates.append(Candidate("ucx", False, f"here: {local_ucx[1]}"))
-    elif not ucx_port:
-        candidates.append(Candidate("ucx", False, f"server: {(server_detect.get('ucx') or {}).get('reason', 'offers no UCX port')}"))
     else:
         try:
             from .ucx import UcxTransport

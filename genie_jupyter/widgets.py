@@ -1,0 +1,91 @@
+"""Genie's notebook widgets (anywidget). One front-end module draws any mix of sections:
+GPU gauges, health grades, the backend card, the event log, init progress."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import anywidget
+import traitlets as t
+
+
+def _asset(name: str) -> str:
+    """The front end ships inside the package (static/); an editable install reads js/src/."""
+    here = Path(__file__).resolve().parent
+    for path in (here / "static" / name, here.parent / "js" / "src" / name):
+        if path.exists():
+            return path.read_text()
+    raise FileNotFoundError(f"genie widget asset {name} is missing from the installation")
+
+
+class GenieWidget(anywidget.AnyWidget):
+    _esm = _asset("widgets.js")
+    _css = _asset("widgets.css")
+
+    sections = t.List(t.Unicode()).tag(sync=True)
+    status = t.Unicode("live").tag(sync=True)  # "live" or "lost"
+    last_seen = t.Float(0.0).tag(sync=True)
+    gpus = t.List().tag(sync=True)
+    cpu_only_reason = t.Unicode("").tag(sync=True)
+    history = t.Bytes(b"").tag(sync=True)  # float32 [gpus, metrics, points]: a binary buffer, not JSON
+    history_shape = t.List([0, 0, 0]).tag(sync=True)
+    health = t.Dict().tag(sync=True)
+    backend = t.Dict().tag(sync=True)
+    events = t.List().tag(sync=True)  # newest first, bounded
+    event_filter = t.Unicode("").tag(sync=True)
+    phases = t.List().tag(sync=True)
+    summary = t.Unicode("").tag(sync=True)
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        """Front ends without widgets (terminal IPython, nbconvert) get a text snapshot."""
+        bundle = super()._repr_mimebundle_(**kwargs)
+        data = bundle[0] if isinstance(bundle, tuple) else bundle
+        if isinstance(data, dict):
+            data["text/plain"] = self.text()
+        return bundle
+
+    def text(self) -> str:
+        lines = []
+        if self.status == "lost":
+            lines.append("server lost")
+        if "init" in self.sections:
+            lines += [f"✓ {p['name']} ({p['seconds'] * 1000:.0f} ms)" for p in self.phases] + ([self.summary] if self.summary else [])
+        if "health" in self.sections and self.health:
+            lines.append(f"health {self.health.get('grade')}: " + "; ".join(c["reason"] for c in self.health.get("checks", []) if c["grade"] != "HEALTHY"))
+        if "gauges" in self.sections:
+            if not self.gpus:
+                lines.append(f"CPU-only server: {self.cpu_only_reason or 'no GPU'}")
+            for g in self.gpus:
+                util = "unknown" if g.get("utilization") is None else f"{g['utilization']:.0f}%"
+                temp = "unknown" if g.get("temperature") is None else f"{g['temperature']:.0f} °C"
+                lines.append(f"GPU {g['index']} {g.get('name') or ''}: utilization {util}, temperature {temp}")
+        if "backend" in self.sections and self.backend:
+            lines.append(f"backend {self.backend.get('chosen')}: {self.backend.get('reason', '')}")
+        if "events" in self.sections:
+            lines += [f"{e['type']} {e.get('data', {}).get('message', '')}" for e in self.events[:5]]
+        return "\n".join(lines) or type(self).__name__
+
+
+class GPUGauges(GenieWidget):
+    sections = t.List(t.Unicode(), ["gauges"]).tag(sync=True)
+
+
+class HealthBadge(GenieWidget):
+    sections = t.List(t.Unicode(), ["health"]).tag(sync=True)
+
+
+class BackendCard(GenieWidget):
+    sections = t.List(t.Unicode(), ["backend"]).tag(sync=True)
+
+
+class EventLog(GenieWidget):
+    sections = t.List(t.Unicode(), ["events"]).tag(sync=True)
+
+
+class InitProgress(GenieWidget):
+    sections = t.List(t.Unicode(), ["init"]).tag(sync=True)
+
+
+class Dashboard(GenieWidget):
+    sections = t.List(t.Unicode(), ["health", "gauges", "backend", "events"]).tag(sync=True)

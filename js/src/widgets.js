@@ -1,0 +1,186 @@
+// Genie widgets: one ES module for anywidget. The pure functions (formatting, colours, the
+// sparkline's points, event filtering) are exported for node's test runner; `render` draws.
+
+export function formatBytes(n) {
+  if (n === null || n === undefined) return "unknown";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i += 1; }
+  return `${n.toFixed(i >= 3 ? 1 : 0)} ${units[i]}`;
+}
+
+export function formatNumber(value, unit, digits = 0) {
+  return value === null || value === undefined ? "unknown" : `${Number(value).toFixed(digits)}${unit}`;
+}
+
+export function level(pct) {
+  if (pct === null || pct === undefined) return "unknown";
+  return pct >= 90 ? "high" : pct >= 70 ? "warm" : "ok";
+}
+
+export function gaugeRows(gpu) {
+  const mem = gpu.memory_total ? (100 * gpu.memory_used) / gpu.memory_total : null;
+  const temp = gpu.temperature;
+  const tempPct = temp === null || temp === undefined ? null : (100 * temp) / (gpu.temperature_slowdown || 90);
+  const power = gpu.power_draw !== null && gpu.power_draw !== undefined && gpu.power_limit ? (100 * gpu.power_draw) / gpu.power_limit : null;
+  return [
+    { name: "utilization", pct: gpu.utilization ?? null, text: formatNumber(gpu.utilization, "%") },
+    { name: "memory", pct: mem, text: gpu.memory_total ? `${formatBytes(gpu.memory_used)} / ${formatBytes(gpu.memory_total)}` : "unknown" },
+    { name: "temperature", pct: tempPct, text: formatNumber(temp, " °C") },
+    { name: "power", pct: power, text: power === null ? "unknown" : `${formatNumber(gpu.power_draw, " W")} / ${formatNumber(gpu.power_limit, " W")}` },
+  ];
+}
+
+// Points of an SVG polyline for values in [0, top], oldest first, in a width x height box.
+export function sparklinePoints(values, width, height, top = 100) {
+  const finite = values.filter((v) => Number.isFinite(v));
+  if (finite.length < 2) return "";
+  const step = width / (values.length - 1);
+  return values
+    .map((v, i) => (Number.isFinite(v) ? `${(i * step).toFixed(1)},${(height - (Math.min(v, top) / top) * height).toFixed(1)}` : null))
+    .filter(Boolean)
+    .join(" ");
+}
+
+// History arrives as a little-endian float32 buffer of shape [gpus, metrics, points]; NaN = no reading.
+export function historySeries(buffer, shape, gpu, metric) {
+  const [, metrics, points] = shape;
+  if (!buffer || !points) return [];
+  const view = new Float32Array(buffer.buffer ?? buffer, buffer.byteOffset ?? 0, (buffer.byteLength ?? buffer.length) / 4);
+  const start = (gpu * metrics + metric) * points;
+  return Array.from(view.subarray(start, start + points));
+}
+
+export function visibleEvents(events, filter, limit = 200) {
+  const wanted = (filter || "").split(",").map((s) => s.trim().toUpperCase()).filter(Boolean);
+  return events.filter((e) => wanted.length === 0 || wanted.includes(e.type)).slice(0, limit);
+}
+
+export function ago(seconds) {
+  if (seconds < 60) return `${Math.round(seconds)} s ago`;
+  if (seconds < 3600) return `${Math.round(seconds / 60)} min ago`;
+  return `${Math.round(seconds / 3600)} h ago`;
+}
+
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (k === "class") node.className = v; else node.setAttribute(k, v);
+  }
+  for (const c of children) node.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  return node;
+}
+
+function svgSparkline(values) {
+  const ns = "http://www.w3.org/2000/svg";
+  const svg = document.createElementNS(ns, "svg");
+  svg.setAttribute("viewBox", "0 0 120 24");
+  svg.setAttribute("class", "genie-spark");
+  svg.setAttribute("aria-hidden", "true");
+  const line = document.createElementNS(ns, "polyline");
+  line.setAttribute("points", sparklinePoints(values, 120, 24));
+  svg.append(line);
+  return svg;
+}
+
+function drawGauges(model) {
+  const gpus = model.get("gpus") || [];
+  const box = el("section", { class: "genie-gauges", "aria-label": "GPU gauges" });
+  if (gpus.length === 0) {
+    box.append(el("p", { class: "genie-muted" }, `CPU-only server: ${model.get("cpu_only_reason") || "no GPU"}`));
+    return box;
+  }
+  const shape = model.get("history_shape") || [0, 0, 0];
+  const history = model.get("history");
+  gpus.forEach((gpu, g) => {
+    const card = el("div", { class: `genie-gauge${gpu.lost ? " genie-lost" : ""}`, "data-gpu": String(gpu.index) });
+    card.append(el("div", { class: "genie-gauge-title" }, `GPU ${gpu.index} · ${gpu.name || "unknown"}`));
+    if (gpu.lost) card.append(el("div", { class: "genie-bad" }, "cannot be read (fallen off the bus?)"));
+    gaugeRows(gpu).forEach((row, m) => {
+      const bar = el("div", { class: "genie-bar", role: "meter", "aria-label": `GPU ${gpu.index} ${row.name}`,
+        "aria-valuemin": "0", "aria-valuemax": "100", "aria-valuenow": row.pct === null ? "0" : String(Math.round(row.pct)) });
+      bar.append(el("div", { class: `genie-fill genie-${level(row.pct)}`, style: `width:${row.pct === null ? 0 : Math.min(100, row.pct)}%` }));
+      const line = el("div", { class: "genie-row" }, el("span", { class: "genie-label" }, row.name), bar,
+        el("span", { class: "genie-value", "data-metric": row.name }, row.text));
+      if (m < shape[1]) line.append(svgSparkline(historySeries(history, shape, g, m)));
+      card.append(line);
+    });
+    box.append(card);
+  });
+  return box;
+}
+
+function drawHealth(model) {
+  const report = model.get("health") || {};
+  const grade = report.grade || "UNKNOWN";
+  const box = el("section", { class: "genie-health", "aria-label": "health" });
+  box.append(el("span", { class: `genie-badge genie-grade-${grade.toLowerCase()}`, role: "status" }, grade));
+  const list = el("ul", { class: "genie-checks" });
+  for (const c of report.checks || []) list.append(el("li", { class: `genie-grade-${c.grade.toLowerCase()}` }, `${c.grade === "HEALTHY" ? "✓" : "!"} ${c.reason}`));
+  box.append(list);
+  return box;
+}
+
+function drawBackend(model) {
+  const report = model.get("backend") || {};
+  const box = el("section", { class: "genie-backend", "aria-label": "network backend" });
+  box.append(el("div", { class: "genie-backend-chosen" }, `backend: ${report.chosen || "unknown"}`));
+  box.append(el("div", { class: "genie-muted" }, report.reason || ""));
+  const table = el("table", { class: "genie-candidates" });
+  table.append(el("tr", {}, el("th", {}, "backend"), el("th", {}, "round trip"), el("th", {}, "bandwidth"), el("th", {}, "why")));
+  for (const c of report.candidates || []) {
+    table.append(el("tr", { class: c.available ? "" : "genie-muted" }, el("td", {}, c.name),
+      el("td", {}, c.rtt_s ? `${(c.rtt_s * 1000).toFixed(2)} ms` : "—"),
+      el("td", {}, c.bandwidth ? `${formatBytes(c.bandwidth)}/s` : "—"),
+      el("td", {}, c.available ? "" : c.reason)));
+  }
+  box.append(table);
+  return box;
+}
+
+function drawEvents(model) {
+  const box = el("section", { class: "genie-events", "aria-label": "event log" });
+  const input = el("input", { class: "genie-filter", placeholder: "filter by type, e.g. GPU_OVERHEATED", "aria-label": "filter events by type" });
+  input.value = model.get("event_filter") || "";
+  input.addEventListener("change", () => { model.set("event_filter", input.value); model.save_changes(); });
+  box.append(input);
+  const list = el("ol", { class: "genie-event-list" });
+  for (const e of visibleEvents(model.get("events") || [], model.get("event_filter"))) {
+    const when = new Date(e.time * 1000).toLocaleTimeString();
+    list.append(el("li", { class: `genie-sev-${e.severity}` }, `${when} ${e.type} ${(e.data && e.data.message) || ""}`));
+  }
+  box.append(list);
+  return box;
+}
+
+function drawInit(model) {
+  const box = el("section", { class: "genie-init", "aria-label": "initialization" });
+  const list = el("ol", {});
+  for (const p of model.get("phases") || []) list.append(el("li", {}, `✓ ${p.name} (${(p.seconds * 1000).toFixed(0)} ms)`));
+  box.append(list);
+  if (model.get("summary")) box.append(el("div", { class: "genie-summary" }, model.get("summary")));
+  return box;
+}
+
+const SECTIONS = { gauges: drawGauges, health: drawHealth, backend: drawBackend, events: drawEvents, init: drawInit };
+
+function draw(model, el_) {
+  const root = el("div", { class: "genie-widget" });
+  const status = model.get("status");
+  if (status === "lost") {
+    root.classList.add("genie-lost");
+    root.append(el("div", { class: "genie-bad", role: "alert" }, `server lost · last seen ${ago(Date.now() / 1000 - model.get("last_seen"))}`));
+  }
+  for (const name of model.get("sections") || []) root.append(SECTIONS[name](model));
+  el_.replaceChildren(root);
+}
+
+function render({ model, el: el_ }) {
+  const redraw = () => draw(model, el_);
+  for (const name of ["gpus", "history", "health", "backend", "events", "event_filter", "phases", "summary", "status", "last_seen", "sections"]) {
+    model.on(`change:${name}`, redraw);
+  }
+  redraw();
+}
+
+export default { render };

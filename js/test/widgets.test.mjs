@@ -1,0 +1,51 @@
+import { test } from "node:test";
+import assert from "node:assert/strict";
+import { formatBytes, gaugeRows, sparklinePoints, historySeries, visibleEvents, level, ago } from "../src/widgets.js";
+
+test("bytes read like a person writes them", () => {
+  assert.equal(formatBytes(0), "0 B");
+  assert.equal(formatBytes(80 * 1024 ** 3), "80.0 GiB");
+  assert.equal(formatBytes(null), "unknown");
+});
+
+test("gauges say unknown instead of inventing a number", () => {
+  const rows = gaugeRows({ index: 0, utilization: null, memory_used: null, memory_total: null, temperature: null, power_draw: null, power_limit: null });
+  assert.deepEqual(rows.map((r) => r.text), ["unknown", "unknown", "unknown", "unknown"]);
+  assert.ok(rows.every((r) => r.pct === null));
+});
+
+test("gauges scale to the GPU's own limits", () => {
+  const [util, mem, temp, power] = gaugeRows({ utilization: 50, memory_used: 40, memory_total: 80, temperature: 87, temperature_slowdown: 87, power_draw: 350, power_limit: 700 });
+  assert.equal(util.pct, 50);
+  assert.equal(mem.pct, 50);
+  assert.equal(temp.pct, 100);
+  assert.equal(power.pct, 50);
+  assert.equal(level(temp.pct), "high");
+  assert.equal(level(util.pct), "ok");
+});
+
+test("sparklines skip missing readings and need two points", () => {
+  assert.equal(sparklinePoints([5], 100, 10), "");
+  assert.equal(sparklinePoints([0, 100], 100, 10), "0.0,10.0 100.0,0.0");
+  assert.equal(sparklinePoints([0, NaN, 100], 100, 10), "0.0,10.0 100.0,0.0");
+});
+
+test("history comes from a binary float32 buffer by gpu and metric", () => {
+  const shape = [2, 2, 3];
+  const data = new Float32Array([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]);
+  const view = new DataView(data.buffer);
+  assert.deepEqual(historySeries(view, shape, 1, 0), [7, 8, 9]);
+  assert.deepEqual(historySeries(view, shape, 0, 1), [4, 5, 6]);
+});
+
+test("the event log filters by type and stays bounded", () => {
+  const events = Array.from({ length: 300 }, (_, i) => ({ type: i % 2 ? "GPU_OVERHEATED" : "NODE_LOST", time: i }));
+  assert.equal(visibleEvents(events, "").length, 200);
+  assert.ok(visibleEvents(events, "gpu_overheated").every((e) => e.type === "GPU_OVERHEATED"));
+  assert.equal(visibleEvents(events, "NODE_LOST, GPU_OVERHEATED", 10).length, 10);
+});
+
+test("time since last seen", () => {
+  assert.equal(ago(5), "5 s ago");
+  assert.equal(ago(180), "3 min ago");
+});
