@@ -101,8 +101,6 @@ class ClusterFeed:
             if health:
                 client_health = self.state.health
                 self._values["health"] = client_health.to_dict() if client_health else health
-            if self._values.get("status") == "lost" and self.state.connected:
-                self._values["status"] = "live"
 
     def _pack(self, indices: list[int]) -> tuple[bytes, list[int]]:
         out = bytearray()
