@@ -2,7 +2,22 @@
 
 from genie_core import __version__
 
-__all__ = ["__version__", "load_ipython_extension", "unload_ipython_extension"]
+__all__ = [
+    "__version__", "load_ipython_extension", "unload_ipython_extension",
+    "Dashboard", "GPUGauges", "HealthBadge", "BackendCard", "EventLog", "InitProgress", "feed_for",
+]
+
+
+def __getattr__(name: str):  # the widgets import anywidget: only when asked for
+    if name in ("Dashboard", "GPUGauges", "HealthBadge", "BackendCard", "EventLog", "InitProgress"):
+        from . import widgets
+
+        return getattr(widgets, name)
+    if name == "feed_for":
+        from .magics import feed_for
+
+        return feed_for
+    raise AttributeError(name)
 
 
 def load_ipython_extension(ipython) -> None:  # noqa: ANN001

@@ -109,6 +109,8 @@ def test_embedded_local_server_in_a_kernel(kernel):
     execute(kc, "%load_ext genie_jupyter")
     reply, msgs = execute(kc, "%genie_init")
     assert reply["status"] == "ok" and "embedded local server" in stdout(msgs)
+    views = [m for _, m in msgs if m["msg_type"] == "display_data" and "application/vnd.jupyter.widget-view+json" in m["content"]["data"]]
+    assert views and views[0]["content"]["data"]["text/plain"]  # the init widget, with a text fallback
     reply, msgs = execute(kc, "%%remote\nprint('from the embedded server')")
     assert stdout(msgs) == "from the embedded server\n"
     execute(kc, "%genie_shutdown")

@@ -132,7 +132,7 @@ function drawBackend(model) {
     table.append(el("tr", { class: c.available ? "" : "genie-muted" }, el("td", {}, c.name),
       el("td", {}, c.rtt_s ? `${(c.rtt_s * 1000).toFixed(2)} ms` : "—"),
       el("td", {}, c.bandwidth ? `${formatBytes(c.bandwidth)}/s` : "—"),
-      el("td", {}, c.available ? "" : c.reason)));
+      el("td", {}, c.available && c.bandwidth ? "" : c.reason)));
   }
   box.append(table);
   return box;
