@@ -7,6 +7,7 @@ request they made, never on the socket.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -19,7 +20,7 @@ from typing import Any, Iterator
 
 import zmq
 
-from .errors import AuthenticationError, ConnectionFailed, ConnectionLost, ProtocolError, RemoteError, WorkerDied
+from .errors import AuthenticationError, ConnectionFailed, ConnectionLost, GenieError, ProtocolError, RemoteError, WorkerDied
 from .events import ClusterEvent, EventBus, EventType, Severity
 from .loop import SocketLoop
 from .monitoring.health import Grade, HealthCheck, HealthReport, worst
@@ -27,6 +28,7 @@ from .nodes import NodeInfo
 from .protocol import Codec, Message, derive_key
 from .transport.base import InlineTransport
 from .transport.discovery import BackendReport, discover
+from .transport.segment import SHM_DIR
 
 DATA_THRESHOLD = 1 << 20  # bytes: transfers at least this big use the data plane
 from .serialize import deserialize_namespace, serialize_namespace
@@ -349,10 +351,16 @@ class Client:
         content: dict[str, Any] = {"values": metas, "gpu": gpu, "device": device}
         with self._transfer_lock:  # one transfer at a time on the data plane; the reply frees its buffer
             if self.transport.name != "zmq" and sum(memoryview(b).nbytes for b in buffers) >= DATA_THRESHOLD:
-                content["data"] = self.transport.put(buffers, progress)
+                with self._data_errors("push"):
+                    content["data"] = self.transport.put(buffers, progress)
                 buffers = []
             try:
                 reply = self._request(Message("push", content, buffers)).wait(timeout)
+            except BaseException:
+                ref = content.get("data")
+                if ref and ref.get("via") == "shm":  # ours, and nobody adopted it: remove it
+                    (SHM_DIR / ref["segment"]).unlink(missing_ok=True)
+                raise
             finally:
                 if "data" in content and hasattr(self.transport, "after"):
                     self.transport.after()
@@ -368,8 +376,25 @@ class Client:
             if reply.content.get("status") != "ok":
                 raise _error_from(reply.content)
             ref = reply.content.get("data")
-            buffers = self.transport.get(dict(ref, via=via), progress) if ref else reply.buffers
+            if ref:
+                with self._data_errors("pull"):
+                    buffers = self.transport.get(dict(ref, via=via), progress)
+            else:
+                buffers = reply.buffers
         return deserialize_namespace(reply.content["values"], buffers)
+
+    @contextlib.contextmanager
+    def _data_errors(self, what: str) -> Iterator[None]:
+        """A data connection that breaks is a lost connection, said plainly (whatever the backend raised)."""
+        try:
+            yield
+        except GenieError:
+            raise
+        except Exception as exc:
+            raise ConnectionLost(
+                f"the {self.transport.name} data connection to genie server at {self.address} broke during a {what} "
+                f"({type(exc).__name__}: {exc}); run %genie_init (or genie_core.init) to reconnect"
+            ) from None
 
     def ping(self, timeout: float = 5.0) -> float:
         start = time.perf_counter()

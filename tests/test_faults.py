@@ -1,0 +1,51 @@
+"""Faults end in a clear error, never a hang: the server killed mid-transfer, interrupts of
+every kind of long-running code. (More of issue 8 lives in test_server.py.)"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+import genie_core
+from conftest import run, start_server, stdout_of
+from genie_core.errors import ConnectionLost
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm", "zmq"])
+@pytest.mark.parametrize("direction", ["push", "pull"])
+def test_server_killed_mid_transfer_is_a_clear_error(tmp_path, backend, direction):
+    srv = start_server(tmp_path)
+    try:
+        state = genie_core.init_sync(f"127.0.0.1:{srv.info.port}", token=srv.info.token, backend=backend, timeout=20)
+        big = torch.ones(1 << 28, dtype=torch.uint8)  # 256 MiB
+        if direction == "pull":
+            state.client.push({"big": big})
+        threading.Timer(0.05, srv.proc.send_signal, args=(signal.SIGKILL,)).start()
+        start = time.monotonic()
+        with pytest.raises(ConnectionLost, match=f"127.0.0.1:{srv.info.port}"):
+            for _ in range(50):  # until the kill lands
+                state.client.push({"big": big}) if direction == "push" else state.client.pull(["big"])
+        assert time.monotonic() - start < 8
+    finally:
+        genie_core.shutdown()
+        srv.stop()
+
+
+@pytest.mark.parametrize("code", [
+    "while True:\n    pass",
+    "import time\ntime.sleep(3600)",
+    "import torch\nx = torch.randn(600, 600)\nfor _ in range(100000):\n    x = torch.tanh(x @ x)",
+], ids=["infinite-loop", "long-sleep", "long-torch-op"])
+def test_interrupts_stop_any_long_running_code(client, code):
+    request = client.execute(code)
+    time.sleep(0.5)
+    start = time.monotonic()
+    client.interrupt()
+    replies = [(m.type, m.content) for m in request.replies(15)]
+    assert time.monotonic() - start < 2.0
+    assert any(t == "error" and c["ename"] == "KeyboardInterrupt" for t, c in replies)
+    assert stdout_of(run(client, "print('usable')")) == "usable\n"
