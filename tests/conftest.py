@@ -101,6 +101,15 @@ def plain(text: str) -> str:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _reliability_document():
+    import reliability
+
+    reliability.reset()
+    yield
+    reliability.write_document()
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _no_leaked_segments():
     """Shared-memory segments must not outlive the servers and workers that made them."""
     before = {p.name for p in Path("/dev/shm").glob("genie-*")} if Path("/dev/shm").is_dir() else set()

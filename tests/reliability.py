@@ -1,0 +1,42 @@
+"""Figures that fault and fuzz tests measure, gathered into docs/RELIABILITY.md at the end of
+the run, so the document is written by the tests, not by hand."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STORE = ROOT / "test-artifacts" / "reliability.json"
+
+
+def record(section: str, key: str, value: object) -> None:
+    STORE.parent.mkdir(exist_ok=True)
+    data = json.loads(STORE.read_text()) if STORE.exists() else {}
+    data.setdefault(section, {})[key] = value
+    STORE.write_text(json.dumps(data, indent=1, sort_keys=True))
+
+
+def reset() -> None:
+    STORE.unlink(missing_ok=True)
+
+
+def write_document() -> None:
+    if not STORE.exists():
+        return
+    data = json.loads(STORE.read_text())
+    lines = [
+        "# Reliability",
+        "",
+        f"Written by the test suite (`tests/reliability.py`) on {time.strftime('%Y-%m-%d')}: every figure below was",
+        "measured by a test in that run against a real server process on 127.0.0.1. Re-run `python -m pytest` to",
+        "regenerate it.",
+        "",
+    ]
+    for section in sorted(data):
+        lines += [f"## {section}", "", "| what | measured |", "| --- | --- |"]
+        lines += [f"| {k} | {v} |" for k, v in sorted(data[section].items())]
+        lines.append("")
+    (ROOT / "docs").mkdir(exist_ok=True)
+    (ROOT / "docs" / "RELIABILITY.md").write_text("\n".join(lines))
