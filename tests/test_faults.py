@@ -43,14 +43,14 @@ def test_server_killed_mid_transfer_is_a_clear_error(tmp_path, backend, directio
     "import time\ntime.sleep(3600)",
     "import torch\nx = torch.randn(600, 600)\nfor _ in range(100000):\n    x = torch.tanh(x @ x)",
 ], ids=["infinite-loop", "long-sleep", "long-torch-op"])
-def test_interrupts_stop_any_long_running_code(client, code):
-    request = client.execute(code)
+def test_interrupts_stop_any_long_running_code(client, code, request):
+    cell = client.execute(code)
     time.sleep(0.5)
     start = time.monotonic()
     client.interrupt()
-    replies = [(m.type, m.content) for m in request.replies(15)]
+    replies = [(m.type, m.content) for m in cell.replies(15)]
     took = time.monotonic() - start
     assert took < 2.0
     assert any(t == "error" and c["ename"] == "KeyboardInterrupt" for t, c in replies)
-    record("Interrupts", f"{code.splitlines()[-1].strip()[:40]}: seconds to KeyboardInterrupt", f"{took:.3f}")
+    record("Interrupts", f"{request.node.callspec.id}: seconds to KeyboardInterrupt", f"{took:.3f}")
     assert stdout_of(run(client, "print('usable')")) == "usable\n"
