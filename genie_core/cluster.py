@@ -154,10 +154,7 @@ def _init_client(config: ClusterConfig, phases: list[tuple[str, float]]) -> Clus
     t = time.perf_counter()
     local: LocalServer | None = None
     token = config.token
-    if config.connection_file and not config.master_addr:
-        info = ConnectionInfo.read(config.connection_file)
-        host, port, token = info.ip, info.port, token or info.token
-    elif config.master_addr in (None, "", "local"):
+    if config.master_addr in (None, "", "local") and not config.connection_file:
         local = LocalServer(config.gpus)
         info = local.start(config.timeout)
         host, port, token = info.ip, info.port, info.token
@@ -172,20 +169,15 @@ def _init_client(config: ClusterConfig, phases: list[tuple[str, float]]) -> Clus
     )
     try:
         client.connect()
-    except BaseException:
-        if local is not None:
-            local.stop()
-        raise
-    phases.append(("connect", time.perf_counter() - t))
-    t = time.perf_counter()
-    try:
+        phases.append(("connect", time.perf_counter() - t))
+        t = time.perf_counter()
         report = client.select_backend(config.backend, config.discovery_budget)
+        phases.append(("discovery", time.perf_counter() - t))
     except BaseException:
-        client.close()
+        client.close(notify=client.connected)  # a no-op when the connect itself failed
         if local is not None:
             local.stop()
         raise
-    phases.append(("discovery", time.perf_counter() - t))
     from .remote_tensor import enable
 
     enable()  # remote_accelerator tensors: registered now if torch is imported, else right after it is
@@ -197,8 +189,11 @@ def _init_client(config: ClusterConfig, phases: list[tuple[str, float]]) -> Clus
 
 
 def resolve_server(config: ClusterConfig) -> tuple[str, int, str]:
-    """(host, port, token) of a server named by address, with the token from the argument or
-    `GENIE_TOKEN`, then the connection file, then a local server's connection file."""
+    """(host, port, token) of a server named by address (or only by its connection file), with the
+    token from the argument or `GENIE_TOKEN`, then the connection file, then a local server's one."""
+    if config.connection_file and not config.master_addr:
+        info = ConnectionInfo.read(config.connection_file)
+        return info.ip, info.port, config.token or info.token
     host, port = parse_address(config.master_addr or "", config.master_port or DEFAULT_PORT)
     assert port is not None
     token = config.token

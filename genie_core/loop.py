@@ -55,11 +55,6 @@ class SocketLoop:
         except (BlockingIOError, OSError):
             pass  # the pipe is full (the loop will wake anyway) or closed
 
-    def in_loop_thread(self) -> bool:
-        return self._thread is threading.current_thread() or (
-            self._thread is None and threading.current_thread() is threading.main_thread()
-        )
-
     def start(self) -> None:
         self._thread = threading.Thread(target=self.run, name=f"genie-{self.name}", daemon=True)
         self._thread.start()

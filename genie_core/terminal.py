@@ -33,9 +33,6 @@ def connect(address: str | None, token: str | None, connection_file: str | None,
             raise ConfigError(f"no running genie server found on this machine (looked in {runtime_dir()}); pass ADDR")
         _, info = local[-1]
         host, port, token = info.ip, info.port, token or info.token
-    elif address is None:
-        info = ConnectionInfo.read(connection_file)
-        host, port, token = info.ip, info.port, token or info.token
     else:
         config = ClusterConfig.resolve(master_addr=address, token=token, connection_file=connection_file, timeout=timeout)
         host, port, token = resolve_server(config)

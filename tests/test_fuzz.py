@@ -4,7 +4,6 @@ not, and keep its memory flat."""
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time

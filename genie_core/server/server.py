@@ -34,7 +34,7 @@ from ..nodes import NodeInfo
 from ..transport import detect
 from ..transport.data_server import DataServer
 from ..transport.segment import SHM_DIR, Segment, shm_available, sweep_dead
-from ..protocol import PROTOCOL, PROTOCOL_VERSION, Codec, Message, derive_key, split_identities
+from ..protocol import PROTOCOL_VERSION, Codec, Message, derive_key, split_identities
 from .session import Session
 from .worker_process import CPU, WorkerProcess, describe_exit
 

@@ -140,6 +140,3 @@ class DataServer:
         size = int(header["size"])
         wire.send_header(conn, {"ok": True, "size": size})
         wire.send_payload(conn, [view[:size]], wire.payload_mac(self.key) if mac_on else None)
-
-    def owner(self, segment: str) -> str | None:
-        return self.segments.get(segment)

@@ -210,7 +210,7 @@ def discover(client: Any, requested: str = "auto", budget: float = 1.0) -> tuple
         others = [c for c in usable if c is not chosen]
         versus = ", ".join(f"{c.name} {rate(c.bandwidth)}" for c in others)
         reason = f"{chosen.name}: {chosen.reason}, {rate(chosen.bandwidth)}" + (f" vs {versus}" if versus else "")
-    for name, t in transports.items():
+    for t in transports.values():
         if t is not transports[chosen.name]:
             t.close()
     report = BackendReport(chosen.name, reason, candidates, requested, time.perf_counter() - start)

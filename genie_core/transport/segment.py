@@ -158,26 +158,6 @@ def sweep_dead() -> int:
     return removed
 
 
-class SegmentPool:
-    """One reusable segment, grown when a transfer needs more."""
-
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
-        self.segment: Segment | None = None
-
-    def get(self, size: int) -> Segment:
-        if self.segment is None or self.segment.size < size:
-            self.release()
-            self.segment = Segment.create(self.prefix, max(size, 1 << 20))
-        return self.segment
-
-    def release(self) -> None:
-        if self.segment is not None:
-            self.segment.close()
-            self.segment.unlink()
-            self.segment = None
-
-
 def pack_into(view: memoryview, buffers: list, progress: Any = None, chunk: int = 64 << 20) -> list[int]:
     """Copy buffers back to back into `view`; return their sizes."""
     sizes, offset = [], 0
