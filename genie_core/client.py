@@ -35,7 +35,45 @@ from .serialize import deserialize_namespace, serialize_namespace
 
 log = logging.getLogger("genie.client")
 
-TERMINAL = {"welcome", "pong", "execute_reply", "push_reply", "pull_reply", "error_reply", "interrupt_reply", "close_reply", "info_reply", "tensor_reply", "data_probe_reply", "set_backend_reply", "auth_failed"}
+TERMINAL = {"welcome", "pong", "execute_reply", "push_reply", "pull_reply", "error_reply", "interrupt_reply", "close_reply", "info_reply", "tensor_reply", "data_probe_reply", "set_backend_reply", "outcome_reply", "auth_failed"}
+RUNS = {"execute", "push", "pull", "tensor_ops"}  # requests that act on the worker: each runs at most once
+KEEP_LOST = 100  # lost requests remembered
+KEEP_OUTPUT = 64 << 10  # characters of a lost cell's late output kept to show
+
+
+@dataclass
+class LostRequest:
+    """A request whose connection was lost before its answer came: did it run?
+
+    `state` is "unknown" until the server answers again, then "running", "finished" (see
+    `status`: ok or error), "not run" (the server never received it), or "unknown" for good
+    when the server ended the session meanwhile. Late output of a cell is kept in `output`.
+    """
+
+    id: str
+    type: str
+    summary: str
+    lost_at: float
+    state: str = "unknown"
+    status: str = ""
+    error: str = ""
+    output: str = ""
+    reported: bool = False
+
+    @property
+    def settled(self) -> bool:
+        return self.state in ("finished", "not run") or (self.state == "unknown" and bool(self.error))
+
+    def describe(self) -> str:
+        what = f"{'the cell' if self.type == 'execute' else 'the ' + self.type} sent at {time.strftime('%H:%M:%S', time.localtime(self.lost_at))}"
+        what += f" ({self.summary})" if self.summary else ""
+        if self.state == "finished":
+            return f"{what} ran on the server after all and finished {self.status}" + (f" ({self.error})" if self.error else "")
+        if self.state == "not run":
+            return f"{what} never reached the server: it did not run"
+        if self.state == "running":
+            return f"{what} is still running on the server"
+        return f"{what}: unknown whether it ran" + (f" ({self.error})" if self.error else "")
 
 
 @dataclass
@@ -51,6 +89,7 @@ class Request:
         self.id = msg.id
         self.type = msg.type
         self.sent = time.monotonic()
+        self.summary = ""  # a few words on what it does, should it be lost
         self._queue: queue.SimpleQueue[Message | _Closed] = queue.SimpleQueue()
         self.done = False
 
@@ -134,6 +173,7 @@ class Client:
         self.backend_report: BackendReport | None = None
         self._transfer_lock = threading.Lock()
         self.rtt: float | None = None
+        self.lost_requests: dict[str, LostRequest] = {}  # cut off by a lost connection; see LostRequest
         self._pending: dict[str, Request] = {}
         self._seq = itertools.count(1)
         self._send_locks: dict[Any, threading.Lock] = {}  # one per socket: a big request never holds up a ping
@@ -244,19 +284,24 @@ class Client:
             self._last_heard = time.monotonic()
             if msg.type == "pong":
                 self.rtt = time.monotonic() - getattr(self._pending.get(msg.parent), "sent", time.monotonic())
-                if self.lost_reason is not None and self.session:
-                    self.lost_reason = None
-                    self._event(EventType.NODE_RECOVERED, Severity.INFO, f"{self.address} answers again")
+            if self.lost_reason is not None and self.session and msg.content.get("ename") != "SessionNotFound":
+                self._recovered()
             if not msg.parent:
                 self._on_push(msg)
                 continue
             request = self._pending.get(msg.parent)
             if request is None:
+                lost = self.lost_requests.get(msg.parent)
+                if lost is not None:
+                    self._late_reply(lost, msg)
+                elif msg.type == "error_reply" and msg.content.get("ename") == "SessionNotFound":
+                    self._session_ended(msg.content.get("evalue", "session not found"))
                 continue
             if msg.type in TERMINAL:
                 self._pending.pop(msg.parent, None)
             if msg.type == "error_reply" and msg.content.get("ename") == "SessionNotFound":
                 self._mark_lost(msg.content.get("evalue", "session not found"))
+                self._session_ended(msg.content.get("evalue", "session not found"))
             request._put(msg)
 
     def _on_disconnect(self, monitor: zmq.Socket) -> None:
@@ -301,8 +346,70 @@ class Client:
         for rid, request in list(self._pending.items()):
             if request.type != "ping":
                 self._pending.pop(rid, None)
-                request._put(_Closed(ConnectionLost(reason)))
+                why = reason
+                if request.type in RUNS:
+                    self.lost_requests[rid] = LostRequest(rid, request.type, request.summary, time.time())
+                    while len(self.lost_requests) > KEEP_LOST:
+                        self.lost_requests.pop(next(iter(self.lost_requests)))
+                    why += (f". The {'cell' if request.type == 'execute' else request.type} had been sent and may still run there: "
+                            "whether it ran is reported once the server answers again")
+                request._put(_Closed(ConnectionLost(why)))
         self._event(EventType.NODE_LOST, Severity.ERROR, reason, last_seen=time.time() - (time.monotonic() - self._last_heard))
+
+    def _recovered(self) -> None:
+        """The server answers again (after a partition or a pause): resume, and ask about lost requests."""
+        self.lost_reason = None
+        self._event(EventType.NODE_RECOVERED, Severity.INFO, f"{self.address} answers again")
+        if any(not r.settled for r in self.lost_requests.values()):
+            threading.Thread(target=self._ask_outcomes, name="genie-outcomes", daemon=True).start()
+
+    def _late_reply(self, lost: LostRequest, msg: Message) -> None:
+        """A reply to a request we gave up on: it ran after all. Keep its output; settle it at the end."""
+        if msg.type == "stream" and len(lost.output) < KEEP_OUTPUT:
+            lost.output += str(msg.content.get("text", ""))[: KEEP_OUTPUT - len(lost.output)]
+        elif msg.type == "error":
+            lost.error = f"{msg.content.get('ename', '')}: {msg.content.get('evalue', '')}"[:500]
+        if msg.type in TERMINAL:
+            status = "error" if msg.type == "error_reply" else str(msg.content.get("status", "ok"))
+            error = lost.error or (f"{msg.content.get('ename')}: {msg.content.get('evalue', '')}"[:500] if msg.content.get("ename") else "")
+            self._settle(lost, "finished", status, error)
+
+    def _ask_outcomes(self) -> None:
+        """After a lost connection comes back: ask the server what became of each lost request.
+        The question travels behind those requests on the same connection, so the answer is final."""
+        ids = [r.id for r in self.lost_requests.values() if not r.settled]
+        try:
+            reply = self._request(Message("outcome", {"ids": ids})).wait(10)
+        except Exception as exc:
+            log.warning("could not learn the outcome of %d lost requests: %s", len(ids), exc)
+            return
+        for rid, outcome in reply.content.get("outcomes", {}).items():
+            lost = self.lost_requests.get(rid)
+            if lost is None or lost.settled:
+                continue
+            if outcome.get("state") == "finished":
+                self._settle(lost, "finished", str(outcome.get("status", "")), str(outcome.get("error", "")))
+            elif outcome.get("state") == "not received":
+                self._settle(lost, "not run", "", "")
+            else:
+                lost.state = "running"  # its reply follows on this connection
+
+    def _session_ended(self, why: str) -> None:
+        for lost in self.lost_requests.values():
+            if not lost.settled and lost.state != "finished":
+                self._settle(lost, "unknown", "", "the server ended the session before the connection came back")
+
+    def _settle(self, lost: LostRequest, state: str, status: str, error: str) -> None:
+        lost.state, lost.status, lost.error = state, status, error
+        severity = Severity.WARNING if state == "finished" else Severity.INFO if state == "not run" else Severity.ERROR
+        self._event(EventType.REQUEST_OUTCOME, severity, lost.describe(), request=lost.id, state=state, status=status)
+
+    def take_settled(self) -> list[LostRequest]:
+        """Lost requests whose fate is now known and not yet reported (each is returned once)."""
+        done = [r for r in self.lost_requests.values() if r.settled and not r.reported]
+        for r in done:
+            r.reported = True
+        return done
 
     def _on_push(self, msg: Message) -> None:
         """Messages the server sends on its own: events and metric snapshots."""
@@ -339,7 +446,10 @@ class Client:
         return bool(self.session) and self.lost_reason is None and not self._closed
 
     def execute(self, code: str, *, gpu: int | None = None, silent: bool = False) -> Request:
-        return self._request(Message("execute", {"code": code, "gpu": gpu, "silent": silent}))
+        request = self._request(Message("execute", {"code": code, "gpu": gpu, "silent": silent}))
+        first = next((line.strip() for line in code.splitlines() if line.strip()), "")
+        request.summary = first if len(first) <= 60 else first[:57] + "..."
+        return request
 
     def interrupt(self) -> None:
         self._request(Message("interrupt"))

@@ -107,6 +107,14 @@ def _progress(label: str) -> Iterator[TransferProgress]:
         bar.finish()
 
 
+def _client(what: str) -> Client:
+    """The connected client; first, say what became of requests cut off by a lost connection."""
+    client = current_client(what)
+    for lost in client.take_settled():
+        print(f"genie: {lost.describe()}" + (f"; its output:\n{lost.output}" if lost.output else ""), file=sys.stderr)
+    return client
+
+
 def _names(text: str | None) -> list[str]:
     return [n.strip() for n in (text or "").replace(" ", ",").split(",") if n.strip()]
 
@@ -149,7 +157,7 @@ class GenieMagics(Magics):
             from genie_core.terminal import render
 
             console = Console(file=io.StringIO(), width=120, color_system=None)
-            console.print(render(current_client("%genie_status").info()))
+            console.print(render(_client("%genie_status").info()))
             print(console.file.getvalue())
             return
         display(feed_for(state).attach(Dashboard()))
@@ -165,11 +173,11 @@ class GenieMagics(Magics):
     def remote(self, line: str, cell: str | None = None) -> None:
         """Run the cell (or, as `%remote STATEMENT`, one line) on the genie server."""
         if cell is None:
-            client = current_client("using %remote")
+            client = _client("using %remote")
             run_remote(client, line)
             return
         args = parse_argstring(self.remote, line)
-        client = current_client("running a %%remote cell")
+        client = _client("running a %%remote cell")
         push = _names(args.push)
         if push:
             with _progress("push") as bar:
@@ -194,7 +202,7 @@ class GenieMagics(Magics):
         if not words:
             raise UsageError("%genie_push needs variable names, e.g. %genie_push x y")
         with _progress("push") as bar:
-            current_client("%genie_push").push(self._local_values(words, "%genie_push"), device=device, progress=bar)
+            _client("%genie_push").push(self._local_values(words, "%genie_push"), device=device, progress=bar)
 
     @line_magic
     def genie_pull(self, line: str) -> None:
@@ -203,7 +211,7 @@ class GenieMagics(Magics):
         if not names:
             raise UsageError("%genie_pull needs variable names, e.g. %genie_pull x y")
         with _progress("pull") as bar:
-            self.shell.user_ns.update(current_client("%genie_pull").pull(names, progress=bar))
+            self.shell.user_ns.update(_client("%genie_pull").pull(names, progress=bar))
 
     @line_magic
     def genie_shutdown(self, line: str) -> None:

@@ -100,3 +100,32 @@ def test_shutdown(connected, capsys):
     connected.run_line_magic("genie_shutdown", "")
     assert "closed" in capsys.readouterr().out
     assert not genie_core.is_initialized()
+
+
+def test_the_next_magic_says_whether_a_cell_cut_off_by_a_lost_connection_ran(shell, tmp_path, capsys, monkeypatch):
+    import signal
+
+    from conftest import start_server, wait_until
+    from genie_core.errors import ConnectionLost
+
+    monkeypatch.setenv("GENIE_HEARTBEAT_INTERVAL", "0.25")
+    monkeypatch.setenv("GENIE_HEARTBEAT_TIMEOUT", "1.0")
+    srv = start_server(tmp_path)
+    try:
+        shell.run_line_magic("genie_init", f"127.0.0.1:{srv.info.port} --token {srv.info.token}")
+        srv.proc.send_signal(signal.SIGSTOP)
+        result = shell.run_cell("%%remote\nprint('made it')\nk = 7")
+        assert isinstance(result.error_in_exec, ConnectionLost) and "whether it ran is reported" in str(result.error_in_exec)
+        srv.proc.send_signal(signal.SIGCONT)
+        client = genie_core.get_cluster_state().client
+        assert wait_until(lambda: client.connected and all(r.settled for r in client.lost_requests.values()), 10)
+        capsys.readouterr()
+        assert shell.run_cell("%remote print(k)").success
+        out = capsys.readouterr()
+        assert "the cell sent at" in out.err and "(print('made it'))" in out.err and "ran on the server after all and finished ok" in out.err
+        assert "made it" in out.err and out.out.strip() == "7"
+        assert shell.run_cell("%remote print(k)").success and "ran on the server" not in capsys.readouterr().err  # said once
+    finally:
+        srv.proc.send_signal(signal.SIGCONT)
+        genie_core.shutdown()
+        srv.stop()

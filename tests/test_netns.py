@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -144,5 +145,124 @@ def test_round_trips_reflect_a_delayed_link(hosts, tmp_path):
     finally:
         if relay is not None:
             relay.kill()
+        server.terminate()
+        server.wait(10)
+
+
+PARTITION_CLIENT = textwrap.dedent("""
+    import json, sys, time, genie_core
+    from genie_core.errors import ConnectionLost
+
+    def step(name):
+        print(name, flush=True)
+        assert sys.stdin.readline().strip() == "done"
+
+    def lost_then_settled(request, lost):
+        t0 = time.monotonic()
+        try:
+            request.wait(60)
+            raise SystemExit("the request finished although the link was cut")
+        except ConnectionLost as exc:
+            detected = time.monotonic() - t0
+            message = str(exc)
+        step("heal")
+        healed = time.monotonic()
+        recovered = None
+        for _ in range(600):  # bounded: 60 s
+            if recovered is None and client.connected:
+                recovered = time.monotonic() - healed
+            if recovered is not None and lost[request.id].settled:
+                break
+            time.sleep(0.1)
+        r = lost[request.id]
+        return {"detected_s": detected, "recovered_s": recovered, "settled_s": time.monotonic() - healed,
+                "message": message, "state": r.state, "status": r.status, "output": r.output, "describe": r.describe()}
+
+    state = genie_core.init_sync(sys.argv[1], token=sys.argv[2], timeout=20, backend="zmq")
+    client = state.client
+    lost = client.lost_requests
+    client.execute("runs = []").wait(10)
+    out = {}
+    # 1. The link is cut before the cell is sent: it travels once the link heals.
+    step("cut")
+    out["sent_during"] = lost_then_settled(client.execute("runs.append('during'); print('ran during the partition')"), lost)
+    # 2. The link is cut while the cell runs: its answer comes after the heal.
+    request = client.execute("import time; time.sleep(1.5); runs.append('before'); print('ran across the partition')")
+    time.sleep(0.5)
+    step("cut")
+    out["running_when_cut"] = lost_then_settled(request, lost)
+    out["runs"] = client.pull(["runs"])["runs"]
+    print("RESULT " + json.dumps(out), flush=True)
+    genie_core.shutdown()
+""")
+
+PARTITION = """table inet genie_partition {{
+  chain out {{ type filter hook output priority 0; policy accept; ip daddr {ip} drop; }}
+  chain in {{ type filter hook input priority 0; policy accept; ip saddr {ip} drop; }}
+}}"""
+
+
+def test_partition_then_heal_runs_each_cell_once_and_says_so(hosts, tmp_path):
+    """nftables drops every packet between client and server (a partition: no reset, no
+    close); the client must notice within the heartbeat timeout, come back when the link
+    heals, and learn that each cut-off cell ran exactly once."""
+    from reliability import record
+
+    if shutil.which("nft") is None:
+        pytest.skip("nftables (nft) is not installed")
+    srv_ns, cli_ns = hosts
+    cf = tmp_path / "server.json"
+    env = dict(os.environ, GENIE_TOKEN="netns-" + os.urandom(8).hex(), GENIE_STATE_DIR=str(tmp_path / "state"))
+    server = subprocess.Popen(
+        ["ip", "netns", "exec", srv_ns, sys.executable, "-m", "genie_core", "serve", "--ip", SERVER_IP, "--port", "0", "--connection-file", str(cf)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    client = None
+    try:
+        assert any("ready" in server.stdout.readline() for _ in range(20))
+        info = ConnectionInfo.read(cf)
+        script = tmp_path / "client.py"
+        script.write_text(PARTITION_CLIENT)
+        client = subprocess.Popen(
+            ["ip", "netns", "exec", cli_ns, sys.executable, str(script), f"{SERVER_IP}:{info.port}", info.token],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=os.getcwd()),
+        )
+        result, seen = None, []
+        for _ in range(200):  # bounded: two cuts, two heals, the result (and whatever else it prints)
+            line = client.stdout.readline().strip()
+            seen.append(line)
+            if line == "cut":
+                r = subprocess.run(["ip", "netns", "exec", cli_ns, "nft", "-f", "-"], input=PARTITION.format(ip=SERVER_IP), capture_output=True, text=True, timeout=10)
+                assert r.returncode == 0, r.stderr
+            elif line == "heal":
+                r = sh("ip", "netns", "exec", cli_ns, "nft", "delete", "table", "inet", "genie_partition")
+                assert r.returncode == 0, r.stderr
+            elif line.startswith("RESULT "):
+                result = json.loads(line[len("RESULT "):])
+                break
+            elif not line and client.poll() is not None:
+                break
+            if line in ("cut", "heal"):
+                client.stdin.write("done\n")
+                client.stdin.flush()
+        assert result is not None, (seen[-20:], client.stderr.read()[-6000:] if client.poll() is not None else "no result")
+        assert sorted(result["runs"]) == ["before", "during"], result["runs"]  # each cell ran, and only once
+        for case in ("sent_during", "running_when_cut"):
+            r = result[case]
+            assert r["detected_s"] < 4.0 + 2.5, r  # heartbeat timeout (4 s) plus a heartbeat period and slack
+            assert "whether it ran is reported" in r["message"], r["message"]
+            assert r["recovered_s"] is not None and r["state"] == "finished" and r["status"] == "ok", r
+            assert "ran " in r["output"] and "ran on the server after all and finished ok" in r["describe"], r
+        print("\npartition: " + "; ".join(f"{k}: lost after {v['detected_s']:.1f} s, back {v['recovered_s']:.1f} s after the heal, "
+                                          f"outcome known after {v['settled_s']:.1f} s" for k, v in result.items() if k != "runs"))
+        section = "Network partition (nftables drops all packets between two namespaces, then the link heals)"
+        for case, what in (("sent_during", "cell sent while cut"), ("running_when_cut", "cell running when cut")):
+            r = result[case]
+            record(section, what, f"ConnectionLost after {r['detected_s']:.1f} s; connected again {r['recovered_s']:.1f} s "
+                                  f"after the heal; outcome known {r['settled_s']:.1f} s after it: {r['state']} {r['status']}")
+        record(section, "executions of the two cut-off cells", f"{len(result['runs'])} (each ran once: {', '.join(sorted(result['runs']))})")
+    finally:
+        if client is not None and client.poll() is None:
+            client.kill()
         server.terminate()
         server.wait(10)

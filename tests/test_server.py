@@ -204,6 +204,43 @@ def test_stopped_server_is_detected_as_lost(tmp_path):
         srv.stop()
 
 
+def test_a_cell_cut_off_by_a_paused_server_is_reported_once_it_answers(tmp_path):
+    srv = start_server(tmp_path)
+    try:
+        client = srv.client(heartbeat_interval=0.25, heartbeat_timeout=1.0)
+        run(client, "n = 0")
+        request = client.execute("import time; time.sleep(0.3); n += 1; print('ran', n)")
+        srv.proc.send_signal(signal.SIGSTOP)  # the worker finishes; its answer waits in the stopped server
+        with pytest.raises(ConnectionLost, match="may still run there"):
+            request.wait(10)
+        lost = client.lost_requests[request.id]
+        assert lost.state == "unknown" and not lost.settled and client.take_settled() == []
+        srv.proc.send_signal(signal.SIGCONT)
+        assert wait_until(lambda: lost.settled, timeout=10)
+        assert (lost.state, lost.status, lost.output) == ("finished", "ok", "ran 1\n")
+        assert "ran on the server after all and finished ok" in lost.describe()
+        assert client.take_settled() == [lost] and client.take_settled() == []  # reported once
+        assert stdout_of(run(client, "print(n)")) == "1\n"  # it ran once
+        client.close()
+    finally:
+        srv.stop()
+
+
+def test_each_request_runs_at_most_once_and_the_server_says_what_became_of_it(client):
+    from genie_core.protocol import Message
+
+    run(client, "n = 0")
+    first = client.execute("n += 1")
+    first.wait(10)
+    again = client._request(Message("execute", {"code": "n += 1"}, id=first.id))  # same id, fresh sequence number
+    with pytest.raises(RemoteError, match="DuplicateRequest.*at most once"):
+        again.wait(10)
+    outcomes = client._request(Message("outcome", {"ids": [first.id, "never-sent"]})).wait(10).content["outcomes"]
+    assert outcomes[first.id]["state"] == "finished" and outcomes[first.id]["status"] == "ok"
+    assert outcomes["never-sent"] == {"state": "not received"}
+    assert stdout_of(run(client, "print(n)")) == "1\n"
+
+
 def test_sigterm_stops_the_server_and_its_workers(tmp_path):
     srv = start_server(tmp_path)
     client = srv.client()

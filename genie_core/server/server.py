@@ -42,6 +42,7 @@ log = logging.getLogger("genie.server")
 
 BIG_MESSAGE = 8 << 20  # bytes of buffers above which a signature is checked off the loop thread
 TERMINAL_REPLIES = {"execute_reply", "push_reply", "pull_reply", "tensor_reply", "error_reply"}
+RUNS = {"execute", "push", "pull", "tensor_ops"}  # requests that act on the session's worker: at most once each
 
 
 class Server:
@@ -341,6 +342,9 @@ class Server:
         if identity != session.identity:
             log.warning("dropped a %s request for session %s from another connection", msg.type, session.id[:8])
             return
+        if msg.type in RUNS and not session.received(msg.id, msg.type):
+            self._reply(identity, msg, "error_reply", {"ename": "DuplicateRequest", "evalue": f"request {msg.id} was received before and runs at most once"})
+            return
         handler = getattr(self, f"_on_{msg.type}", None)
         if handler is None:
             self._reply(identity, msg, "error_reply", {"ename": "ProtocolError", "evalue": f"unknown request type {msg.type!r}"})
@@ -413,12 +417,22 @@ class Server:
     def _on_execute(self, session: Session, msg: Message) -> None:
         self._to_worker(session, msg)
 
+    def _on_outcome(self, session: Session, msg: Message) -> None:
+        """"Did it run?": for each request id, running, finished (with status) or not received."""
+        ids = [str(i)[:64] for i in list(msg.content.get("ids") or [])[:1000]]
+        self._reply(session.identity, msg, "outcome_reply", {"outcomes": {i: session.outcome(i) for i in ids}})
+
     def _on_push(self, session: Session, msg: Message) -> None:
         problem = self._check_data_ref(session, msg.content.get("data"))
         if problem:
-            self._reply(session.identity, msg, "error_reply", {"ename": "PermissionError", "evalue": problem})
+            self._refuse(session, msg, "PermissionError", problem)
             return
         self._to_worker(session, msg)
+
+    def _refuse(self, session: Session, msg: Message, ename: str, evalue: str) -> None:
+        """Answer a request that will not run with an error (and remember that it did not)."""
+        session.finished(msg.id, {"status": "error", "ename": ename, "evalue": evalue})
+        self._reply(session.identity, msg, "error_reply", {"ename": ename, "evalue": evalue})
 
     def _check_data_ref(self, session: Session, ref: Any) -> str:
         """A pushed segment must be this session's: one its data connection filled (tcp), or a
@@ -460,7 +474,7 @@ class Server:
     def _to_worker(self, session: Session, msg: Message) -> None:
         slot, problem = self._slot_for(session, msg.content.get("gpu"))
         if problem:
-            self._reply(session.identity, msg, "error_reply", {"ename": "ValueError", "evalue": problem})
+            self._refuse(session, msg, "ValueError", problem)
             return
         worker = session.workers.get(slot)
         if worker is None:
@@ -553,6 +567,7 @@ class Server:
                 continue
             if msg.type in TERMINAL_REPLIES:
                 worker.inflight.pop(msg.parent, None)
+                session.finished(msg.parent, msg.content if msg.type != "error_reply" else dict(msg.content, status="error"))
             self._send(session.identity, Message(msg.type, msg.content, msg.buffers, parent=msg.parent, session=session.id))
 
     def _housekeeping(self) -> None:
@@ -567,11 +582,13 @@ class Server:
             if session is not None and session.workers.get(worker.slot) is worker:
                 del session.workers[worker.slot]
                 for request in list(worker.inflight.values()) + worker.waiting:
-                    self._reply(session.identity, request, "error_reply", {
+                    content = {
                         "ename": "WorkerDied",
                         "evalue": f"the session's worker process (pid {worker.pid}) {why} while running this request; "
                         "its variables are lost, and the next request starts a fresh worker",
-                    })
+                    }
+                    session.finished(request.id, dict(content, status="error"))
+                    self._reply(session.identity, request, "error_reply", content)
         still = []
         for w in self.dying:
             if w.reap():

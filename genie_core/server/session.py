@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections import OrderedDict
 from typing import Any
 
 from .worker_process import WorkerProcess
+
+
+REMEMBERED = 1000  # requests whose outcome a session remembers, for "did it run?" after a lost connection
 
 
 class Session:
@@ -21,6 +25,27 @@ class Session:
         self._seqs: dict[bytes, int] = {}
         self.backend = "zmq"  # the data-plane backend the client chose
         self.heartbeat_identity: bytes | None = None  # events go there: never queued behind a transfer
+        self.requests: OrderedDict[str, dict[str, Any]] = OrderedDict()  # id -> what became of it
+
+    def received(self, request_id: str, kind: str) -> bool:
+        """Note a request that will run; False if this id was seen before (it runs at most once)."""
+        if request_id in self.requests:
+            return False
+        self.requests[request_id] = {"state": "running", "type": kind, "received": time.time()}
+        while len(self.requests) > REMEMBERED:
+            self.requests.popitem(last=False)
+        return True
+
+    def finished(self, request_id: str, content: dict[str, Any]) -> None:
+        entry = self.requests.get(request_id)
+        if entry is not None:
+            entry.update(state="finished", status=str(content.get("status", "error")), finished=time.time(),
+                         **({"error": f"{content.get('ename', '')}: {content.get('evalue', '')}"[:500]} if content.get("ename") else {}))
+
+    def outcome(self, request_id: str) -> dict[str, Any]:
+        """What became of a request: running, finished (with its status), or not received."""
+        entry = self.requests.get(request_id)
+        return dict(entry) if entry is not None else {"state": "not received"}
 
     def accept_seq(self, identity: bytes, seq: int) -> bool:
         """Sequence numbers rise strictly per connection; anything else is a replay."""
