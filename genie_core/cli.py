@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--ip", default=None, help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=_port, default=None, help="port (default 5555; 0 picks a free one)")
     serve.add_argument("--token", default=None, help="shared secret (default: $GENIE_TOKEN, else generated)")
+    serve.add_argument("--encrypt", action="store_true", default=None,
+                       help="encrypt with CurveZMQ; clients need the connection file, which holds the keys")
     serve.add_argument("--gpus", default=None, help="GPU indices to offer, e.g. 0,1 (default: all)")
     serve.add_argument("--node-id", default=None, help="name of this node (default: host name)")
     serve.add_argument("--connection-file", default=None, help="where to write the connection file")
@@ -90,7 +92,7 @@ def _serve(args: argparse.Namespace) -> int:
         node_role="server", ip=args.ip, master_port=args.port, token=args.token, gpus=args.gpus,
         node_id=args.node_id, connection_file=args.connection_file, log_level=args.log_level,
         gpu_poll_interval=args.poll_interval, enable_gpu_monitoring=False if args.no_monitoring else None,
-        simulate_gpus=args.simulate_gpus,
+        simulate_gpus=args.simulate_gpus, encrypt=args.encrypt,
     )
     logging.basicConfig(level=config.log_level.upper(), format="[genie %(levelname)s] %(message)s")
     return run_server(config, parent_pid=args.parent_pid)

@@ -31,6 +31,7 @@ from .transport.discovery import BackendReport, discover
 from .transport.segment import SHM_DIR
 
 DATA_THRESHOLD = 1 << 20  # bytes: transfers at least this big use the data plane
+HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 from .serialize import deserialize_namespace, serialize_namespace
 
 log = logging.getLogger("genie.client")
@@ -152,6 +153,7 @@ class Client:
         events: EventBus | None = None,
         purpose: str = "session",
         data_port: int | None = None,
+        curve: dict[str, str] | None = None,
     ) -> None:
         self.host, self.port = host, port
         self.address = f"{host}:{port}"
@@ -162,6 +164,7 @@ class Client:
         self.heartbeat_timeout = heartbeat_timeout
         self.purpose = purpose  # "probe" for one-shot tools like `genie status`
         self.data_port = data_port  # overrides the data port the server advertises (tunnels, relays)
+        self.curve = curve  # keys from the connection file of a server started with --encrypt
         self.events = events or EventBus()
         self.metrics: NodeInfo | None = None  # the newest snapshot the server pushed
         self.server_health: HealthReport | None = None
@@ -188,17 +191,20 @@ class Client:
         self._probe_tcp()
         ctx = self._ctx = zmq.Context()
         host = f"[{self.host}]" if ":" in self.host else self.host
-        self._main = self._dealer(ctx, f"tcp://{host}:{self.port}")
-        self._hb = self._dealer(ctx, f"tcp://{host}:{self.port}")
+        self._main = self._dealer(ctx, f"tcp://{host}:{self.port}", self.curve)
+        self._hb = self._dealer(ctx, f"tcp://{host}:{self.port}", self.curve)
         self._send_locks = {self._main: threading.Lock(), self._hb: threading.Lock()}
         self._loop = SocketLoop("client")
         self._loop.add_socket(self._main, self._on_readable)
         self._loop.add_socket(self._hb, self._on_readable)
+        handshake = self._main.get_monitor_socket(HANDSHAKE_FAILED)
+        self._loop.add_socket(handshake, self._on_handshake_failed)
         self._loop.start()
         hello = Message("hello", {"client": {"host": socket.gethostname(), "pid": os.getpid(), "user": os.environ.get("USER", ""), "purpose": self.purpose}})
         left = self.timeout - (time.monotonic() - start)
         try:
-            welcome = self._request(hello, self._main).wait(timeout=max(left, 0.1))
+            self._hello = self._request(hello, self._main)
+            welcome = self._hello.wait(timeout=max(left, 0.1))
         except TimeoutError:
             self.close(notify=False)
             raise ConnectionFailed(
@@ -208,6 +214,13 @@ class Client:
         except BaseException:
             self.close(notify=False)
             raise
+
+        def handshake_done() -> None:
+            self._loop.remove_socket(handshake)
+            self._main.disable_monitor()
+            handshake.close()
+
+        self._loop.call_soon(handshake_done)
         self.session = welcome.content["session"]
         self.node = welcome.content.get("node", {})
         self.slot = welcome.content.get("slot")
@@ -244,11 +257,38 @@ class Client:
         except OSError as exc:
             raise ConnectionFailed(f"could not connect to a genie server at {self.address}: {exc.strerror or exc}") from None
 
+    def _on_handshake_failed(self, monitor: zmq.Socket) -> None:
+        """A failed CURVE (or mechanism) handshake is final: say why instead of timing out."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        while monitor.poll(0):
+            event = recv_monitor_message(monitor)["event"]
+            hello = self._pending.pop(getattr(self, "_hello", None) and self._hello.id, None)
+            if hello is None:
+                continue
+            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                error: GenieError = AuthenticationError(
+                    f"the server at {self.address} refused this client's encryption key: use the connection file "
+                    "the server wrote this time it started (`genie serve --encrypt` makes new keys at each start)")
+            elif self.curve:
+                error = ConnectionFailed(f"the encryption handshake with {self.address} failed: the server there does not hold "
+                                         "the key in the connection file (a stale file, a server started without --encrypt, "
+                                         "or someone in between)")
+            else:
+                error = AuthenticationError(
+                    f"the server at {self.address} requires encryption (genie serve --encrypt): connect with its "
+                    "connection file (--connection-file), which holds the keys")
+            hello._put(_Closed(error))
+
     @staticmethod
-    def _dealer(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    def _dealer(ctx: zmq.Context, endpoint: str, curve: dict[str, str] | None = None) -> zmq.Socket:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.ROUTING_ID, os.urandom(16))
         sock.setsockopt(zmq.LINGER, 0)
+        if curve:
+            from .encryption import secure_client
+
+            secure_client(sock, curve)
         if endpoint.startswith("tcp://["):
             sock.setsockopt(zmq.IPV6, 1)
         sock.connect(endpoint)

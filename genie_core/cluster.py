@@ -157,15 +157,15 @@ def _init_client(config: ClusterConfig, phases: list[tuple[str, float]]) -> Clus
     if config.master_addr in (None, "", "local") and not config.connection_file:
         local = LocalServer(config.gpus)
         info = local.start(config.timeout)
-        host, port, token = info.ip, info.port, info.token
+        host, port, token, curve = info.ip, info.port, info.token, info.curve
         phases.append(("local server", time.perf_counter() - t))
     else:
-        host, port, token = resolve_server(config)
+        host, port, token, curve = resolve_server(config)
     t = time.perf_counter()
     client = Client(
         host, port, token, timeout=config.timeout, enable_heartbeat=config.enable_heartbeat,
         heartbeat_interval=config.heartbeat_interval, heartbeat_timeout=config.heartbeat_timeout,
-        data_port=config.data_port,
+        data_port=config.data_port, curve=curve,
     )
     try:
         client.connect()
@@ -188,26 +188,23 @@ def _init_client(config: ClusterConfig, phases: list[tuple[str, float]]) -> Clus
     return _state
 
 
-def resolve_server(config: ClusterConfig) -> tuple[str, int, str]:
-    """(host, port, token) of a server named by address (or only by its connection file), with the
-    token from the argument or `GENIE_TOKEN`, then the connection file, then a local server's one."""
+def resolve_server(config: ClusterConfig) -> tuple[str, int, str, dict[str, str] | None]:
+    """(host, port, token, encryption keys) of a server named by address (or only by its connection
+    file), with the token from the argument or `GENIE_TOKEN`, then the connection file, then a
+    local server's one. The keys of a server started with --encrypt come from its connection file."""
     if config.connection_file and not config.master_addr:
         info = ConnectionInfo.read(config.connection_file)
-        return info.ip, info.port, config.token or info.token
+        return info.ip, info.port, config.token or info.token, info.curve
     host, port = parse_address(config.master_addr or "", config.master_port or DEFAULT_PORT)
     assert port is not None
-    token = config.token
-    if config.connection_file:
-        token = token or ConnectionInfo.read(config.connection_file).token
-    if token is None:
-        found = ConnectionInfo.find(host, port)
-        token = found.token if found else None
+    info = ConnectionInfo.read(config.connection_file) if config.connection_file else ConnectionInfo.find(host, port)
+    token = config.token or (info.token if info else None)
     if token is None:
         raise ConfigError(
             f"no token for {host}:{port}: pass --token (or token=...), set GENIE_TOKEN, or pass the server's "
             "connection file (printed by `genie serve`)"
         )
-    return host, port, token
+    return host, port, token, info.curve if info else None
 
 
 async def init(*args: Any, **kwargs: Any) -> ClusterState:

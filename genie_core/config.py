@@ -69,6 +69,7 @@ class ClusterConfig:
     #                               client: where to reach it, when a tunnel or relay moves it (default: as the server says)
     discovery_budget: float = 0.3  # seconds that backend discovery may spend measuring
     max_message_bytes: int = 8 << 30
+    encrypt: bool = False  # server: CurveZMQ on the control connection (keys in the connection file)
     log_level: str = "WARNING"
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -189,6 +190,19 @@ def new_token() -> str:
     return secrets.token_urlsafe(32)
 
 
+MIN_NETWORK_TOKEN = 16  # characters a token needs before a server listens beyond loopback
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address) is this machine's loopback."""
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host if ":" in host else socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
 @dataclass
 class ConnectionInfo:
     """What a client needs to reach a server; written by `genie serve` as JSON, mode 0600."""
@@ -199,6 +213,7 @@ class ConnectionInfo:
     node_id: str
     pid: int
     protocol: int
+    curve: dict[str, str] | None = None  # a server started with --encrypt: its public key and a client key pair
 
     def write(self, path: str | os.PathLike) -> Path:
         path = Path(path)
@@ -207,7 +222,7 @@ class ConnectionInfo:
         try:
             os.fchmod(fd, 0o600)
             with os.fdopen(fd, "w") as fh:
-                json.dump(dataclasses.asdict(self), fh, indent=1)
+                json.dump({k: v for k, v in dataclasses.asdict(self).items() if v is not None}, fh, indent=1)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -218,7 +233,7 @@ class ConnectionInfo:
     def read(cls, path: str | os.PathLike) -> "ConnectionInfo":
         try:
             data = json.loads(Path(path).read_text())
-            return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+            return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data or f.default is dataclasses.MISSING})
         except FileNotFoundError:
             raise ConfigError(f"connection file {str(path)!r} does not exist") from None
         except PermissionError:

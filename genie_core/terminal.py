@@ -32,11 +32,11 @@ def connect(address: str | None, token: str | None, connection_file: str | None,
         if not local:
             raise ConfigError(f"no running genie server found on this machine (looked in {runtime_dir()}); pass ADDR")
         _, info = local[-1]
-        host, port, token = info.ip, info.port, token or info.token
+        host, port, token, curve = info.ip, info.port, token or info.token, info.curve
     else:
         config = ClusterConfig.resolve(master_addr=address, token=token, connection_file=connection_file, timeout=timeout)
-        host, port, token = resolve_server(config)
-    return Client(host, port, token, timeout=timeout, enable_heartbeat=False, purpose="probe").connect()
+        host, port, token, curve = resolve_server(config)
+    return Client(host, port, token, timeout=timeout, enable_heartbeat=False, purpose="probe", curve=curve).connect()
 
 
 def _num(value: Any, fmt: str, unit: str = "") -> str:

@@ -34,7 +34,7 @@ class RunningServer:
         return f"{self.info.ip}:{self.info.port}"
 
     def client(self, **kwargs) -> Client:
-        return Client(self.info.ip, self.info.port, self.info.token, timeout=kwargs.pop("timeout", 10.0), **kwargs).connect()
+        return Client(self.info.ip, self.info.port, self.info.token, timeout=kwargs.pop("timeout", 10.0), curve=self.info.curve, **kwargs).connect()
 
     def stop(self) -> None:
         if self.proc.poll() is None:

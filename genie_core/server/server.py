@@ -3,7 +3,6 @@ requests to per-session worker processes, and answers heartbeats. It never runs 
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import os
@@ -23,7 +22,7 @@ from typing import Any
 import zmq
 
 from .. import __version__
-from ..config import ClusterConfig, ConnectionInfo, new_token, runtime_dir, state_dir
+from ..config import MIN_NETWORK_TOKEN, ClusterConfig, ConnectionInfo, is_loopback, new_token, runtime_dir, state_dir
 from ..errors import ConfigError, ProtocolError
 from ..events import ClusterEvent, EventBus, EventType, Severity
 from ..gpus import list_gpus
@@ -53,7 +52,13 @@ class Server:
         gpu_source: GPUSource | None = None,
     ) -> None:
         self.config = config or ClusterConfig.resolve(node_role="server")
+        if self.config.token is not None and len(self.config.token) < MIN_NETWORK_TOKEN and not is_loopback(self.config.ip):
+            raise ConfigError(
+                f"refusing to listen on {self.config.ip} with a {len(self.config.token)}-character token: anyone who can reach "
+                f"the port could guess it. Use at least {MIN_NETWORK_TOKEN} characters, or leave --token out to have one generated"
+            )
         self.token = self.config.token or new_token()
+        self.keys = self.gate = None
         self.node_id = self.config.resolved_node_id()
         self.codec = Codec(derive_key(self.token), max_bytes=self.config.max_message_bytes)
         self.worker_codec = Codec(key=None)
@@ -94,6 +99,12 @@ class Server:
         self.router.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
         if ":" in self.config.ip:
             self.router.setsockopt(zmq.IPV6, 1)
+        if self.config.encrypt:
+            from ..encryption import KeyGate, Keys, secure_server
+
+            self.keys = Keys()
+            self.gate = KeyGate(ctx, {self.keys.client_public})
+            secure_server(self.router, self.keys)
         host = f"[{self.config.ip}]" if ":" in self.config.ip else self.config.ip
         try:
             if self.config.master_port == 0:
@@ -103,6 +114,8 @@ class Server:
                 self.port = self.config.master_port
         except zmq.ZMQError as exc:
             self.router.close()
+            if self.gate is not None:
+                self.gate.stop()
             ctx.term()
             raise ConfigError(f"cannot listen on {self.config.ip}:{self.config.master_port}: {exc.strerror}") from None
         self._worker_dir = tempfile.mkdtemp(prefix="genie-")  # 0700: only we can reach the workers
@@ -113,7 +126,8 @@ class Server:
         self._loop.add_socket(self.router, self._on_client_readable)
         self._loop.add_socket(self.worker_router, self._on_worker_readable)
         self._loop.call_every(0.2, self._housekeeping)
-        info = ConnectionInfo(self.config.ip, self.port, self.token, self.node_id, os.getpid(), PROTOCOL_VERSION)
+        info = ConnectionInfo(self.config.ip, self.port, self.token, self.node_id, os.getpid(), PROTOCOL_VERSION,
+                              self.keys.for_clients() if self.keys else None)
         path = self.config.connection_file or runtime_dir() / f"genie-server-{self.node_id}-{self.port}.json"
         self.connection_file = info.write(path)
         self._start_monitoring()
@@ -127,13 +141,14 @@ class Server:
         if port is None:
             port = self.port + 1 if self.config.master_port else 0
         self.data_owners: dict[str, str] = {}  # segments filled by the tcp and ucx listeners -> session
-        try:
-            self.data_server: DataServer | None = DataServer(self.config.ip, port, self.codec.key, self._session_worker_pids, self.data_owners).start()
-        except OSError as exc:
-            log.warning("no tcp data plane: cannot listen on %s:%s (%s)", self.config.ip, port, exc.strerror)
-            self.data_server = None
+        self.data_server: DataServer | None = None
         self.ucx_server = None
         self._shm_probe: Path | None = None
+        if not self.config.encrypt:  # raw data ports carry no encryption: then data goes over CURVE (zmq) or same-host shm
+            try:
+                self.data_server = DataServer(self.config.ip, port, self.codec.key, self._session_worker_pids, self.data_owners).start()
+            except OSError as exc:
+                log.warning("no tcp data plane: cannot listen on %s:%s (%s)", self.config.ip, port, exc.strerror)
         probe = None
         if shm_available()[0]:
             sweep_dead()
@@ -145,13 +160,13 @@ class Server:
             self._shm_probe = path
             probe = {"name": path.name, "sha256": hashlib.sha256(nonce).hexdigest()}
         self.transport_info = {"data_port": self.data_server.port if self.data_server else None, "ucx_port": None,
-                               "shm_probe": probe, "detect": {}}
+                               "shm_probe": probe, "detect": {}, "encrypted": self.config.encrypt}
         # Hardware detection and UCX (importing ucxx takes about a second) happen after we are ready.
         threading.Thread(target=self._start_slow_backends, name="genie-detect", daemon=True).start()
 
     def _start_slow_backends(self) -> None:
         report = detect.server_report()
-        if report["ucx"]["available"]:
+        if report["ucx"]["available"] and not self.config.encrypt:
             try:
                 from ..transport.ucx import UcxDataServer
 
@@ -232,6 +247,8 @@ class Server:
             self.data_server.stop()
         if getattr(self, "ucx_server", None) is not None:
             self.ucx_server.stop()
+        if self.gate is not None:
+            self.gate.stop()
         if getattr(self, "_shm_probe", None) is not None:
             self._shm_probe.unlink(missing_ok=True)
         self._verifier.shutdown(wait=False, cancel_futures=True)
@@ -386,6 +403,7 @@ class Server:
             "gpus": self.gpus,
             "gpu_reason": self.gpu_reason,
             "transport": getattr(self, "transport_info", {}),
+            "encrypted": self.config.encrypt,
             "started": self.started,
         }
 
@@ -645,10 +663,10 @@ def run_server(config: ClusterConfig, parent_pid: int | None = None) -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     print(server.ready_line(), flush=True)
-    if not ipaddress.ip_address(socket.gethostbyname(config.ip) if ":" not in config.ip else config.ip).is_loopback:
+    if not is_loopback(config.ip) and not config.encrypt:
         print(
-            f"WARNING: listening on {config.ip} without encryption: anyone who can reach this port and has the token "
-            "runs code here, and traffic is readable on the network. Prefer 127.0.0.1 and an SSH tunnel.",
+            f"WARNING: listening on {config.ip} WITHOUT ENCRYPTION: messages are signed, but code, outputs and data "
+            "are readable by anyone on the network path. Use `genie serve --encrypt`, or 127.0.0.1 and an SSH tunnel.",
             file=sys.stderr, flush=True,
         )
     server.serve_forever()

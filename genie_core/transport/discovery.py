@@ -107,7 +107,8 @@ def discover(client: Any, requested: str = "auto", budget: float = 1.0) -> tuple
     guess = len(small) / max(_median_time(lambda: client._request(_probe_message(small)).wait(10), 1), 1e-6)
     blob = bytes(min(4 << 20, _probe_size(guess, budget)))
     took = _median_time(lambda: client._request(_probe_message(blob)).wait(10), 2)
-    candidates.append(Candidate("zmq", True, "the control connection (buffers signed inline)", rtt, len(blob) / took))
+    inline = "the control connection (CURVE-encrypted, buffers signed inline)" if server.get("encrypted") else "the control connection (buffers signed inline)"
+    candidates.append(Candidate("zmq", True, inline, rtt, len(blob) / took))
 
     # shm: only if the server's probe file is visible here with the right contents: the same host.
     ok, why = shm_available()
@@ -144,7 +145,10 @@ def discover(client: Any, requested: str = "auto", budget: float = 1.0) -> tuple
 
     # tcp: a plain socket to the server's data port.
     port = client.data_port or server.get("data_port")
-    if not port:
+    encrypted = "off: the server encrypts (--encrypt), and this backend would not; data goes over CURVE-encrypted zmq, or shm on one host"
+    if server.get("encrypted"):
+        candidates.append(Candidate("tcp", False, encrypted))
+    elif not port:
         candidates.append(Candidate("tcp", False, "the server has no data port"))
     else:
         try:
@@ -161,7 +165,9 @@ def discover(client: Any, requested: str = "auto", budget: float = 1.0) -> tuple
     ucx_port = server.get("ucx_port")
     ucx_candidate = None
     same_host = any(c.name == "shm" and c.available for c in candidates)
-    if not ucx_port:
+    if server.get("encrypted"):
+        candidates.append(Candidate("ucx", False, encrypted))
+    elif not ucx_port:
         reason = (server_detect.get("ucx") or {}).get("reason") or "offers no UCX port (no ucxx there, or still starting)"
         candidates.append(Candidate("ucx", False, f"server: {reason}"))
     elif same_host and requested not in ("ucx", "rdma"):
