@@ -30,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--token", default=None, help="shared secret (default: $GENIE_TOKEN, else generated)")
     serve.add_argument("--encrypt", action="store_true", default=None,
                        help="encrypt with CurveZMQ; clients need the connection file, which holds the keys")
+    serve.add_argument("--max-session-tensors", type=int, default=None, metavar="N",
+                       help="remote tensors one session may hold (default 1,000,000)")
+    serve.add_argument("--max-session-bytes", default=None, metavar="SIZE",
+                       help="bytes of remote tensors one session may hold, and its largest push, e.g. 40GiB (default: no limit)")
     serve.add_argument("--gpus", default=None, help="GPU indices to offer, e.g. 0,1 (default: all)")
     serve.add_argument("--node-id", default=None, help="name of this node (default: host name)")
     serve.add_argument("--connection-file", default=None, help="where to write the connection file")
@@ -93,6 +97,7 @@ def _serve(args: argparse.Namespace) -> int:
         node_id=args.node_id, connection_file=args.connection_file, log_level=args.log_level,
         gpu_poll_interval=args.poll_interval, enable_gpu_monitoring=False if args.no_monitoring else None,
         simulate_gpus=args.simulate_gpus, encrypt=args.encrypt,
+        max_session_tensors=args.max_session_tensors, max_session_bytes=args.max_session_bytes,
     )
     logging.basicConfig(level=config.log_level.upper(), format="[genie %(levelname)s] %(message)s")
     return run_server(config, parent_pid=args.parent_pid)

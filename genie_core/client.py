@@ -20,7 +20,8 @@ from typing import Any, Iterator
 
 import zmq
 
-from .errors import AuthenticationError, ConnectionFailed, ConnectionLost, GenieError, ProtocolError, RemoteError, WorkerDied
+from .errors import (AuthenticationError, ConnectionFailed, ConnectionLost, GenieError, LimitExceeded, ProtocolError, RemoteError,
+                     WorkerDied, size_text)
 from .events import ClusterEvent, EventBus, EventType, Severity
 from .loop import SocketLoop
 from .monitoring.health import Grade, HealthCheck, HealthReport, worst
@@ -134,6 +135,8 @@ def _error_from(content: dict[str, Any]) -> Exception:
     ename, evalue = content.get("ename", "Error"), content.get("evalue", "")
     if ename == "WorkerDied":
         return WorkerDied(evalue)
+    if ename == "LimitExceeded":
+        return LimitExceeded(evalue)
     if ename == "SessionNotFound":
         return ConnectionLost(evalue + "; run %genie_init (or genie_core.init) again to start a new session")
     return RemoteError(ename, evalue, content.get("traceback"))
@@ -498,9 +501,14 @@ class Client:
              progress: Any = None) -> list[str]:
         """Send values to the session's worker. `progress(done, total)` follows the bytes (data plane only)."""
         metas, buffers = serialize_namespace(values)
+        size = sum(memoryview(b).nbytes for b in buffers)
+        limit = (self.node.get("limits") or {}).get("session_bytes")
+        if limit is not None and size > limit:  # said before a byte is sent
+            raise LimitExceeded(f"this push of {size_text(size)} is more than the server lets a session hold "
+                                f"({size_text(limit)}, --max-session-bytes)")
         content: dict[str, Any] = {"values": metas, "gpu": gpu, "device": device}
         with self._transfer_lock:  # one transfer at a time on the data plane; the reply frees its buffer
-            if self.transport.name != "zmq" and sum(memoryview(b).nbytes for b in buffers) >= DATA_THRESHOLD:
+            if self.transport.name != "zmq" and size >= DATA_THRESHOLD:
                 with self._data_errors("push"):
                     content["data"] = self.transport.put(buffers, progress)
                 buffers = []

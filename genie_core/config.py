@@ -28,6 +28,21 @@ def _parse_bool(text: str) -> bool:
     raise ValueError(f"expected true/false, got {text!r}")
 
 
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """`"8GiB"`, `"512M"`, `"1000"` -> bytes (units are powers of 1024)."""
+    if isinstance(text, int):
+        return text
+    low = text.strip().lower().removesuffix("ib").removesuffix("b")
+    number, unit = (low[:-1], low[-1]) if low and low[-1] in _UNITS else (low, "")
+    try:
+        return int(float(number) * _UNITS[unit])
+    except ValueError:
+        raise ConfigError(f"invalid size {text!r}: expected bytes like 8GiB, 512MiB or 1000000") from None
+
+
 def parse_gpus(text: str | list[int] | None) -> list[int] | None:
     """`"0,1"` -> `[0, 1]`; an empty string means "no GPUs"."""
     if text is None or isinstance(text, list):
@@ -70,6 +85,8 @@ class ClusterConfig:
     discovery_budget: float = 0.3  # seconds that backend discovery may spend measuring
     max_message_bytes: int = 8 << 30
     encrypt: bool = False  # server: CurveZMQ on the control connection (keys in the connection file)
+    max_session_tensors: int = 1_000_000  # server: remote tensors one session may hold
+    max_session_bytes: int | None = None  # server: bytes of remote tensors one session may hold (and the largest push)
     log_level: str = "WARNING"
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -111,6 +128,12 @@ class ClusterConfig:
             )
         if self.gpu_poll_interval < 0.1:
             raise ConfigError(f"invalid gpu_poll_interval {self.gpu_poll_interval}: at least 0.1 s (NVML calls serialize in the driver)")
+        if self.max_session_tensors < 1:
+            raise ConfigError(f"invalid max_session_tensors {self.max_session_tensors}: at least 1")
+        if isinstance(self.max_session_bytes, str):
+            self.max_session_bytes = parse_size(self.max_session_bytes)
+        if self.max_session_bytes is not None and self.max_session_bytes < 1:
+            raise ConfigError(f"invalid max_session_bytes {self.max_session_bytes}: at least 1 byte")
         if self.health_check_interval <= 0:
             raise ConfigError(f"invalid health_check_interval {self.health_check_interval}: must be positive")
         self.gpus = parse_gpus(self.gpus)
@@ -124,6 +147,8 @@ def _from_env(name: str, type_name: Any, raw: str) -> Any:
     try:
         if name == "gpus":
             return parse_gpus(raw)
+        if name.endswith("_bytes"):
+            return parse_size(raw)
         if type_text.startswith("bool"):
             return _parse_bool(raw)
         if type_text.startswith("int"):

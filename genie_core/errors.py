@@ -40,6 +40,21 @@ class ProtocolError(GenieError):
     """A message was malformed, unsigned, replayed or too large."""
 
 
+class LimitExceeded(GenieError):
+    """A session went over a limit its server sets (remote tensors held, bytes held)."""
+
+
+def size_text(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    if n < 1024:
+        return f"{n:.0f} bytes"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if n < 1024 or unit == "TiB":
+            break
+    return f"{n:.1f} {unit}"
+
+
 class WorkerDied(GenieError):
     """The session's worker process ended while (or before) running a request."""
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
+from ..errors import LimitExceeded, size_text
 from ..serialize import serialize_namespace
 from .ops import MemoryFormat, Ref, RemoteDevice
 
@@ -21,11 +22,62 @@ class _Failed:
         self.error = error
 
 
-class TensorExecutor:
+class HeldTensors(dict):
+    """id -> tensor, counting the bytes of the distinct storages held (views share their base's)."""
+
     def __init__(self) -> None:
+        super().__init__()
+        self.bytes_held = 0
+        self._storages: dict[tuple[str, int], list[int]] = {}  # (device, address) -> [bytes, users]
+
+    @staticmethod
+    def _key(value: Any) -> tuple[tuple[str, int], int] | None:
+        if not isinstance(value, torch.Tensor) or value.device.type == "meta":
+            return None
+        storage = value.untyped_storage()
+        return ((str(value.device), storage.data_ptr()), storage.nbytes()) if storage.data_ptr() else None
+
+    def __setitem__(self, rid: int, value: Any) -> None:
+        self.pop(rid, None)
+        super().__setitem__(rid, value)
+        found = self._key(value)
+        if found is not None:
+            entry = self._storages.setdefault(found[0], [found[1], 0])
+            if entry[1] == 0:
+                self.bytes_held += entry[0]
+            entry[1] += 1
+
+    def pop(self, rid: int, default: Any = None) -> Any:
+        value = super().pop(rid, default)
+        found = self._key(value)
+        if found is not None and found[0] in self._storages:
+            entry = self._storages[found[0]]
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del self._storages[found[0]]
+                self.bytes_held -= entry[0]
+        return value
+
+
+class TensorExecutor:
+    def __init__(self, max_tensors: int = 1_000_000, max_bytes: int | None = None) -> None:
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        self.store: dict[int, Any] = {}
+        self.store = HeldTensors()
+        self.max_tensors, self.max_bytes = max_tensors, max_bytes
         self.ops_run = 0
+
+    @property
+    def bytes_held(self) -> int:
+        return self.store.bytes_held
+
+    def _check_limits(self, made: str) -> None:
+        """After an op stored its outputs: over a limit, the op fails (and its outputs are dropped)."""
+        if len(self.store) > self.max_tensors:
+            raise LimitExceeded(f"{made} would make this session hold {len(self.store):,} remote tensors; the server allows "
+                                f"{self.max_tensors:,} (--max-session-tensors): free some (del)")
+        if self.max_bytes is not None and self.store.bytes_held > self.max_bytes:
+            raise LimitExceeded(f"{made} would make this session hold {size_text(self.store.bytes_held)} in remote tensors; the server "
+                                f"allows {size_text(self.max_bytes)} (--max-session-bytes): free some (del)")
 
     def _resolve(self, value: Any) -> Any:
         if isinstance(value, Ref):
@@ -61,14 +113,18 @@ class TensorExecutor:
             try:
                 if kind == "put":
                     self.store[record[1]] = record[2].to(self.device)
+                    self._check_limits("a tensor sent from here")
                 elif kind == "seed":
                     torch.manual_seed(record[1])
                 elif kind == "op":
                     out = self._run_op(record)
+                    self._check_limits(f"remote op {record[1]}")
                     if request.get("eager_last") and index == len(records) - 1:
                         eager = self._describe(out, record[4])
             except Exception as exc:
                 failure = {"op": record[1] if kind == "op" else kind, "index": index, "error": exc}
+                if kind == "put":
+                    self.store[record[1]] = _Failed("put", exc)
                 if kind == "op":
                     for rid in record[4]:
                         if rid is not None:

@@ -8,7 +8,7 @@ import pickle
 import threading
 from typing import Any
 
-from ..errors import ConnectionLost, RemoteError
+from ..errors import ConnectionLost, LimitExceeded, RemoteError
 from ..serialize import deserialize_namespace
 
 _ids = itertools.count(1)
@@ -61,6 +61,8 @@ class OpStream:
         self.ops_sent += len(records)
         content = reply.content
         self.server_tensors = int(content.get("stored", 0))
+        if content.get("status") == "error" and content.get("ename") == "LimitExceeded":
+            raise LimitExceeded(str(content.get("evalue")))
         if content.get("status") != "ok":
             raise RemoteError(
                 content.get("ename", "Error"),

@@ -59,6 +59,9 @@ class Server:
             )
         self.token = self.config.token or new_token()
         self.keys = self.gate = None
+        self.limits = {"session_tensors": self.config.max_session_tensors, "session_bytes": self.config.max_session_bytes,
+                       "message_bytes": self.config.max_message_bytes}
+        self.max_put = min(self.config.max_session_bytes or self.config.max_message_bytes, self.config.max_message_bytes)
         self.node_id = self.config.resolved_node_id()
         self.codec = Codec(derive_key(self.token), max_bytes=self.config.max_message_bytes)
         self.worker_codec = Codec(key=None)
@@ -146,7 +149,8 @@ class Server:
         self._shm_probe: Path | None = None
         if not self.config.encrypt:  # raw data ports carry no encryption: then data goes over CURVE (zmq) or same-host shm
             try:
-                self.data_server = DataServer(self.config.ip, port, self.codec.key, self._session_worker_pids, self.data_owners).start()
+                self.data_server = DataServer(self.config.ip, port, self.codec.key, self._session_worker_pids, self.data_owners,
+                                              max_put=self.max_put).start()
             except OSError as exc:
                 log.warning("no tcp data plane: cannot listen on %s:%s (%s)", self.config.ip, port, exc.strerror)
         probe = None
@@ -170,7 +174,7 @@ class Server:
             try:
                 from ..transport.ucx import UcxDataServer
 
-                self.ucx_server = UcxDataServer(self.codec.key, self._session_worker_pids, self.data_owners)
+                self.ucx_server = UcxDataServer(self.codec.key, self._session_worker_pids, self.data_owners, max_put=self.max_put)
                 self.transport_info["ucx_port"] = self.ucx_server.port
             except Exception as exc:
                 log.warning("no ucx data plane: %s", exc)
@@ -404,6 +408,7 @@ class Server:
             "gpu_reason": self.gpu_reason,
             "transport": getattr(self, "transport_info", {}),
             "encrypted": self.config.encrypt,
+            "limits": self.limits,
             "started": self.started,
         }
 
@@ -535,7 +540,7 @@ class Server:
         return min(load, key=lambda i: (load[i], i))
 
     def _spawn(self, slot: int) -> WorkerProcess:
-        worker = WorkerProcess(os.urandom(8).hex(), slot, self.worker_endpoint)
+        worker = WorkerProcess(os.urandom(8).hex(), slot, self.worker_endpoint, self.limits)
         self.workers[worker.id] = worker
         return worker
 

@@ -30,10 +30,12 @@ def describe_exit(returncode: int | None) -> str:
 
 
 class WorkerProcess:
-    def __init__(self, worker_id: str, slot: int, endpoint: str) -> None:
+    def __init__(self, worker_id: str, slot: int, endpoint: str, limits: dict[str, Any] | None = None) -> None:
         self.id = worker_id
         self.slot = slot
         env = dict(os.environ)
+        for name, value in (limits or {}).items():  # the worker enforces the session limits itself
+            env[f"GENIE_LIMIT_{name.upper()}"] = "" if value is None else str(value)
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # so CUDA's GPU N is NVML's (and nvidia-smi's) GPU N
         env["CUDA_VISIBLE_DEVICES"] = "" if slot == CPU else str(slot)
         env["GENIE_WORKER_ID"] = worker_id

@@ -21,10 +21,12 @@ log = logging.getLogger("genie.data")
 
 class DataServer:
     def __init__(self, ip: str, port: int, key: bytes, session_workers: Callable[[str], list[int] | None],
-                 owners: dict[str, str] | None = None) -> None:
+                 owners: dict[str, str] | None = None, max_put: int = 1 << 50) -> None:
         """`session_workers(session_id)` -> the pids of that session's workers, or None if unknown;
-        `owners` maps the segments filled here to their session (shared with the ucx listener)."""
+        `owners` maps the segments filled here to their session (shared with the ucx listener);
+        a put over `max_put` bytes ends the connection before any memory is taken for it."""
         self.key = key
+        self.max_put = max_put
         self.session_workers = session_workers
         family = socket.AF_INET6 if ":" in ip else socket.AF_INET
         self.listener = socket.socket(family, socket.SOCK_STREAM)
@@ -72,6 +74,7 @@ class DataServer:
                     wire.send_header(conn, {"ok": True})
                 elif op == "put":
                     sizes = [int(n) for n in header["sizes"]]
+                    wire.check_put(sizes, self.max_put)
                     self._forget_adopted(made)
                     segment = spares.take(sum(sizes), refill=False)
                     made.append(segment)

@@ -76,10 +76,10 @@ async def _send_json(ep: Any, header: dict[str, Any]) -> None:
 class UcxDataServer:
     """The server's UCX listener. `owners` maps segment names to the session that filled them."""
 
-    def __init__(self, key: bytes, session_workers: Callable[[str], list[int] | None], owners: dict[str, str]) -> None:
+    def __init__(self, key: bytes, session_workers: Callable[[str], list[int] | None], owners: dict[str, str], max_put: int = 1 << 50) -> None:
         import ucxx
 
-        self.key, self.session_workers, self.owners = key, session_workers, owners
+        self.key, self.session_workers, self.owners, self.max_put = key, session_workers, owners, max_put
         self.runner = _LoopThread("genie-ucx-server")
 
         async def listen() -> Any:
@@ -116,6 +116,7 @@ class UcxDataServer:
                     await _send_json(ep, {"ok": True})
                 elif op == "put":
                     sizes = [int(n) for n in header["sizes"]]
+                    wire.check_put(sizes, self.max_put)
                     made = [m for m in made if m.path.exists()]  # the rest were adopted by workers
                     segment = spares.take(sum(sizes), refill=False)
                     made.append(segment)

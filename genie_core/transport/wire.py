@@ -94,3 +94,9 @@ def recv_payload_into(sock: socket.socket, view: memoryview, mac: "hmac.HMAC | N
         digest = recv_exact(sock, 32)
         if not hmac.compare_digest(digest, mac.digest()):
             raise ConnectionError("payload failed authentication")
+
+
+def check_put(sizes: list[int], limit: int) -> None:
+    """A put the server will not take: refused before any memory is set aside for it."""
+    if any(n < 0 for n in sizes) or sum(sizes) > limit:
+        raise ValueError(f"refused a put of {sum(sizes)} bytes (the limit is {limit})")

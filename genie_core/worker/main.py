@@ -23,6 +23,7 @@ from ..loop import SocketLoop
 from ..protocol import Codec, Message
 from ..serialize import deserialize_namespace, serialize_namespace
 from ..transport.segment import Segment, pack_into, segment_spares, split
+from ..errors import size_text
 from .streams import FLUSH_INTERVAL, OutStream, capture_fd
 
 DATA_THRESHOLD = 1 << 20  # bytes: smaller values travel inline
@@ -49,6 +50,8 @@ class Worker:
         self.tensors: Any = None  # the remote-tensor store, made on first use
         self.staged: list[Segment] = []  # a pull's segment, until the client adopts it
         self.spares = segment_spares("genie-w")
+        self.max_tensors = int(os.environ.get("GENIE_LIMIT_SESSION_TENSORS") or 1_000_000)
+        self.max_bytes = int(os.environ["GENIE_LIMIT_SESSION_BYTES"]) if os.environ.get("GENIE_LIMIT_SESSION_BYTES") else None
 
     # -- I/O (loop thread) --------------------------------------------------------------
     def _on_readable(self, sock: zmq.Socket) -> None:
@@ -146,6 +149,15 @@ class Worker:
     def on_push(self, msg: Message) -> None:
         buffers = msg.buffers
         ref = msg.content.get("data")
+        incoming = sum(int(n) for n in ref["sizes"]) if ref else sum(memoryview(b).nbytes for b in buffers)
+        held = self.tensors.bytes_held if self.tensors is not None else 0
+        if self.max_bytes is not None and held + incoming > self.max_bytes:
+            if ref:
+                Segment.adopt(ref["segment"]).release()  # take it off /dev/shm: it will not be used
+            self.send("push_reply", {"status": "error", "ename": "LimitExceeded", "evalue": (
+                f"this push of {size_text(incoming)} would make this session hold {size_text(held + incoming)}; the server "
+                f"allows {size_text(self.max_bytes)} (--max-session-bytes): free some (del)")})
+            return
         if ref:  # the bytes came by the data plane: the tensors are built on that memory, no copy
             buffers = split(Segment.adopt(ref["segment"]), [int(n) for n in ref["sizes"]])
         values = deserialize_namespace(msg.content["values"], buffers, msg.content.get("device"))
@@ -177,7 +189,7 @@ class Worker:
         if self.tensors is None:
             from ..remote_tensor.executor import TensorExecutor
 
-            self.tensors = TensorExecutor()
+            self.tensors = TensorExecutor(self.max_tensors, self.max_bytes)
         content, buffers = self.tensors.run(msg.buffers)
         self.send("tensor_reply", content, buffers)
 

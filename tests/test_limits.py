@@ -1,0 +1,106 @@
+"""Per-session limits a server sets (`genie serve --max-session-tensors N --max-session-bytes SIZE`):
+going over one is a clear LimitExceeded that loses nothing already held, and the session goes
+on once it frees something. Limits are per session: a neighbour is not affected."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import genie_core
+from conftest import start_server, stdout_of, run
+from genie_core.errors import LimitExceeded
+from genie_core.transport.segment import SHM_DIR
+
+DEV = "remote_accelerator:0"
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory):
+    srv = start_server(tmp_path_factory.mktemp("limits"), "--max-session-tensors", "40", "--max-session-bytes", "64MiB")
+    genie_core.init_sync(f"127.0.0.1:{srv.info.port}", token=srv.info.token, timeout=20)
+    yield srv
+    genie_core.shutdown()
+    srv.stop()
+
+
+def test_too_many_remote_tensors(limited):
+    kept = [torch.full((4,), float(i), device=DEV) for i in range(30)]
+    assert kept[29].cpu().tolist() == [29.0] * 4
+    more = [torch.ones(4, device=DEV) for _ in range(20)]
+    with pytest.raises(LimitExceeded, match=r"hold 41 remote tensors; the server allows 40 \(--max-session-tensors\)"):
+        more[-1].cpu()
+    assert kept[5].cpu().tolist() == [5.0] * 4  # what it held before is intact
+    del more
+    gc.collect()
+    assert (torch.ones(4, device=DEV) * 3).cpu().tolist() == [3.0] * 4  # freed: goes on
+    del kept
+    gc.collect()
+
+
+def test_too_many_bytes_of_remote_tensors(limited):
+    a = torch.ones(10 * MiB, device=DEV)  # 40 MiB
+    assert a.sum().item() == 10 * MiB
+    b = torch.zeros(6 * MiB, device=DEV)  # 24 MiB more: 64 MiB + the sum's result > 64 MiB
+    with pytest.raises(LimitExceeded, match=r"would make this session hold 88\.0 MiB in remote tensors; the server allows 64\.0 MiB"):
+        (b + 1).cpu()
+    assert a[:3].cpu().tolist() == [1.0, 1.0, 1.0]
+    del b
+    gc.collect()
+    assert (torch.ones(MiB, device=DEV) + a[:MiB]).sum().item() == 2 * MiB
+    del a
+    gc.collect()
+
+
+def test_pushes_over_the_limit(limited):
+    client = genie_core.get_cluster_state().client
+    before = set(SHM_DIR.glob("genie-*"))
+    with pytest.raises(LimitExceeded, match=r"push of 80\.0 MiB is more than the server lets a session hold \(64\.0 MiB"):
+        client.push({"big": torch.ones(20 * MiB)})
+    assert set(SHM_DIR.glob("genie-*")) <= before  # refused before a byte was sent
+    held = torch.ones(10 * MiB, device=DEV)  # 40 MiB of remote tensors
+    assert held.sum().item() == 10 * MiB
+    with pytest.raises(LimitExceeded, match=r"push of 32\.0 MiB would make this session hold 72\.0 MiB"):
+        client.push({"mid": torch.ones(8 * MiB)})
+    assert "mid" not in stdout_of(run(client, "print(sorted(k for k in dir() if not k.startswith('_')))"))
+    client.push({"small": torch.ones(MiB)})  # 4 MiB: fits
+    assert stdout_of(run(client, "print(int(small.sum()))")) == f"{MiB}\n"
+    del held
+    gc.collect()
+
+
+def test_limits_are_per_session(limited):
+    kept = [torch.ones(2, device=DEV) for _ in range(35)]
+    kept[0].cpu()
+    other = limited.client()
+    try:
+        assert stdout_of(run(other, "import torch; t = [torch.ones(2) for _ in range(100)]; print(len(t))")) == "100\n"
+        other.push({"x": torch.ones(10 * MiB)})  # 40 MiB: its own allowance
+    finally:
+        other.close()
+    del kept
+    gc.collect()
+
+
+def test_the_data_port_refuses_a_put_over_the_limit_before_taking_memory(limited):
+    from genie_core.transport.tcp import TcpTransport
+
+    client = genie_core.get_cluster_state().client
+    port = client.node["transport"]["data_port"]
+    transport = TcpTransport("127.0.0.1", port, client.codec.key, client.session)
+    before = set(SHM_DIR.glob("genie-s-*"))
+    with pytest.raises((ConnectionError, OSError)):
+        transport.put([bytearray(65 * MiB)])
+    transport.close()
+    assert set(SHM_DIR.glob("genie-s-*")) <= before
+    ok = TcpTransport("127.0.0.1", port, client.codec.key, client.session)  # the same put, under the limit, is taken
+    assert ok.put([bytearray(MiB)])["sizes"] == [MiB]
+    ok.close()
+
+
+def test_limits_show_in_the_server_info(limited):
+    limits = genie_core.get_cluster_state().client.node["limits"]
+    assert limits["session_tensors"] == 40 and limits["session_bytes"] == 64 * MiB
