@@ -54,3 +54,56 @@ def test_interrupts_stop_any_long_running_code(client, code, request):
     assert any(t == "error" and c["ename"] == "KeyboardInterrupt" for t, c in replies)
     record("Interrupts", f"{request.node.callspec.id}: seconds to KeyboardInterrupt", f"{took:.3f}")
     assert stdout_of(run(client, "print('usable')")) == "usable\n"
+
+
+def _memory_cgroup(limit: int):
+    """A memory cgroup (v1 or v2) capped at `limit` bytes, or a skip where this machine has none."""
+    import os
+    from pathlib import Path
+
+    name = "genie-test-" + os.urandom(3).hex()
+    v1, v2 = Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")
+    places = [(v1, "memory.limit_in_bytes")] if v1.is_dir() else []
+    if (v2 / "cgroup.controllers").exists() and "memory" in (v2 / "cgroup.controllers").read_text():
+        places.append((v2, "memory.max"))
+    for root, limit_file in places:
+        group = root / name
+        try:
+            group.mkdir()
+            (group / limit_file).write_text(str(limit))
+            return group
+        except OSError:
+            if group.exists():
+                group.rmdir()
+    pytest.skip("no writable memory cgroup here (needs root)")
+
+
+def test_a_worker_killed_for_lack_of_memory_is_named_as_such(server):
+    """The kernel's OOM killer ends a worker whose memory cgroup is full: the cell fails saying
+    so, the server and other sessions go on, and the session's next cell gets a fresh worker."""
+    from genie_core.errors import WorkerDied
+
+    group = _memory_cgroup(256 << 20)
+    victim, bystander = server.client(), server.client()
+    try:
+        run(bystander, "kept = 41")
+        pid = int(stdout_of(run(victim, "import os; x = 1; print(os.getpid())")))
+        (group / "cgroup.procs").write_text(str(pid))
+        start = time.monotonic()
+        with pytest.raises(WorkerDied, match=rf"pid {pid}\) was killed by the kernel's out-of-memory killer \(.*Killed process {pid} "):
+            run(victim, "hog = bytearray(b'1') * (1 << 30)")
+        took = time.monotonic() - start
+        assert stdout_of(run(bystander, "print(kept + 1)")) == "42\n"
+        replies = run(victim, "print('fresh', 'x' in dir())")
+        assert stdout_of(replies) == "fresh False\n"
+        record("Worker crashes", "out of memory (1 GiB in a 256 MiB cgroup)", f"WorkerDied naming the kernel's OOM kill after {took:.2f} s; "
+               "other session untouched; next cell ran on a fresh worker")
+    finally:
+        victim.close()
+        bystander.close()
+        for _ in range(50):  # bounded: the group empties once the killed worker is reaped
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)

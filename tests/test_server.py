@@ -162,12 +162,17 @@ def test_interrupt_stops_the_cell_and_keeps_the_session(client):
     [("import os; os._exit(3)", "exited with code 3"), ("import ctypes; ctypes.string_at(0)", "SIGSEGV")],
     ids=["exit", "segfault"],
 )
-def test_worker_crash_fails_the_cell_with_the_cause_and_the_session_recovers(client, code, cause):
+def test_worker_crash_fails_the_cell_with_the_cause_and_the_session_recovers(client, code, cause, request):
+    from reliability import record
+
     run(client, "x = 1")
+    start = time.monotonic()
     with pytest.raises(WorkerDied, match=cause):
         run(client, code)
+    took = time.monotonic() - start
     replies = run(client, "print('fresh worker', 'x' in globals())")
     assert stdout_of(replies) == "fresh worker False\n"
+    record("Worker crashes", request.node.callspec.id, f"WorkerDied ({cause}) after {took:.2f} s; next cell ran on a fresh worker")
 
 
 def test_server_killed_mid_cell_fails_the_cell_within_the_heartbeat_timeout(tmp_path):

@@ -600,7 +600,7 @@ class Server:
             self.workers.pop(worker.id, None)
             sweep_segments(worker.pid)
             session = worker.session
-            why = describe_exit(worker.proc.returncode)
+            why = describe_exit(worker.proc.returncode, worker.pid)
             log.warning("worker %s (pid %d) %s", worker.id, worker.pid, why)
             if session is not None and session.workers.get(worker.slot) is worker:
                 del session.workers[worker.slot]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
 CPU = -1  # the device slot of a worker that uses no GPU
 
 
-def describe_exit(returncode: int | None) -> str:
+def describe_exit(returncode: int | None, pid: int | None = None) -> str:
     if returncode is None:
         return "is still running"
     if returncode < 0:
@@ -24,9 +25,39 @@ def describe_exit(returncode: int | None) -> str:
             name = signal.Signals(-returncode).name
         except ValueError:
             name = f"signal {-returncode}"
-        hint = " (out of memory?)" if -returncode == signal.SIGKILL else ""
-        return f"was killed by {name}{hint}"
+        if -returncode != signal.SIGKILL:
+            return f"was killed by {name}"
+        oom = oom_kill_record(pid) if pid is not None else None
+        if oom is None:
+            return f"was killed by {name} (out of memory? the kernel log, which would say, is not readable here)"
+        if oom:
+            return f"was killed by the kernel's out-of-memory killer ({oom})"
+        return f"was killed by {name}"
     return f"exited with code {returncode}"
+
+
+def oom_kill_record(pid: int, records: int = 20000) -> str | None:
+    """The kernel's own words if it killed `pid` for lack of memory; "" if it did not; None if
+    the kernel log cannot be read (it needs root or CAP_SYSLOG)."""
+    try:
+        fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    found = ""
+    try:
+        for _ in range(records):  # bounded: the ring buffer holds a few thousand records
+            try:
+                record = os.read(fd, 8192).decode(errors="replace")
+            except BlockingIOError:
+                break
+            except OSError:  # EPIPE: records overwritten while reading; go on with the next
+                continue
+            match = re.search(rf"([^;]*Killed process {pid} \([^)]*\))", record)
+            if match:
+                found = match.group(1).strip()
+    finally:
+        os.close(fd)
+    return found
 
 
 class WorkerProcess:
