@@ -12,7 +12,8 @@ from pathlib import Path
 
 import genie_core
 
-ALL = ["monitor_overhead", "remote_tensors", "bulk_transfer", "cell_roundtrip", "connect_time", "failure_detection", "concurrency"]
+ALL = ["monitor_overhead", "remote_tensors", "bulk_transfer", "cell_roundtrip", "connect_time", "failure_detection", "concurrency",
+       "message_signing"]
 
 
 def machine() -> dict:

@@ -212,7 +212,7 @@ class Client:
             self.close(notify=False)
             raise ConnectionFailed(
                 f"the server at {self.address} accepted a TCP connection but did not answer the Genie handshake "
-                f"within {self.timeout:g} s: is a genie server (protocol genie/1) listening there?"
+                f"within {self.timeout:g} s: is a genie server (protocol genie/2) listening there?"
             ) from None
         except BaseException:
             self.close(notify=False)

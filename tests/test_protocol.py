@@ -33,7 +33,7 @@ def test_wrong_key_and_unsigned_messages_are_refused():
 
 @pytest.mark.parametrize(
     "frames",
-    [[], [b"genie/1"], [b"nope/9", b"", b"{}", b"{}"], [b"genie/1", b"", b"not json", b"{}"], [b"genie/1", b"", b"[]", b"{}"]],
+    [[], [b"genie/2"], [b"nope/9", b"", b"{}", b"{}"], [b"genie/2", b"", b"not json", b"{}"], [b"genie/2", b"", b"[]", b"{}"]],
 )
 def test_malformed_messages_raise_protocol_error(frames):
     with pytest.raises(ProtocolError):
