@@ -27,7 +27,7 @@ PARALLEL_FROM = 16 << 20  # buffers at least this big are hashed on several thre
 _pool: ThreadPoolExecutor | None = None
 
 
-def _digests(buffer: Any) -> bytes:
+def chunk_digests(buffer: Any) -> bytes:
     """SHA-256 of each CHUNK of `buffer`, concatenated."""
     global _pool
     view = memoryview(buffer).cast("B") if not isinstance(buffer, bytes) else memoryview(buffer)
@@ -90,7 +90,7 @@ class Codec:
         mac = hmac.new(self.key, digestmod=hashlib.sha256)
         for index, part in enumerate(parts):
             mac.update(len(part).to_bytes(8, "little"))
-            mac.update(part if index < 2 else _digests(part))
+            mac.update(part if index < 2 else chunk_digests(part))
         return mac.hexdigest().encode()
 
     def pack(self, msg: Message) -> list[Any]:

@@ -13,7 +13,7 @@ import torch
 
 import genie_core
 from conftest import start_server
-from genie_core.errors import RemoteError
+from genie_core.errors import ConnectionLost, RemoteError
 from genie_core.transport import detect, wire
 from genie_core.transport.discovery import BackendUnavailable
 
@@ -50,7 +50,9 @@ UCX = pytest.param("ucx", marks=pytest.mark.skipif(not detect.ucx()[0], reason="
 
 
 @pytest.mark.parametrize("backend", ["shm", "tcp", "zmq", UCX])
-def test_each_backend_moves_data_bit_exact(connect, backend):
+def test_each_backend_moves_data_bit_exact(server, connect, backend):
+    if backend == "ucx":
+        wait_for_detection(server)
     state = connect(backend)
     assert state.backend == backend and state.client.transport.name == backend
     sent = values()
@@ -138,6 +140,34 @@ def make_ib(root: Path, state: str, link: str = "Ethernet") -> None:
     (port / "state").write_text(state + "\n")
     (port / "link_layer").write_text(link + "\n")
     (port / "rate").write_text("100 Gb/sec (4X EDR)\n")
+
+
+@pytest.mark.skipif(not detect.ucx()[0], reason="ucxx is not installed (the ucx extra)")
+def test_a_tampered_ucx_payload_is_refused(server, connect, monkeypatch):
+    """UCX payloads carry a MAC (they may cross a network): a payload whose MAC does not match
+    is refused and its memory released, in both directions."""
+    from genie_core.transport import ucx
+    from genie_core.transport.segment import SHM_DIR
+
+    wait_for_detection(server)
+    state = connect("ucx")
+    t = torch.randn(1 << 20)
+    state.client.push({"t": t})  # the real MAC passes
+    real = ucx._PayloadMac.digest
+    before = set(SHM_DIR.glob("genie-s-*"))
+
+    async def forged(self):  # noqa: ANN001
+        return bytes(32)
+
+    monkeypatch.setattr(ucx._PayloadMac, "digest", forged)
+    transport = state.client.transport
+    with pytest.raises(ConnectionError, match="payload failed authentication"):
+        transport.put([memoryview(t.numpy()).cast("B")])
+    assert set(SHM_DIR.glob("genie-s-*")) <= before
+    with pytest.raises(ConnectionLost, match="payload failed authentication"):  # the other way: the client checks
+        state.client.pull(["t"])
+    monkeypatch.setattr(ucx._PayloadMac, "digest", real)
+    assert torch.equal(state.client.pull(["t"])["t"], t)
 
 
 def test_rdma_detection(tmp_path):

@@ -9,6 +9,7 @@ worker adopts, or `get` of a segment a worker staged.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
@@ -39,6 +40,24 @@ SLICE = 64 << 20  # bytes per UCX message: both ends cut a buffer the same way, 
 
 def _slices(view: memoryview) -> list[memoryview]:
     return [view[i : i + SLICE] for i in range(0, len(view), SLICE)] or [view]
+
+
+class _PayloadMac:
+    """Authenticates a payload: HMAC over the chunk digests of each piece, hashed on other threads
+    while the next piece is on the wire (UCX payloads may cross a network, so always on)."""
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+        self.parts: list[asyncio.Future] = []
+
+    def add(self, piece: memoryview) -> None:
+        from ..protocol import chunk_digests
+
+        self.parts.append(asyncio.get_running_loop().run_in_executor(None, chunk_digests, piece))
+
+    async def digest(self) -> bytes:
+        digests = await asyncio.gather(*self.parts)
+        return hmac.new(self.key, b"genie data payload\0" + b"".join(digests), hashlib.sha256).digest()
 
 
 def _array(view: memoryview) -> Any:
@@ -120,11 +139,20 @@ class UcxDataServer:
                     made = [m for m in made if m.path.exists()]  # the rest were adopted by workers
                     segment = spares.take(sum(sizes), refill=False)
                     made.append(segment)
-                    offset = 0
+                    offset, mac = 0, _PayloadMac(self.key)
                     for n in sizes:
                         for piece in _slices(segment.view[offset : offset + n]):
                             await ep.recv(_array(piece))
+                            mac.add(piece)
                         offset += n
+                    sent_mac = bytearray(32)
+                    await ep.recv(_array(memoryview(sent_mac)))
+                    if not hmac.compare_digest(bytes(sent_mac), await mac.digest()):
+                        segment.close()
+                        made.remove(segment)
+                        segment.unlink()
+                        await _send_json(ep, {"ok": False, "error": "payload failed authentication"})
+                        continue
                     segment.close()
                     self.owners[segment.name] = session
                     await _send_json(ep, {"ok": True, "segment": segment.name, "sizes": sizes})
@@ -139,8 +167,11 @@ class UcxDataServer:
                     view = Segment.adopt(name)
                     size = int(header["size"])
                     await _send_json(ep, {"ok": True, "size": size})
+                    mac = _PayloadMac(self.key)
                     for piece in _slices(view[:size]):
+                        mac.add(piece)
                         await ep.send(_array(piece))
+                    await ep.send(_array(memoryview(await mac.digest())))
                 elif op == "sink":  # discovery: receive and discard, into reused memory
                     n = int(header["size"])
                     if len(scratch) < n:
@@ -167,6 +198,7 @@ class UcxTransport:
         import ucxx
 
         self.address = f"{host}:{port}"
+        self.key = key
         self.runner = _LoopThread("genie-ucx-client")
         self.spares = Spares(lambda n: memoryview(np.empty(n, dtype=np.uint8)), lambda b: None, lambda b: b)
 
@@ -196,13 +228,15 @@ class UcxTransport:
 
         async def go() -> dict[str, Any]:
             await _send_json(self.ep, {"op": "put", "sizes": sizes})
-            done = 0
+            done, mac = 0, _PayloadMac(self.key)
             for b in buffers:
                 for piece in _slices(memoryview(b).cast("B")):
+                    mac.add(piece)
                     await self.ep.send(_array(piece))
                     done += len(piece)
                     if progress is not None:
                         progress(done, total)
+            await self.ep.send(_array(memoryview(await mac.digest())))
             return await _recv_json(self.ep)
 
         reply = self.runner.run(go())
@@ -219,12 +253,17 @@ class UcxTransport:
             await _send_json(self.ep, {"op": "get", "segment": ref["segment"], "size": total})
             reply = await _recv_json(self.ep)
             if reply.get("ok"):
-                done = 0
+                done, mac = 0, _PayloadMac(self.key)
                 for piece in _slices(whole[:total]):
                     await self.ep.recv(_array(piece))
+                    mac.add(piece)
                     done += len(piece)
                     if progress is not None:
                         progress(done, total)
+                sent_mac = bytearray(32)
+                await self.ep.recv(_array(memoryview(sent_mac)))
+                if not hmac.compare_digest(bytes(sent_mac), await mac.digest()):
+                    return {"ok": False, "error": "payload failed authentication"}
             return reply
 
         reply = self.runner.run(go())
