@@ -1,7 +1,8 @@
 """Values as (a small JSON description, raw buffers).
 
-Tensors and arrays travel as their raw bytes, never pickled; other objects go through
-cloudpickle (protocol 5), with large buffers inside them sent out of band.
+Tensors and arrays travel as their raw bytes, never pickled; plain scalars and strings as
+JSON; other objects go through cloudpickle (protocol 5), with large buffers inside them sent
+out of band. A receiver that did not ask for arbitrary objects refuses pickles (`allow_pickle`).
 """
 
 from __future__ import annotations
@@ -44,13 +45,20 @@ def serialize(obj: Any) -> tuple[dict[str, Any], list[Any]]:
         return {"kind": "ndarray", "dtype": arr.dtype.str, "shape": list(arr.shape)}, [
             memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else b""
         ]
+    if obj is None or type(obj) in (bool, int, float, str):
+        return {"kind": "plain", "value": obj}, []
     oob: list[Any] = []
     data = cloudpickle.dumps(obj, protocol=5, buffer_callback=oob.append)
     return {"kind": "pickle", "n": len(oob)}, [data, *(b.raw() for b in oob)]
 
 
-def deserialize(meta: dict[str, Any], buffers: list[Any], device: str | None = None) -> Any:
+def deserialize(meta: dict[str, Any], buffers: list[Any], device: str | None = None, allow_pickle: bool = True) -> Any:
     kind = meta.get("kind")
+    if kind == "plain":
+        value = meta.get("value")
+        if value is not None and type(value) not in (bool, int, float, str):
+            raise ValueError(f"not a plain value: {type(value).__name__}")
+        return value
     if kind == "tensor":
         import torch
 
@@ -77,6 +85,10 @@ def deserialize(meta: dict[str, Any], buffers: list[Any], device: str | None = N
         arr = arr.reshape(meta["shape"])
         return arr if arr.flags.writeable else arr.copy()
     if kind == "pickle":
+        if not allow_pickle:
+            from .errors import ProtocolError
+
+            raise ProtocolError(f"refused a pickled object for {meta.get('name', 'a value')!r}: only tensors, arrays and plain values were asked for")
         return pickle.loads(buffers[0], buffers=buffers[1:])
     raise ValueError(f"unknown value kind {kind!r}")
 
@@ -94,11 +106,12 @@ def serialize_namespace(values: dict[str, Any]) -> tuple[list[dict[str, Any]], l
     return metas, buffers
 
 
-def deserialize_namespace(metas: list[dict[str, Any]], buffers: list[Any], device: str | None = None) -> dict[str, Any]:
+def deserialize_namespace(metas: list[dict[str, Any]], buffers: list[Any], device: str | None = None,
+                          allow_pickle: bool = True) -> dict[str, Any]:
     out: dict[str, Any] = {}
     i = 0
     for meta in metas:
         n = int(meta["nbuf"])
-        out[meta["name"]] = deserialize(meta, buffers[i : i + n], device)
+        out[meta["name"]] = deserialize(meta, buffers[i : i + n], device, allow_pickle)
         i += n
     return out

@@ -48,3 +48,34 @@ def test_size_cap():
 
 def test_key_is_not_the_token():
     assert derive_key("secret") != b"secret" and len(derive_key("secret")) == 32
+
+
+def test_a_large_buffer_altered_in_any_chunk_is_refused():
+    """Buffers are signed by the digests of their 4 MiB chunks (hashed in parallel): flipping
+    one byte in any chunk, or moving bytes between buffers, breaks the signature."""
+    import os
+
+    codec = Codec(os.urandom(32))
+    data = bytearray(os.urandom(1024)) * (20 * 1024)  # 20 MiB: five chunks, hashed in parallel
+    frames = codec.pack(Message("push", {}, [data, b"tail"]))
+    assert bytes(codec.unpack(frames).buffers[0]) == bytes(data)
+    for where in (0, (4 << 20) + 7, len(data) - 1):
+        changed = bytearray(data)
+        changed[where] ^= 1
+        with pytest.raises(ProtocolError, match="bad signature"):
+            codec.unpack([*frames[:4], changed, frames[5]])
+    with pytest.raises(ProtocolError, match="bad signature"):  # same bytes, another split
+        codec.unpack([*frames[:4], bytes(data) + b"t", b"ail"])
+
+
+def test_values_the_client_did_not_ask_to_unpickle_are_refused():
+    from genie_core.serialize import deserialize_namespace, serialize_namespace
+
+    metas, buffers = serialize_namespace({"n": 3, "x": 2.5, "s": "ok", "none": None, "flag": True})
+    assert all(m["kind"] == "plain" for m in metas) and buffers == []  # plain values travel as JSON
+    assert deserialize_namespace(metas, buffers, allow_pickle=False) == {"n": 3, "x": 2.5, "s": "ok", "none": None, "flag": True}
+    metas, buffers = serialize_namespace({"evil": {"a": 1}})
+    assert metas[0]["kind"] == "pickle"
+    with pytest.raises(ProtocolError, match="refused a pickled object for 'evil'"):
+        deserialize_namespace(metas, buffers, allow_pickle=False)
+    assert deserialize_namespace(metas, buffers) == {"evil": {"a": 1}}  # a pull the user asked for

@@ -69,7 +69,7 @@ class OpStream:
                 f"remote op {content.get('op')} (op {content.get('index', 0) + 1} of {len(records)} sent) failed: {content.get('evalue')}",
             )
         if content.get("fetch"):
-            content["values"] = deserialize_namespace(content["fetch"], reply.buffers)
+            content["values"] = deserialize_namespace(content["fetch"], reply.buffers, allow_pickle=False)  # tensors and numbers only
         return content
 
     def fetch(self, rid: int) -> Any:
