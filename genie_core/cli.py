@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default: $GENIE_LOG_LEVEL)")
     serve.add_argument("--poll-interval", type=float, default=None, help="seconds between GPU/host readings (default 1)")
     serve.add_argument("--no-monitoring", action="store_true", help="do not poll GPUs and the host")
+    serve.add_argument("--no-ucx", action="store_true",
+                       help="no UCX listener (starting one costs a second of CPU; clients on this host use shm anyway)")
     serve.add_argument("--simulate-gpus", type=int, default=None, metavar="N",
                        help="report N simulated GPUs (labelled as fake) instead of reading NVML: for demos and tests without a GPU")
 
@@ -98,6 +100,7 @@ def _serve(args: argparse.Namespace) -> int:
         gpu_poll_interval=args.poll_interval, enable_gpu_monitoring=False if args.no_monitoring else None,
         simulate_gpus=args.simulate_gpus, encrypt=args.encrypt,
         max_session_tensors=args.max_session_tensors, max_session_bytes=args.max_session_bytes,
+        enable_ucx=False if args.no_ucx else None,
     )
     logging.basicConfig(level=config.log_level.upper(), format="[genie %(levelname)s] %(message)s")
     return run_server(config, parent_pid=args.parent_pid)

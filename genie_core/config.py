@@ -84,6 +84,7 @@ class ClusterConfig:
     #                               client: where to reach it, when a tunnel or relay moves it (default: as the server says)
     discovery_budget: float = 0.3  # seconds that backend discovery may spend measuring
     max_message_bytes: int = 8 << 30
+    enable_ucx: bool = True  # server: offer the ucx data plane (importing ucxx costs about a second of CPU at start)
     encrypt: bool = False  # server: CurveZMQ on the control connection (keys in the connection file)
     max_session_tensors: int = 1_000_000  # server: remote tensors one session may hold
     max_session_bytes: int | None = None  # server: bytes of remote tensors one session may hold (and the largest push)

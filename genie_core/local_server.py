@@ -47,7 +47,7 @@ class LocalServer:
         env = dict(os.environ, GENIE_TOKEN=new_token())
         cmd = [
             sys.executable, "-m", "genie_core", "serve", "--ip", "127.0.0.1", "--port", "0",
-            "--connection-file", str(self.connection_file), "--parent-pid", str(os.getpid()),
+            "--connection-file", str(self.connection_file), "--parent-pid", str(os.getpid()), "--no-ucx",
         ]
         if self.gpus is not None:
             cmd += ["--gpus", ",".join(map(str, self.gpus))]

@@ -169,7 +169,7 @@ class Server:
         threading.Thread(target=self._start_slow_backends, name="genie-detect", daemon=True).start()
 
     def _start_slow_backends(self) -> None:
-        report = detect.server_report()
+        report = detect.server_report(with_ucx=self.config.enable_ucx)
         if report["ucx"]["available"] and not self.config.encrypt:
             try:
                 from ..transport.ucx import UcxDataServer

@@ -96,11 +96,12 @@ def ucx() -> Finding:
     return ok, reason, {}
 
 
-def server_report(sys_root: str = "/sys", proc_root: str = "/proc") -> dict[str, Any]:
+def server_report(sys_root: str = "/sys", proc_root: str = "/proc", with_ucx: bool = True) -> dict[str, Any]:
     """What this machine supports, for the server's welcome message and `genie status`."""
     out = {}
+    no_ucx = lambda: (False, "off on this server (genie serve --no-ucx; an embedded server never needs it)", {})  # noqa: E731
     for name, fn in (("rdma", lambda: rdma(sys_root)), ("dpdk", lambda: dpdk(sys_root, proc_root)),
-                     ("gpudirect", lambda: gpudirect(proc_root)), ("ucx", ucx)):
+                     ("gpudirect", lambda: gpudirect(proc_root)), ("ucx", ucx if with_ucx else no_ucx)):
         ok, reason, details = fn()
         out[name] = {"available": ok, "reason": reason, "details": details}
     out["hostname"] = os.uname().nodename
