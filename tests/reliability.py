@@ -22,7 +22,7 @@ def reset() -> None:
     STORE.unlink(missing_ok=True)
 
 
-SECTIONS = ("Fuzzing (tests/test_fuzz.py)", "Interrupts", "Server killed (SIGKILL) during a 256 MiB transfer", "Worker crashes", "Who gets in")
+SECTIONS = ("Fuzzing (tests/test_fuzz.py)", "Interrupts", "Server killed (SIGKILL) during a 256 MiB transfer", "Worker crashes", "Who gets in", "Session limits")
 
 
 def write_document() -> None:
@@ -36,8 +36,8 @@ def write_document() -> None:
         "# Reliability",
         "",
         f"Written by the test suite (`tests/reliability.py`) on {time.strftime('%Y-%m-%d')}: every figure below was",
-        "measured by a test in that run against a real server process on 127.0.0.1. Re-run `python -m pytest` to",
-        "regenerate it.",
+        "measured by a test in that run against a real server process (on 127.0.0.1, or in a network namespace).",
+        "Re-run `python -m pytest` to regenerate it.",
         "",
     ]
     for section in sorted(data):

@@ -13,6 +13,9 @@ import genie_core
 from conftest import start_server, stdout_of, run
 from genie_core.errors import LimitExceeded
 from genie_core.transport.segment import SHM_DIR
+from reliability import record
+
+SECTION = "Session limits"
 
 DEV = "remote_accelerator:0"
 MiB = 1 << 20
@@ -31,9 +34,10 @@ def test_too_many_remote_tensors(limited):
     kept = [torch.full((4,), float(i), device=DEV) for i in range(30)]
     assert kept[29].cpu().tolist() == [29.0] * 4
     more = [torch.ones(4, device=DEV) for _ in range(20)]
-    with pytest.raises(LimitExceeded, match=r"hold 41 remote tensors; the server allows 40 \(--max-session-tensors\)"):
+    with pytest.raises(LimitExceeded, match=r"hold 41 remote tensors; the server allows 40 \(--max-session-tensors\)") as caught:
         more[-1].cpu()
     assert kept[5].cpu().tolist() == [5.0] * 4  # what it held before is intact
+    record(SECTION, "41st remote tensor (--max-session-tensors 40)", f"LimitExceeded: {caught.value}; the 30 held before intact")
     del more
     gc.collect()
     assert (torch.ones(4, device=DEV) * 3).cpu().tolist() == [3.0] * 4  # freed: goes on
@@ -58,8 +62,9 @@ def test_too_many_bytes_of_remote_tensors(limited):
 def test_pushes_over_the_limit(limited):
     client = genie_core.get_cluster_state().client
     before = set(SHM_DIR.glob("genie-*"))
-    with pytest.raises(LimitExceeded, match=r"push of 80\.0 MiB is more than the server lets a session hold \(64\.0 MiB"):
+    with pytest.raises(LimitExceeded, match=r"push of 80\.0 MiB is more than the server lets a session hold \(64\.0 MiB") as caught:
         client.push({"big": torch.ones(20 * MiB)})
+    record(SECTION, "80 MiB push (--max-session-bytes 64MiB)", f"LimitExceeded before a byte was sent: {caught.value}")
     assert set(SHM_DIR.glob("genie-*")) <= before  # refused before a byte was sent
     held = torch.ones(10 * MiB, device=DEV)  # 40 MiB of remote tensors
     assert held.sum().item() == 10 * MiB
