@@ -48,8 +48,9 @@ class LostRequest:
     """A request whose connection was lost before its answer came: did it run?
 
     `state` is "unknown" until the server answers again, then "running", "finished" (see
-    `status`: ok or error), "not run" (the server never received it), or "unknown" for good
-    when the server ended the session meanwhile. Late output of a cell is kept in `output`.
+    `status`: ok or error), "stopped" (it was running when the server ended the session), "not
+    run" (the server never ran it), or "unknown" for good when the server cannot say (it
+    restarted). Late output of a cell is kept in `output`.
     """
 
     id: str
@@ -64,15 +65,17 @@ class LostRequest:
 
     @property
     def settled(self) -> bool:
-        return self.state in ("finished", "not run") or (self.state == "unknown" and bool(self.error))
+        return self.state in ("finished", "stopped", "not run") or (self.state == "unknown" and bool(self.error))
 
     def describe(self) -> str:
         what = f"{'the cell' if self.type == 'execute' else 'the ' + self.type} sent at {time.strftime('%H:%M:%S', time.localtime(self.lost_at))}"
         what += f" ({self.summary})" if self.summary else ""
         if self.state == "finished":
             return f"{what} ran on the server after all and finished {self.status}" + (f" ({self.error})" if self.error else "")
+        if self.state == "stopped":
+            return f"{what} was running on the server and was {self.error}"
         if self.state == "not run":
-            return f"{what} never reached the server: it did not run"
+            return f"{what} did not run: {self.error or 'it never reached the server'}"
         if self.state == "running":
             return f"{what} is still running on the server"
         return f"{what}: unknown whether it ran" + (f" ({self.error})" if self.error else "")
@@ -180,6 +183,7 @@ class Client:
         self._transfer_lock = threading.Lock()
         self.rtt: float | None = None
         self.lost_requests: dict[str, LostRequest] = {}  # cut off by a lost connection; see LostRequest
+        self._session_gone = False  # the server said it no longer has our session
         self._pending: dict[str, Request] = {}
         self._seq = itertools.count(1)
         self._send_locks: dict[Any, threading.Lock] = {}  # one per socket: a big request never holds up a ping
@@ -299,7 +303,7 @@ class Client:
 
     # -- sending and receiving ------------------------------------------------------------
     def _request(self, msg: Message, sock: zmq.Socket | None = None) -> Request:
-        if self.lost_reason is not None and msg.type not in ("hello", "ping"):
+        if self.lost_reason is not None and msg.type not in ("hello", "ping", "outcome"):
             raise ConnectionLost(self.lost_reason)
         if self._closed or self._loop is None:
             raise ConnectionLost(f"the connection to {self.address} is closed")
@@ -327,7 +331,7 @@ class Client:
             self._last_heard = time.monotonic()
             if msg.type == "pong":
                 self.rtt = time.monotonic() - getattr(self._pending.get(msg.parent), "sent", time.monotonic())
-            if self.lost_reason is not None and self.session and msg.content.get("ename") != "SessionNotFound":
+            if self.lost_reason is not None and self.session and not self._session_gone and msg.content.get("ename") != "SessionNotFound":
                 self._recovered()
             if not msg.parent:
                 self._on_push(msg)
@@ -337,13 +341,12 @@ class Client:
                 lost = self.lost_requests.get(msg.parent)
                 if lost is not None:
                     self._late_reply(lost, msg)
-                elif msg.type == "error_reply" and msg.content.get("ename") == "SessionNotFound":
+                if msg.type == "error_reply" and msg.content.get("ename") == "SessionNotFound":
                     self._session_ended(msg.content.get("evalue", "session not found"))
                 continue
             if msg.type in TERMINAL:
                 self._pending.pop(msg.parent, None)
             if msg.type == "error_reply" and msg.content.get("ename") == "SessionNotFound":
-                self._mark_lost(msg.content.get("evalue", "session not found"))
                 self._session_ended(msg.content.get("evalue", "session not found"))
             request._put(msg)
 
@@ -412,6 +415,9 @@ class Client:
             lost.output += str(msg.content.get("text", ""))[: KEEP_OUTPUT - len(lost.output)]
         elif msg.type == "error":
             lost.error = f"{msg.content.get('ename', '')}: {msg.content.get('evalue', '')}"[:500]
+        if msg.type == "error_reply" and msg.content.get("ename") == "SessionNotFound":
+            self._settle(lost, "not run", "", "it reached the server after the server had ended the session")
+            return
         if msg.type in TERMINAL:
             status = "error" if msg.type == "error_reply" else str(msg.content.get("status", "ok"))
             error = lost.error or (f"{msg.content.get('ename')}: {msg.content.get('evalue', '')}"[:500] if msg.content.get("ename") else "")
@@ -424,7 +430,12 @@ class Client:
         try:
             reply = self._request(Message("outcome", {"ids": ids})).wait(10)
         except Exception as exc:
-            log.warning("could not learn the outcome of %d lost requests: %s", len(ids), exc)
+            if self._session_gone:  # and the server does not remember it (it restarted): nobody can say
+                for lost in self.lost_requests.values():
+                    if not lost.settled:
+                        self._settle(lost, "unknown", "", "the server ended the session and no longer remembers it")
+            else:
+                log.warning("could not learn the outcome of %d lost requests: %s", len(ids), exc)
             return
         for rid, outcome in reply.content.get("outcomes", {}).items():
             lost = self.lost_requests.get(rid)
@@ -434,13 +445,21 @@ class Client:
                 self._settle(lost, "finished", str(outcome.get("status", "")), str(outcome.get("error", "")))
             elif outcome.get("state") == "not received":
                 self._settle(lost, "not run", "", "")
+            elif outcome.get("state") == "stopped":
+                self._settle(lost, "stopped", "", str(outcome.get("error", "")))
             else:
                 lost.state = "running"  # its reply follows on this connection
 
     def _session_ended(self, why: str) -> None:
-        for lost in self.lost_requests.values():
-            if not lost.settled and lost.state != "finished":
-                self._settle(lost, "unknown", "", "the server ended the session before the connection came back")
+        """The server no longer knows our session (it expired while we were cut off, or the
+        server restarted): this connection is done, and lost requests that did not settle never will."""
+        if self.lost_reason is None:
+            self._mark_lost(why)
+        self.lost_reason = f"{why}; run %genie_init (or genie_core.init) again to start a new session"
+        if not self._session_gone and any(not r.settled for r in self.lost_requests.values()):
+            self._session_gone = True  # the server keeps an ended session's record for a while: ask it
+            threading.Thread(target=self._ask_outcomes, name="genie-outcomes", daemon=True).start()
+        self._session_gone = True
 
     def _settle(self, lost: LostRequest, state: str, status: str, error: str) -> None:
         lost.state, lost.status, lost.error = state, status, error

@@ -202,17 +202,14 @@ PARTITION = """table inet genie_partition {{
 }}"""
 
 
-def test_partition_then_heal_runs_each_cell_once_and_says_so(hosts, tmp_path):
-    """nftables drops every packet between client and server (a partition: no reset, no
-    close); the client must notice within the heartbeat timeout, come back when the link
-    heals, and learn that each cut-off cell ran exactly once."""
-    from reliability import record
-
+def _run_partitioned(hosts, tmp_path, client_code: str, server_env: dict[str, str] | None = None) -> dict:
+    """A server in one namespace, `client_code` in the other; the client prints "cut" or "heal"
+    when it wants the link cut (nftables drops everything) or healed, and "RESULT {json}" at the end."""
     if shutil.which("nft") is None:
         pytest.skip("nftables (nft) is not installed")
     srv_ns, cli_ns = hosts
     cf = tmp_path / "server.json"
-    env = dict(os.environ, GENIE_TOKEN="netns-" + os.urandom(8).hex(), GENIE_STATE_DIR=str(tmp_path / "state"))
+    env = dict(os.environ, GENIE_TOKEN="netns-" + os.urandom(8).hex(), GENIE_STATE_DIR=str(tmp_path / "state"), **(server_env or {}))
     server = subprocess.Popen(
         ["ip", "netns", "exec", srv_ns, sys.executable, "-m", "genie_core", "serve", "--ip", SERVER_IP, "--port", "0", "--connection-file", str(cf)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -222,13 +219,13 @@ def test_partition_then_heal_runs_each_cell_once_and_says_so(hosts, tmp_path):
         assert any("ready" in server.stdout.readline() for _ in range(20))
         info = ConnectionInfo.read(cf)
         script = tmp_path / "client.py"
-        script.write_text(PARTITION_CLIENT)
+        script.write_text(client_code)
         client = subprocess.Popen(
             ["ip", "netns", "exec", cli_ns, sys.executable, str(script), f"{SERVER_IP}:{info.port}", info.token],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=os.getcwd()),
         )
         result, seen = None, []
-        for _ in range(200):  # bounded: two cuts, two heals, the result (and whatever else it prints)
+        for _ in range(200):  # bounded: the cuts, the heals, the result (and whatever else it prints)
             line = client.stdout.readline().strip()
             seen.append(line)
             if line == "cut":
@@ -238,31 +235,95 @@ def test_partition_then_heal_runs_each_cell_once_and_says_so(hosts, tmp_path):
                 r = sh("ip", "netns", "exec", cli_ns, "nft", "delete", "table", "inet", "genie_partition")
                 assert r.returncode == 0, r.stderr
             elif line.startswith("RESULT "):
-                result = json.loads(line[len("RESULT "):])
-                break
+                return json.loads(line[len("RESULT "):])
             elif not line and client.poll() is not None:
                 break
             if line in ("cut", "heal"):
                 client.stdin.write("done\n")
                 client.stdin.flush()
-        assert result is not None, (seen[-20:], client.stderr.read()[-6000:] if client.poll() is not None else "no result")
-        assert sorted(result["runs"]) == ["before", "during"], result["runs"]  # each cell ran, and only once
-        for case in ("sent_during", "running_when_cut"):
-            r = result[case]
-            assert r["detected_s"] < 4.0 + 2.5, r  # heartbeat timeout (4 s) plus a heartbeat period and slack
-            assert "whether it ran is reported" in r["message"], r["message"]
-            assert r["recovered_s"] is not None and r["state"] == "finished" and r["status"] == "ok", r
-            assert "ran " in r["output"] and "ran on the server after all and finished ok" in r["describe"], r
-        print("\npartition: " + "; ".join(f"{k}: lost after {v['detected_s']:.1f} s, back {v['recovered_s']:.1f} s after the heal, "
-                                          f"outcome known after {v['settled_s']:.1f} s" for k, v in result.items() if k != "runs"))
-        section = "Network partition (nftables drops all packets between two namespaces, then the link heals)"
-        for case, what in (("sent_during", "cell sent while cut"), ("running_when_cut", "cell running when cut")):
-            r = result[case]
-            record(section, what, f"ConnectionLost after {r['detected_s']:.1f} s; connected again {r['recovered_s']:.1f} s "
-                                  f"after the heal; outcome known {r['settled_s']:.1f} s after it: {r['state']} {r['status']}")
-        record(section, "executions of the two cut-off cells", f"{len(result['runs'])} (each ran once: {', '.join(sorted(result['runs']))})")
+        raise AssertionError((seen[-20:], client.stderr.read()[-6000:] if client.poll() is not None else "no result"))
     finally:
         if client is not None and client.poll() is None:
             client.kill()
         server.terminate()
         server.wait(10)
+
+
+def test_partition_then_heal_runs_each_cell_once_and_says_so(hosts, tmp_path):
+    """nftables drops every packet between client and server (a partition: no reset, no
+    close); the client must notice within the heartbeat timeout, come back when the link
+    heals, and learn that each cut-off cell ran exactly once."""
+    from reliability import record
+
+    result = _run_partitioned(hosts, tmp_path, PARTITION_CLIENT)
+    assert sorted(result["runs"]) == ["before", "during"], result["runs"]  # each cell ran, and only once
+    for case in ("sent_during", "running_when_cut"):
+        r = result[case]
+        assert r["detected_s"] < 4.0 + 2.5, r  # heartbeat timeout (4 s) plus a heartbeat period and slack
+        assert "whether it ran is reported" in r["message"], r["message"]
+        assert r["recovered_s"] is not None and r["state"] == "finished" and r["status"] == "ok", r
+        assert "ran " in r["output"] and "ran on the server after all and finished ok" in r["describe"], r
+    print("\npartition: " + "; ".join(f"{k}: lost after {v['detected_s']:.1f} s, back {v['recovered_s']:.1f} s after the heal, "
+                                      f"outcome known after {v['settled_s']:.1f} s" for k, v in result.items() if k != "runs"))
+    section = "Network partition (nftables drops all packets between two namespaces, then the link heals)"
+    for case, what in (("sent_during", "cell sent while cut"), ("running_when_cut", "cell running when cut")):
+        r = result[case]
+        record(section, what, f"ConnectionLost after {r['detected_s']:.1f} s; connected again {r['recovered_s']:.1f} s "
+                              f"after the heal; outcome known {r['settled_s']:.1f} s after it: {r['state']} {r['status']}")
+    record(section, "executions of the two cut-off cells", f"{len(result['runs'])} (each ran once: {', '.join(sorted(result['runs']))})")
+
+
+EXPIRY_CLIENT = textwrap.dedent("""
+    import json, sys, time, genie_core
+    from genie_core.errors import ConnectionLost
+
+    def step(name):
+        print(name, flush=True)
+        assert sys.stdin.readline().strip() == "done"
+
+    state = genie_core.init_sync(sys.argv[1], token=sys.argv[2], timeout=20, backend="zmq")
+    client = state.client
+    client.execute("runs = []").wait(10)
+    running = client.execute("import time; time.sleep(60)")
+    time.sleep(0.3)
+    step("cut")
+    queued = client.execute("runs.append('queued')")  # sent into the cut link
+    for request in (running, queued):
+        try:
+            request.wait(60)
+        except ConnectionLost:
+            pass
+    time.sleep(1.0)  # the lease (2 s) has run out on the server's side by now
+    step("heal")
+    lost = client.lost_requests
+    for _ in range(300):  # bounded: 30 s
+        if all(r.settled for r in lost.values()):
+            break
+        time.sleep(0.1)
+    out = {key: {"state": lost[r.id].state, "describe": lost[r.id].describe()} for key, r in (("running", running), ("queued", queued))}
+    try:
+        client.execute("1")
+        out["after"] = "no error"
+    except ConnectionLost as exc:
+        out["after"] = str(exc)
+    genie_core.init_sync(sys.argv[1], token=sys.argv[2], timeout=20, backend="zmq")  # %genie_init again
+    again = genie_core.get_cluster_state().client
+    out["fresh"] = [m.content.get("ename") for m in again.execute("runs").replies(10) if m.type == "error"]
+    print("RESULT " + json.dumps(out), flush=True)
+    genie_core.shutdown()
+""")
+
+
+def test_a_partition_longer_than_the_lease_ends_the_session_and_says_what_ran(hosts, tmp_path):
+    result = _run_partitioned(hosts, tmp_path, EXPIRY_CLIENT, {"GENIE_SESSION_LEASE": "2"})
+    assert result["running"]["state"] == "stopped", result["running"]["describe"]
+    assert "was running on the server and was stopped part-way when the server ended the session" in result["running"]["describe"]
+    assert result["queued"]["state"] == "not run", result  # it reached the server after the session ended: refused
+    assert "did not run" in result["queued"]["describe"], result
+    assert "%genie_init" in result["after"], result["after"]
+    assert result["fresh"] == ["NameError"]  # a new session: nothing of the old one, and nothing ran twice
+    from reliability import record
+
+    record("Network partition (nftables drops all packets between two namespaces, then the link heals)",
+           "partition longer than the session lease (2 s)", "the running cell reported stopped part-way, the cell sent into "
+           "the cut reported not run; the next request says to run %genie_init, which starts a fresh session")

@@ -14,7 +14,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,7 @@ log = logging.getLogger("genie.server")
 
 BIG_MESSAGE = 8 << 20  # bytes of buffers above which a signature is checked off the loop thread
 TERMINAL_REPLIES = {"execute_reply", "push_reply", "pull_reply", "tensor_reply", "error_reply"}
+ENDED_REMEMBERED = 64  # ended sessions whose request records are kept
 RUNS = {"execute", "push", "pull", "tensor_ops"}  # requests that act on the session's worker: at most once each
 
 
@@ -74,6 +75,7 @@ class Server:
         else:
             self.gpus = detected
         self.sessions: dict[str, Session] = {}
+        self.ended_sessions: OrderedDict[str, Session] = OrderedDict()  # recently ended, for "did it run?"
         self.workers: dict[str, WorkerProcess] = {}
         self.spares: list[WorkerProcess] = []
         self.dying: list[WorkerProcess] = []
@@ -348,6 +350,10 @@ class Server:
             self._on_hello(identity, msg)
             return
         session = self.sessions.get(msg.session)
+        if session is None and msg.type == "outcome" and msg.session in self.ended_sessions:
+            # "Did it run?" from a client whose session ended while it was cut off: answer from the record.
+            self._reply(identity, msg, "outcome_reply", self._outcomes(self.ended_sessions[msg.session], msg))
+            return
         if session is None:
             self._reply(identity, msg, "error_reply", {"ename": "SessionNotFound", "evalue": "this session is unknown to the server (it ended, expired, or the server restarted)"})
             return
@@ -441,9 +447,13 @@ class Server:
         self._to_worker(session, msg)
 
     def _on_outcome(self, session: Session, msg: Message) -> None:
-        """"Did it run?": for each request id, running, finished (with status) or not received."""
+        self._reply(session.identity, msg, "outcome_reply", self._outcomes(session, msg))
+
+    @staticmethod
+    def _outcomes(session: Session, msg: Message) -> dict[str, Any]:
+        """"Did it run?": for each request id, running, finished (with status), stopped, or not received."""
         ids = [str(i)[:64] for i in list(msg.content.get("ids") or [])[:1000]]
-        self._reply(session.identity, msg, "outcome_reply", {"outcomes": {i: session.outcome(i) for i in ids}})
+        return {"outcomes": {i: session.outcome(i) for i in ids}}
 
     def _on_push(self, session: Session, msg: Message) -> None:
         problem = self._check_data_ref(session, msg.content.get("data"))
@@ -630,6 +640,10 @@ class Server:
     def _close_session(self, session: Session, why: str) -> None:
         log.info("session %s closed: %s", session.id[:8], why)
         self.sessions.pop(session.id, None)
+        session.ended(why)
+        self.ended_sessions[session.id] = session  # its request record answers "did it run?" for a while
+        while len(self.ended_sessions) > ENDED_REMEMBERED:
+            self.ended_sessions.popitem(last=False)
         if session.client.get("purpose") != "probe":
             self.bus.emit(ClusterEvent(EventType.SESSION_CLOSED, self.node_id, Severity.INFO, {
                 "session": session.id[:8], "client": session.client, "message": f"session {session.id[:8]} closed: {why}"}))

@@ -42,6 +42,12 @@ class Session:
             entry.update(state="finished", status=str(content.get("status", "error")), finished=time.time(),
                          **({"error": f"{content.get('ename', '')}: {content.get('evalue', '')}"[:500]} if content.get("ename") else {}))
 
+    def ended(self, why: str) -> None:
+        """The session is closing: requests still running are stopped with it."""
+        for entry in self.requests.values():
+            if entry["state"] == "running":
+                entry.update(state="stopped", error=f"stopped part-way when the server ended the session ({why})")
+
     def outcome(self, request_id: str) -> dict[str, Any]:
         """What became of a request: running, finished (with its status), or not received."""
         entry = self.requests.get(request_id)
