@@ -23,6 +23,7 @@ import zmq
 from .errors import (AuthenticationError, ConnectionFailed, ConnectionLost, GenieError, LimitExceeded, ProtocolError, RemoteError,
                      WorkerDied, size_text)
 from .events import ClusterEvent, EventBus, EventType, Severity
+from .lost_requests import KEEP_OUTPUT, LostRequest
 from .loop import SocketLoop
 from .monitoring.health import Grade, HealthCheck, HealthReport, worst
 from .nodes import NodeInfo
@@ -40,45 +41,6 @@ log = logging.getLogger("genie.client")
 TERMINAL = {"welcome", "pong", "execute_reply", "push_reply", "pull_reply", "error_reply", "interrupt_reply", "close_reply", "info_reply", "tensor_reply", "data_probe_reply", "set_backend_reply", "outcome_reply", "auth_failed"}
 RUNS = {"execute", "push", "pull", "tensor_ops"}  # requests that act on the worker: each runs at most once
 KEEP_LOST = 100  # lost requests remembered
-KEEP_OUTPUT = 64 << 10  # characters of a lost cell's late output kept to show
-
-
-@dataclass
-class LostRequest:
-    """A request whose connection was lost before its answer came: did it run?
-
-    `state` is "unknown" until the server answers again, then "running", "finished" (see
-    `status`: ok or error), "stopped" (it was running when the server ended the session), "not
-    run" (the server never ran it), or "unknown" for good when the server cannot say (it
-    restarted). Late output of a cell is kept in `output`.
-    """
-
-    id: str
-    type: str
-    summary: str
-    lost_at: float
-    state: str = "unknown"
-    status: str = ""
-    error: str = ""
-    output: str = ""
-    reported: bool = False
-
-    @property
-    def settled(self) -> bool:
-        return self.state in ("finished", "stopped", "not run") or (self.state == "unknown" and bool(self.error))
-
-    def describe(self) -> str:
-        what = f"{'the cell' if self.type == 'execute' else 'the ' + self.type} sent at {time.strftime('%H:%M:%S', time.localtime(self.lost_at))}"
-        what += f" ({self.summary})" if self.summary else ""
-        if self.state == "finished":
-            return f"{what} ran on the server after all and finished {self.status}" + (f" ({self.error})" if self.error else "")
-        if self.state == "stopped":
-            return f"{what} was running on the server and was {self.error}"
-        if self.state == "not run":
-            return f"{what} did not run: {self.error or 'it never reached the server'}"
-        if self.state == "running":
-            return f"{what} is still running on the server"
-        return f"{what}: unknown whether it ran" + (f" ({self.error})" if self.error else "")
 
 
 @dataclass

@@ -224,7 +224,7 @@ def _run_partitioned(hosts, tmp_path, client_code: str, server_env: dict[str, st
             ["ip", "netns", "exec", cli_ns, sys.executable, str(script), f"{SERVER_IP}:{info.port}", info.token],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=os.getcwd()),
         )
-        result, seen = None, []
+        seen: list[str] = []
         for _ in range(200):  # bounded: the cuts, the heals, the result (and whatever else it prints)
             line = client.stdout.readline().strip()
             seen.append(line)
