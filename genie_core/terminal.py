@@ -108,6 +108,11 @@ def render(info: dict[str, Any]) -> Group:
     offered = ["zmq"] + (["tcp (port %s)" % transport["data_port"]] if transport.get("data_port") else []) + (["shm"] if transport.get("shm_probe") else [])
     hardware = ", ".join(f"{k}: {v['reason']}" for k, v in (transport.get("detect") or {}).items() if isinstance(v, dict))
     parts.append(Text(f"data plane offers {', '.join(offered)}" + (f"  ({hardware})" if hardware else "")))
+    limits = node.get("limits") or {}
+    per_session = f"{limits['session_tensors']:,} remote tensors" if limits.get("session_tensors") else "no tensor limit"
+    per_session += f", {limits['session_bytes'] / GIB:.1f} GiB" if limits.get("session_bytes") else ", no byte limit"
+    parts.append(Text(f"security  {'encrypted (CurveZMQ) and signed' if node.get('encrypted') else 'signed, not encrypted'}"
+                      f" · per session: {per_session}"))
     parts.append(Text(f"sessions  {len(visible)}"))
     for s in visible:
         workers = ", ".join(f"pid {w['pid']} {'gpu ' + str(w['slot']) if w['slot'] >= 0 else 'cpu'}{' busy' if w['busy'] else ''}" for w in s["workers"]) or "no worker yet"

@@ -171,3 +171,21 @@ def test_listening_beyond_loopback_needs_a_real_token_and_warns_without_encrypti
         finally:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         assert ("WITHOUT ENCRYPTION" in out.stdout) is warned, out.stdout + out.stderr
+
+
+def test_genie_status_reaches_an_encrypted_server_through_its_connection_file(tmp_path):
+    srv = start_server(tmp_path, "--encrypt", "--max-session-tensors", "40", "--max-session-bytes", "2GiB")
+    plain = start_server(tmp_path)
+    try:
+        env = dict(os.environ, COLUMNS="160")
+        env.pop("GENIE_TOKEN", None)
+        text = subprocess.run([sys.executable, "-m", "genie_core", "status", "--connection-file", str(srv.connection_file)],
+                              capture_output=True, text=True, timeout=30, env=env)
+        assert text.returncode == 0, text.stderr
+        assert "security  encrypted (CurveZMQ) and signed · per session: 40 remote tensors, 2.0 GiB" in text.stdout
+        other = subprocess.run([sys.executable, "-m", "genie_core", "status", "--connection-file", str(plain.connection_file)],
+                               capture_output=True, text=True, timeout=30, env=env)
+        assert "security  signed, not encrypted · per session: 1,000,000 remote tensors, no byte limit" in other.stdout
+    finally:
+        srv.stop()
+        plain.stop()
