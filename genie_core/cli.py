@@ -20,8 +20,14 @@ def _port(text: str) -> int:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        """One line, not argparse's usage block: what is wrong, and where the help is."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="genie", description="Remote GPUs that feel local, from a notebook.")
+    parser = _Parser(prog="genie", description="Remote GPUs that feel local, from a notebook.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run a genie server on this (GPU) machine")
