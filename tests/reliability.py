@@ -22,7 +22,7 @@ def reset() -> None:
     STORE.unlink(missing_ok=True)
 
 
-SECTIONS = ("Fuzzing (tests/test_fuzz.py)", "Interrupts", "Server killed (SIGKILL) during a 256 MiB transfer", "Worker crashes", "Who gets in", "Session limits")
+SECTIONS = ("Fuzzing (tests/test_fuzz.py)", "Interrupts", "Server killed (SIGKILL) during a 256 MiB transfer", "Worker crashes", "Who gets in", "Session limits", "Client vanishes")
 
 
 def write_document() -> None:

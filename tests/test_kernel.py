@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -133,3 +134,38 @@ def test_server_killed_mid_cell_fails_with_connection_lost(kernel, tmp_path):
     assert reply["content"]["ename"] == "ConnectionLost"
     assert "lost" in plain("\n".join(reply["content"]["traceback"]))
     srv.stop()
+
+
+def test_a_killed_kernel_has_its_session_reaped_and_its_worker_memory_freed(tmp_path):
+    """The notebook's kernel dies (SIGKILL: no goodbye). Within the session lease the server
+    ends the session: its worker exits, and the memory it held goes with it."""
+    import psutil
+
+    from conftest import start_server, wait_until
+    from genie_core.client import Client
+    from reliability import record
+
+    srv = start_server(tmp_path, env={"GENIE_SESSION_LEASE": "3"})
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        execute(kc, "%load_ext genie_jupyter")
+        reply, msgs = execute(kc, f"%genie_init 127.0.0.1:{srv.info.port} --token {srv.info.token}")
+        assert reply["status"] == "ok", msgs
+        reply, msgs = execute(kc, "%%remote\nimport os, torch\nheld = torch.ones(64 << 20)\nprint(os.getpid())")  # 256 MiB
+        worker = psutil.Process(int(stdout(msgs).strip()))
+        assert worker.memory_info().rss > 256 << 20
+        km.signal_kernel(signal.SIGKILL)  # as when the kernel process is killed or its machine drops off
+        killed = time.monotonic()
+        assert wait_until(lambda: not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE, 15)
+        took = time.monotonic() - killed
+        assert took < 3 + 1.5  # the lease, plus a housekeeping round and a worker's exit
+        probe = Client(srv.info.ip, srv.info.port, srv.info.token, timeout=10, purpose="probe").connect()
+        sessions = [s for s in probe.info()["sessions"] if s["client"].get("purpose") != "probe"]
+        probe.close()
+        assert sessions == []
+        record("Client vanishes", "kernel SIGKILLed while its worker held 256 MiB (lease 3 s)",
+               f"session ended and worker gone {took:.1f} s later, its memory with it")
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+        srv.stop()
