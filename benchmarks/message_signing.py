@@ -1,6 +1,7 @@
 """What signing costs: a 256 MiB push over the zmq backend (every byte signed on the client and
 verified on the server) beside the same bytes through a bare, unsigned pyzmq socket pair, and
-the signature alone (sign + verify) on those bytes.
+the signature alone (sign + verify) on those bytes. Also what `genie serve --encrypt` costs: the
+same push to a CurveZMQ server (where zmq is the only network data path).
 
 Target (issue 8): signing adds little to a large transfer; the measure is the push's time over
 the unsigned pair's, and the share of the push that signing takes."""
@@ -60,12 +61,16 @@ def run(quick: bool = False) -> dict:
     payload = memoryview(t.numpy()).cast("B")
     codec = Codec(os.urandom(32))
     proc, info = _servers.start()
+    enc_proc, enc_info = _servers.start("--encrypt", "--no-ucx")
     results: dict[str, list[float]] = {}
     try:
         client = Client(info.ip, info.port, info.token, timeout=60).connect()
         client.select_backend("zmq")
+        encrypted = Client(enc_info.ip, enc_info.port, enc_info.token, timeout=60, curve=enc_info.curve).connect()
+        encrypted.select_backend("zmq")
         pair = BarePair()
-        client.push({"t": t})  # warm both
+        client.push({"t": t})  # warm all three
+        encrypted.push({"t": t})
         pair.once(payload)
         message = Message("push", {}, [payload])
         for _ in range(rounds):  # interleaved
@@ -74,13 +79,18 @@ def run(quick: bool = False) -> dict:
             results.setdefault("genie_zmq_push", []).append(time.perf_counter() - start)
             results.setdefault("bare_zmq_pair", []).append(pair.once(payload))
             start = time.perf_counter()
+            encrypted.push({"t": t})
+            results.setdefault("genie_zmq_push_encrypted", []).append(time.perf_counter() - start)
+            start = time.perf_counter()
             frames = codec.pack(message)
             codec.unpack(frames)
             results.setdefault("sign_and_verify", []).append(time.perf_counter() - start)
         pair.close()
         client.close()
+        encrypted.close()
     finally:
         _servers.stop(proc)
+        _servers.stop(enc_proc)
     med = {k: statistics.median(v) for k, v in results.items()}
     out: dict = {"name": "message_signing", "mib": nbytes >> 20, "rounds": rounds}
     for k, v in med.items():
@@ -88,6 +98,7 @@ def run(quick: bool = False) -> dict:
         out[f"{k}_gib_s"] = round(nbytes / v / 1024**3, 3)
     out["push_vs_bare_pair"] = round(med["genie_zmq_push"] / med["bare_zmq_pair"], 2)
     out["signing_share_of_push"] = round(med["sign_and_verify"] / med["genie_zmq_push"], 3)
+    out["encrypted_push_vs_signed_push"] = round(med["genie_zmq_push_encrypted"] / med["genie_zmq_push"], 2)
     out["targets"] = "signing (sign + verify) under a quarter of a 256 MiB push's time"
     out["met"] = {"signing_share": out["signing_share_of_push"] < 0.25}
     return out
