@@ -170,6 +170,25 @@ def test_a_tampered_ucx_payload_is_refused(server, connect, monkeypatch):
     assert torch.equal(state.client.pull(["t"])["t"], t)
 
 
+def test_payload_macs_bind_connection_direction_and_order():
+    """A data-plane payload MAC is only valid for its connection, direction and place in the
+    sequence: a replayed, reordered or transplanted payload fails (pure function of the wire)."""
+    key, a, b = os.urandom(32), os.urandom(32), os.urandom(32)
+    sender, receiver, other = wire.PayloadMacs(key, a), wire.PayloadMacs(key, a), wire.PayloadMacs(key, b)
+    first = sender.start(b"up")
+    first.update(b"payload")
+    check = receiver.start(b"up")
+    check.update(b"payload")
+    assert first.digest() == check.digest()
+    replay = receiver.start(b"up")  # the same bytes again, as the second payload
+    replay.update(b"payload")
+    assert replay.digest() != first.digest()
+    for elsewhere in (other.start(b"up"), wire.PayloadMacs(key, a).start(b"down")):
+        elsewhere.update(b"payload")
+        assert elsewhere.digest() != first.digest()
+    assert wire.PayloadMacs(key, a, on=False).start(b"up") is None
+
+
 def test_rdma_detection(tmp_path):
     ok, reason, _ = detect.rdma(str(tmp_path))
     assert not ok and "no /sys/class/infiniband" in reason

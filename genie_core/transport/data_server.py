@@ -64,9 +64,10 @@ class DataServer:
         peer = addr[0]
         mac_on = not wire.is_loopback(peer)
         try:
-            session = self._authenticate(conn)
+            session, nonce = self._authenticate(conn)
             if session is None:
                 return
+            macs = wire.PayloadMacs(self.key, nonce, mac_on)
             while True:
                 header = wire.recv_header(conn)
                 op = header.get("op")
@@ -79,14 +80,14 @@ class DataServer:
                     segment = spares.take(sum(sizes), refill=False)
                     made.append(segment)
                     try:
-                        wire.recv_payload_into(conn, segment.view[: sum(sizes)], wire.payload_mac(self.key) if mac_on else None)
+                        wire.recv_payload_into(conn, segment.view[: sum(sizes)], macs.start(b"up"))
                     finally:
                         segment.close()
                     self.segments[segment.name] = session
                     wire.send_header(conn, {"ok": True, "segment": segment.name, "sizes": sizes})
                     spares.refill(sum(sizes))
                 elif op == "get":
-                    self._send_staged(conn, session, header, mac_on)
+                    self._send_staged(conn, session, header, macs)
                 elif op == "sink":  # discovery: how fast can we receive
                     left = int(header["size"])
                     scratch = memoryview(self._scratch)
@@ -112,7 +113,7 @@ class DataServer:
                 made.remove(segment)
                 self.segments.pop(segment.name, None)
 
-    def _authenticate(self, conn: socket.socket) -> str | None:
+    def _authenticate(self, conn: socket.socket) -> tuple[str | None, bytes]:
         nonce = os.urandom(32)
         conn.sendall(wire.GREETING + nonce)
         header = wire.recv_header(conn, limit=4096)
@@ -123,11 +124,11 @@ class DataServer:
         if self.session_workers(session) is None or not hmac.compare_digest(proof, wire.handshake_mac(self.key, nonce, session)):
             wire.send_header(conn, {"ok": False, "error": "authentication failed"})
             log.warning("refused a data connection: bad proof or unknown session")
-            return None
+            return None, nonce
         wire.send_header(conn, {"ok": True})
-        return session
+        return session, nonce
 
-    def _send_staged(self, conn: socket.socket, session: str, header: dict[str, Any], mac_on: bool) -> None:
+    def _send_staged(self, conn: socket.socket, session: str, header: dict[str, Any], macs: wire.PayloadMacs) -> None:
         """Send a segment a worker of this session staged for a pull (and nobody else's)."""
         name = str(header["segment"])
         pids = self.session_workers(session) or []
@@ -142,4 +143,4 @@ class DataServer:
             return
         size = int(header["size"])
         wire.send_header(conn, {"ok": True, "size": size})
-        wire.send_payload(conn, [view[:size]], wire.payload_mac(self.key) if mac_on else None)
+        wire.send_payload(conn, [view[:size]], macs.start(b"down"))

@@ -31,18 +31,16 @@ class TcpTransport:
         wire.send_header(self.sock, {"session": session, "proof": wire.handshake_mac(key, nonce, session).hex()})
         if not wire.recv_header(self.sock).get("ok"):
             raise AuthenticationError(f"the data port at {self.address} refused this session")
+        self.macs = wire.PayloadMacs(key, nonce, self.mac_on)
         self.sock.settimeout(None)
         import numpy as np
 
         self.spares = Spares(lambda n: memoryview(np.empty(n, dtype=np.uint8)), lambda b: None, lambda b: b)
 
-    def _mac(self) -> Any:
-        return wire.payload_mac(self.key) if self.mac_on else None
-
     def put(self, buffers: list[Any], progress: Any = None) -> dict[str, Any]:
         sizes = [memoryview(b).nbytes for b in buffers]
         wire.send_header(self.sock, {"op": "put", "sizes": sizes})
-        wire.send_payload(self.sock, buffers, self._mac(), progress)
+        wire.send_payload(self.sock, buffers, self.macs.start(b"up"), progress)
         reply = wire.recv_header(self.sock)
         if not reply.get("ok"):
             raise ConnectionError(f"data put failed: {reply.get('error')}")
@@ -60,7 +58,7 @@ class TcpTransport:
         for n in sizes:
             out.append(whole[offset : offset + n])
             offset += n
-        mac = self._mac()
+        mac = self.macs.start(b"down")
         done = 0
         for buf in out:
             wire.recv_payload_into(self.sock, memoryview(buf), None, progress, done, total)

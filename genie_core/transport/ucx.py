@@ -46,8 +46,8 @@ class _PayloadMac:
     """Authenticates a payload: HMAC over the chunk digests of each piece, hashed on other threads
     while the next piece is on the wire (UCX payloads may cross a network, so always on)."""
 
-    def __init__(self, key: bytes) -> None:
-        self.key = key
+    def __init__(self, key: bytes, label: bytes) -> None:
+        self.key, self.label = key, label  # label: wire.PayloadMacs.label, binding connection, direction, count
         self.parts: list[asyncio.Future] = []
 
     def add(self, piece: memoryview) -> None:
@@ -57,7 +57,7 @@ class _PayloadMac:
 
     async def digest(self) -> bytes:
         digests = await asyncio.gather(*self.parts)
-        return hmac.new(self.key, b"genie data payload\0" + b"".join(digests), hashlib.sha256).digest()
+        return hmac.new(self.key, self.label + b"".join(digests), hashlib.sha256).digest()
 
 
 def _array(view: memoryview) -> Any:
@@ -128,6 +128,7 @@ class UcxDataServer:
                 await _send_json(ep, {"ok": False, "error": "authentication failed"})
                 return
             await _send_json(ep, {"ok": True})
+            macs = wire.PayloadMacs(self.key, nonce)
             while True:
                 header = await _recv_json(ep)
                 op = header.get("op")
@@ -139,7 +140,7 @@ class UcxDataServer:
                     made = [m for m in made if m.path.exists()]  # the rest were adopted by workers
                     segment = spares.take(sum(sizes), refill=False)
                     made.append(segment)
-                    offset, mac = 0, _PayloadMac(self.key)
+                    offset, mac = 0, _PayloadMac(self.key, macs.label(b"up"))
                     for n in sizes:
                         for piece in _slices(segment.view[offset : offset + n]):
                             await ep.recv(_array(piece))
@@ -167,7 +168,7 @@ class UcxDataServer:
                     view = Segment.adopt(name)
                     size = int(header["size"])
                     await _send_json(ep, {"ok": True, "size": size})
-                    mac = _PayloadMac(self.key)
+                    mac = _PayloadMac(self.key, macs.label(b"down"))
                     for piece in _slices(view[:size]):
                         mac.add(piece)
                         await ep.send(_array(piece))
@@ -211,6 +212,7 @@ class UcxTransport:
             await _send_json(ep, {"session": session, "proof": wire.handshake_mac(key, nonce, session).hex()})
             if not (await _recv_json(ep)).get("ok"):
                 raise AuthenticationError(f"the UCX port at {self.address} refused this session")
+            self.macs = wire.PayloadMacs(key, nonce)
             return ep
 
         try:
@@ -228,7 +230,7 @@ class UcxTransport:
 
         async def go() -> dict[str, Any]:
             await _send_json(self.ep, {"op": "put", "sizes": sizes})
-            done, mac = 0, _PayloadMac(self.key)
+            done, mac = 0, _PayloadMac(self.key, self.macs.label(b"up"))
             for b in buffers:
                 for piece in _slices(memoryview(b).cast("B")):
                     mac.add(piece)
@@ -253,7 +255,7 @@ class UcxTransport:
             await _send_json(self.ep, {"op": "get", "segment": ref["segment"], "size": total})
             reply = await _recv_json(self.ep)
             if reply.get("ok"):
-                done, mac = 0, _PayloadMac(self.key)
+                done, mac = 0, _PayloadMac(self.key, self.macs.label(b"down"))
                 for piece in _slices(whole[:total]):
                     await self.ep.recv(_array(piece))
                     mac.add(piece)

@@ -49,8 +49,24 @@ def handshake_mac(key: bytes, nonce: bytes, session: str) -> bytes:
     return hmac.new(key, b"genie data connection\0" + nonce + session.encode(), hashlib.sha256).digest()
 
 
-def payload_mac(key: bytes) -> "hmac.HMAC":
-    return hmac.new(key, b"genie data payload\0", hashlib.sha256)
+class PayloadMacs:
+    """One data connection's payload MACs. Each is keyed by the token and bound to the
+    connection's nonce, the direction and a transfer counter, so a payload replayed, reordered
+    or moved to another connection fails. Both ends call `label`/`start` once per payload."""
+
+    def __init__(self, key: bytes, nonce: bytes, on: bool = True) -> None:
+        self.key, self.nonce, self.on = key, nonce, on
+        self._counts = {b"up": 0, b"down": 0}
+
+    def label(self, direction: bytes) -> bytes:
+        """The next payload's binding (and count it): b"up" is client to server, b"down" back."""
+        count = self._counts[direction]
+        self._counts[direction] = count + 1
+        return b"genie data payload\0" + self.nonce + direction + count.to_bytes(8, "big")
+
+    def start(self, direction: bytes) -> "hmac.HMAC | None":
+        label = self.label(direction)
+        return hmac.new(self.key, label, hashlib.sha256) if self.on else None
 
 
 def is_loopback(address: str) -> bool:
