@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 from genie_core.config import ConnectionInfo
-from genie_core.local_server import start_server_process
+from genie_core.local_server import start_server_process, stop_process
 
 
 def start(*args: str) -> tuple[subprocess.Popen, ConnectionInfo]:
@@ -18,10 +18,4 @@ def start(*args: str) -> tuple[subprocess.Popen, ConnectionInfo]:
     return proc, info
 
 
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+stop = stop_process

@@ -27,19 +27,16 @@ from .lost_requests import KEEP_OUTPUT, LostRequest
 from .loop import SocketLoop
 from .monitoring.health import Grade, HealthCheck, HealthReport, worst
 from .nodes import NodeInfo
-from .protocol import Codec, Message, derive_key
-from .transport.base import InlineTransport
-from .transport.discovery import BackendReport, discover
-from .transport.segment import SHM_DIR
-
-DATA_THRESHOLD = 1 << 20  # bytes: transfers at least this big use the data plane
-HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+from .protocol import RUNS, Codec, Message, derive_key
 from .serialize import deserialize_namespace, serialize_namespace
+from .transport.base import DATA_THRESHOLD, InlineTransport
+from .transport.discovery import BackendReport, discover
+from .transport.segment import Segment
 
 log = logging.getLogger("genie.client")
 
+HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 TERMINAL = {"welcome", "pong", "execute_reply", "push_reply", "pull_reply", "error_reply", "interrupt_reply", "close_reply", "info_reply", "tensor_reply", "data_probe_reply", "set_backend_reply", "outcome_reply", "auth_failed"}
-RUNS = {"execute", "push", "pull", "tensor_ops"}  # requests that act on the worker: each runs at most once
 KEEP_LOST = 100  # lost requests remembered
 
 
@@ -96,6 +93,11 @@ class Request:
         return last
 
 
+def _error_text(content: dict[str, Any]) -> str:
+    """`ename: evalue` of an error reply (bounded), or "" when it names no error."""
+    return f"{content['ename']}: {content.get('evalue', '')}"[:500] if content.get("ename") else ""
+
+
 def _error_from(content: dict[str, Any]) -> Exception:
     ename, evalue = content.get("ename", "Error"), content.get("evalue", "")
     if ename == "WorkerDied":
@@ -145,6 +147,7 @@ class Client:
         self._transfer_lock = threading.Lock()
         self.rtt: float | None = None
         self.lost_requests: dict[str, LostRequest] = {}  # cut off by a lost connection; see LostRequest
+        self._hello: Request | None = None
         self._session_gone = False  # the server said it no longer has our session
         self._pending: dict[str, Request] = {}
         self._seq = itertools.count(1)
@@ -232,7 +235,7 @@ class Client:
 
         while monitor.poll(0):
             event = recv_monitor_message(monitor)["event"]
-            hello = self._pending.pop(getattr(self, "_hello", None) and self._hello.id, None)
+            hello = self._pending.pop(self._hello.id, None) if self._hello is not None else None
             if hello is None:
                 continue
             if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
@@ -293,24 +296,21 @@ class Client:
             self._last_heard = time.monotonic()
             if msg.type == "pong":
                 self.rtt = time.monotonic() - getattr(self._pending.get(msg.parent), "sent", time.monotonic())
-            if self.lost_reason is not None and self.session and not self._session_gone and msg.content.get("ename") != "SessionNotFound":
+            session_unknown = msg.type == "error_reply" and msg.content.get("ename") == "SessionNotFound"
+            if self.lost_reason is not None and self.session and not self._session_gone and not session_unknown:
                 self._recovered()
             if not msg.parent:
                 self._on_push(msg)
                 continue
             request = self._pending.get(msg.parent)
-            if request is None:
-                lost = self.lost_requests.get(msg.parent)
-                if lost is not None:
-                    self._late_reply(lost, msg)
-                if msg.type == "error_reply" and msg.content.get("ename") == "SessionNotFound":
-                    self._session_ended(msg.content.get("evalue", "session not found"))
-                continue
-            if msg.type in TERMINAL:
+            if request is not None and msg.type in TERMINAL:
                 self._pending.pop(msg.parent, None)
-            if msg.type == "error_reply" and msg.content.get("ename") == "SessionNotFound":
+            if request is None and msg.parent in self.lost_requests:
+                self._late_reply(self.lost_requests[msg.parent], msg)
+            if session_unknown:
                 self._session_ended(msg.content.get("evalue", "session not found"))
-            request._put(msg)
+            if request is not None:
+                request._put(msg)
 
     def _on_disconnect(self, monitor: zmq.Socket) -> None:
         from zmq.utils.monitor import recv_monitor_message
@@ -368,22 +368,23 @@ class Client:
         """The server answers again (after a partition or a pause): resume, and ask about lost requests."""
         self.lost_reason = None
         self._event(EventType.NODE_RECOVERED, Severity.INFO, f"{self.address} answers again")
-        if any(not r.settled for r in self.lost_requests.values()):
-            threading.Thread(target=self._ask_outcomes, name="genie-outcomes", daemon=True).start()
+        self._ask_outcomes_in_background()
 
     def _late_reply(self, lost: LostRequest, msg: Message) -> None:
         """A reply to a request we gave up on: it ran after all. Keep its output; settle it at the end."""
         if msg.type == "stream" and len(lost.output) < KEEP_OUTPUT:
             lost.output += str(msg.content.get("text", ""))[: KEEP_OUTPUT - len(lost.output)]
         elif msg.type == "error":
-            lost.error = f"{msg.content.get('ename', '')}: {msg.content.get('evalue', '')}"[:500]
+            lost.error = _error_text(msg.content)
         if msg.type == "error_reply" and msg.content.get("ename") == "SessionNotFound":
             self._settle(lost, "not run", "", "it reached the server after the server had ended the session")
-            return
-        if msg.type in TERMINAL:
+        elif msg.type in TERMINAL:
             status = "error" if msg.type == "error_reply" else str(msg.content.get("status", "ok"))
-            error = lost.error or (f"{msg.content.get('ename')}: {msg.content.get('evalue', '')}"[:500] if msg.content.get("ename") else "")
-            self._settle(lost, "finished", status, error)
+            self._settle(lost, "finished", status, lost.error or _error_text(msg.content))
+
+    def _ask_outcomes_in_background(self) -> None:
+        if any(not r.settled for r in self.lost_requests.values()):
+            threading.Thread(target=self._ask_outcomes, name="genie-outcomes", daemon=True).start()
 
     def _ask_outcomes(self) -> None:
         """After a lost connection comes back: ask the server what became of each lost request.
@@ -418,13 +419,12 @@ class Client:
         if self.lost_reason is None:
             self._mark_lost(why)
         self.lost_reason = f"{why}; run %genie_init (or genie_core.init) again to start a new session"
-        if not self._session_gone and any(not r.settled for r in self.lost_requests.values()):
-            self._session_gone = True  # the server keeps an ended session's record for a while: ask it
-            threading.Thread(target=self._ask_outcomes, name="genie-outcomes", daemon=True).start()
-        self._session_gone = True
+        if not self._session_gone:
+            self._session_gone = True
+            self._ask_outcomes_in_background()  # the server keeps an ended session's record for a while
 
     def _settle(self, lost: LostRequest, state: str, status: str, error: str) -> None:
-        lost.state, lost.status, lost.error = state, status, error
+        lost.state, lost.status, lost.error, lost.settled = state, status, error, True
         severity = Severity.WARNING if state == "finished" else Severity.INFO if state == "not run" else Severity.ERROR
         self._event(EventType.REQUEST_OUTCOME, severity, lost.describe(), request=lost.id, state=state, status=status)
 
@@ -498,7 +498,7 @@ class Client:
             except BaseException:
                 ref = content.get("data")
                 if ref and ref.get("via") == "shm":  # ours, and nobody adopted it: remove it
-                    (SHM_DIR / ref["segment"]).unlink(missing_ok=True)
+                    Segment.discard(ref["segment"])
                 raise
             finally:
                 if "data" in content and hasattr(self.transport, "after"):

@@ -153,7 +153,6 @@ def _init_client(config: ClusterConfig, phases: list[tuple[str, float]]) -> Clus
     global _state
     t = time.perf_counter()
     local: LocalServer | None = None
-    token = config.token
     if config.master_addr in (None, "", "local") and not config.connection_file:
         local = LocalServer(config.gpus)
         info = local.start(config.timeout)

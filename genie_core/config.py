@@ -220,11 +220,16 @@ MIN_NETWORK_TOKEN = 16  # characters a token needs before a server listens beyon
 
 
 def is_loopback(host: str) -> bool:
-    """Whether `host` (a name or an address) is this machine's loopback."""
+    """Whether `host` (an address, with or without an IPv6 zone, or a name) is this machine's loopback."""
     import ipaddress
 
+    address = host.split("%")[0]
     try:
-        return ipaddress.ip_address(host if ":" in host else socket.gethostbyname(host)).is_loopback
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        pass
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(address)).is_loopback
     except (OSError, ValueError):
         return False
 

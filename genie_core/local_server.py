@@ -15,12 +15,13 @@ from .errors import ConnectionFailed
 
 
 def start_server_process(*args: str, env: dict[str, str] | None = None, connection_file: str | os.PathLike | None = None,
-                         stderr: Any = subprocess.PIPE) -> tuple["subprocess.Popen[str]", ConnectionInfo, str]:
-    """Run `genie serve ARGS` as a child process; return it, its connection info and its ready line
-    once it is ready (for tests, benchmarks and scripts that want a server of their own)."""
+                         stderr: Any = subprocess.PIPE, prefix: tuple[str, ...] = ()) -> tuple["subprocess.Popen[str]", ConnectionInfo, str]:
+    """Run `genie serve ARGS` as a child process (behind `prefix`, e.g. `ip netns exec NS`); return
+    it, its connection info and its ready line once it is ready (for tests, benchmarks and scripts
+    that want a server of their own)."""
     cf = Path(connection_file) if connection_file else runtime_dir() / f"genie-child-{os.getpid()}-{os.urandom(3).hex()}.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "genie_core", "serve", "--connection-file", str(cf), *args],
+        [*prefix, sys.executable, "-m", "genie_core", "serve", "--connection-file", str(cf), *args],
         env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
     )
     line = ""
@@ -32,6 +33,17 @@ def start_server_process(*args: str, env: dict[str, str] | None = None, connecti
         proc.kill()
         raise ConnectionFailed(f"the genie server did not start: {line.strip()!r}")
     return proc, ConnectionInfo.read(cf), line.strip()
+
+
+def stop_process(proc: "subprocess.Popen[Any]", timeout: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL if it has not ended within `timeout` seconds."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 class LocalServer:
@@ -72,12 +84,7 @@ class LocalServer:
         return " | ".join(lines[-3:]) or "(empty log)"
 
     def stop(self, timeout: float = 5.0) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, timeout)
         self.connection_file.unlink(missing_ok=True)
         self.log_file.unlink(missing_ok=True)

@@ -19,7 +19,7 @@ class LostRequest:
     `state` is "unknown" until the server answers again, then "running", "finished" (see
     `status`: ok or error), "stopped" (it was running when the server ended the session), "not
     run" (the server never ran it), or "unknown" for good when the server cannot say (it
-    restarted). Late output of a cell is kept in `output`.
+    restarted). `settled` once the answer is final. Late output of a cell is kept in `output`.
     """
 
     id: str
@@ -30,11 +30,8 @@ class LostRequest:
     status: str = ""
     error: str = ""
     output: str = ""
+    settled: bool = False
     reported: bool = False
-
-    @property
-    def settled(self) -> bool:
-        return self.state in ("finished", "stopped", "not run") or (self.state == "unknown" and bool(self.error))
 
     def describe(self) -> str:
         what = f"{'the cell' if self.type == 'execute' else 'the ' + self.type} sent at {time.strftime('%H:%M:%S', time.localtime(self.lost_at))}"

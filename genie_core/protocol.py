@@ -22,6 +22,8 @@ from .errors import ProtocolError
 
 PROTOCOL = b"genie/2"
 PROTOCOL_VERSION = 2
+_KEY_CONTEXT = b"genie message signing v1"
+RUNS = frozenset({"execute", "push", "pull", "tensor_ops"})  # requests that act on a session's worker: each runs at most once
 CHUNK = 4 << 20  # bytes of buffer per digest
 PARALLEL_FROM = 16 << 20  # buffers at least this big are hashed on several threads
 _pool: ThreadPoolExecutor | None = None
@@ -30,14 +32,13 @@ _pool: ThreadPoolExecutor | None = None
 def chunk_digests(buffer: Any) -> bytes:
     """SHA-256 of each CHUNK of `buffer`, concatenated."""
     global _pool
-    view = memoryview(buffer).cast("B") if not isinstance(buffer, bytes) else memoryview(buffer)
+    view = memoryview(buffer).cast("B")
     chunks = [view[i : i + CHUNK] for i in range(0, len(view), CHUNK)] or [view]
     if len(view) < PARALLEL_FROM or (os.cpu_count() or 1) < 2:
         return b"".join(hashlib.sha256(c).digest() for c in chunks)
     if _pool is None:
         _pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 2), thread_name_prefix="genie-hash")
     return b"".join(_pool.map(lambda c: hashlib.sha256(c).digest(), chunks))
-_KEY_CONTEXT = b"genie message signing v1"
 
 
 def derive_key(token: str) -> bytes:

@@ -13,7 +13,7 @@ import pytest
 
 from genie_core.client import Client
 from genie_core.config import ConnectionInfo
-from genie_core.local_server import start_server_process
+from genie_core.local_server import start_server_process, stop_process
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -38,13 +38,8 @@ class RunningServer:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            self.proc.send_signal(signal.SIGCONT)  # a test may have paused it
+        stop_process(self.proc)
         # A server killed by a test (SIGKILL) could not clean up; its next start would sweep.
         from genie_core.transport.segment import sweep_dead
 

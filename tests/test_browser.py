@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import start_server
+from genie_core.local_server import stop_process
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
@@ -98,9 +99,5 @@ def test_dashboard_renders_live_in_jupyterlab(tmp_path):
             page.locator(".genie-widget").last.screenshot(path=str(ARTIFACTS / "dashboard.png"))
             browser.close()
     finally:
-        lab.terminate()
-        try:
-            lab.wait(15)
-        except subprocess.TimeoutExpired:
-            lab.kill()
+        stop_process(lab, 15)
         srv.stop()

@@ -4,6 +4,7 @@ and no shared memory; transfers must still be bit-exact (with payload HMACs: not
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -14,7 +15,7 @@ import time
 
 import pytest
 
-from genie_core.config import ConnectionInfo
+from genie_core.local_server import start_server_process, stop_process
 
 RATE_MBIT = 200
 SERVER_IP, CLIENT_IP = "10.231.77.1", "10.231.77.2"  # inside namespaces this test makes
@@ -55,6 +56,19 @@ def hosts():
         sh("ip", "netns", "del", cli)
 
 
+@contextlib.contextmanager
+def server_in(namespace: str, tmp_path, **env: str):
+    """`genie serve` on SERVER_IP inside `namespace` (its log in tmp_path); yields its ConnectionInfo."""
+    full_env = dict(os.environ, GENIE_TOKEN="netns-" + os.urandom(8).hex(), GENIE_STATE_DIR=str(tmp_path / "state"), **env)
+    with open(tmp_path / "server.log", "w") as log:  # a file, not a pipe nobody reads
+        server, info, _ = start_server_process("--ip", SERVER_IP, "--port", "0", env=full_env, connection_file=tmp_path / "server.json",
+                                               stderr=log, prefix=("ip", "netns", "exec", namespace))
+    try:
+        yield info
+    finally:
+        stop_process(server)
+
+
 CLIENT = textwrap.dedent("""
     import json, sys, torch, genie_core
     state = genie_core.init_sync(sys.argv[1], token=sys.argv[2], timeout=20, discovery_budget=1.0)
@@ -68,15 +82,7 @@ CLIENT = textwrap.dedent("""
 
 def test_discovery_across_a_rate_limited_link(hosts, tmp_path):
     srv_ns, cli_ns = hosts
-    cf = tmp_path / "server.json"
-    env = dict(os.environ, GENIE_TOKEN="netns-" + os.urandom(8).hex(), GENIE_STATE_DIR=str(tmp_path / "state"))
-    server = subprocess.Popen(
-        ["ip", "netns", "exec", srv_ns, sys.executable, "-m", "genie_core", "serve", "--ip", SERVER_IP, "--port", "0", "--connection-file", str(cf)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    try:
-        assert any("ready" in server.stdout.readline() for _ in range(20))
-        info = ConnectionInfo.read(cf)
+    with server_in(srv_ns, tmp_path) as info:
         script = tmp_path / "client.py"
         script.write_text(CLIENT)
         inner = f"mount -t tmpfs tmpfs /dev/shm && exec {sys.executable} {script} {SERVER_IP}:{info.port} {info.token}"
@@ -98,9 +104,6 @@ def test_discovery_across_a_rate_limited_link(hosts, tmp_path):
         print(f"\nnetns link {link / 1e6:.0f} MB/s: tcp measured {tcp['bandwidth'] / 1e6:.1f} MB/s, rtt {tcp['rtt_s'] * 1e3:.2f} ms; "
               f"zmq {report['zmq']['bandwidth'] / 1e6:.1f} MB/s; chose {out['report']['chosen']}: {out['report']['reason']}")
         assert time.monotonic() - start < 60
-    finally:
-        server.terminate()
-        server.wait(10)
 
 
 DELAY_S = 0.01
@@ -110,43 +113,35 @@ def test_round_trips_reflect_a_delayed_link(hosts, tmp_path):
     """Control and data connections go through a relay in the client's namespace that holds
     every chunk back 10 ms each way: discovery's round trips must show the 20 ms."""
     srv_ns, cli_ns = hosts
-    cf = tmp_path / "server.json"
-    env = dict(os.environ, GENIE_TOKEN="netns-" + os.urandom(8).hex(), GENIE_STATE_DIR=str(tmp_path / "state"), GENIE_DATA_PORT="17100")
-    server = subprocess.Popen(
-        ["ip", "netns", "exec", srv_ns, sys.executable, "-m", "genie_core", "serve", "--ip", SERVER_IP, "--port", "0", "--connection-file", str(cf)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
     relay = None
-    try:
-        assert any("ready" in server.stdout.readline() for _ in range(20))
-        info = ConnectionInfo.read(cf)
-        relay = subprocess.Popen(
-            ["ip", "netns", "exec", cli_ns, sys.executable, os.path.join(os.path.dirname(__file__), "delay_relay.py"),
-             "17001", SERVER_IP, str(info.port), str(DELAY_S), "17002", SERVER_IP, "17100", str(DELAY_S)],
-            stdout=subprocess.PIPE, text=True,
-        )
-        assert relay.stdout.readline().strip() == "relaying"
-        script = tmp_path / "client.py"
-        script.write_text(textwrap.dedent("""
-            import json, sys, genie_core
-            state = genie_core.init_sync(sys.argv[1], token=sys.argv[2], timeout=20, data_port=17002, discovery_budget=2.0)
-            print(json.dumps(state.backend_report.to_dict()))
-            genie_core.shutdown()
-        """))
-        inner = f"mount -t tmpfs tmpfs /dev/shm && exec {sys.executable} {script} 127.0.0.1:17001 {info.token}"
-        result = subprocess.run(["ip", "netns", "exec", cli_ns, "unshare", "--mount", "sh", "-c", inner],
-                                capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=os.getcwd()))
-        assert result.returncode == 0, result.stderr[-2000:]
-        report = {c["name"]: c for c in json.loads(result.stdout.strip().splitlines()[-1])["candidates"]}
-        for name in ("tcp", "zmq"):
-            assert report[name]["available"], report[name]["reason"]
-            assert 2 * DELAY_S <= report[name]["rtt_s"] < 2 * DELAY_S + 0.05, (name, report[name]["rtt_s"])
-        print(f"\nrelay delay {DELAY_S * 1e3:.0f} ms each way: tcp rtt {report['tcp']['rtt_s'] * 1e3:.1f} ms, zmq rtt {report['zmq']['rtt_s'] * 1e3:.1f} ms")
-    finally:
-        if relay is not None:
-            relay.kill()
-        server.terminate()
-        server.wait(10)
+    with server_in(srv_ns, tmp_path, GENIE_DATA_PORT="17100") as info:
+        try:
+            relay = subprocess.Popen(
+                ["ip", "netns", "exec", cli_ns, sys.executable, os.path.join(os.path.dirname(__file__), "delay_relay.py"),
+                 "17001", SERVER_IP, str(info.port), str(DELAY_S), "17002", SERVER_IP, "17100", str(DELAY_S)],
+                stdout=subprocess.PIPE, text=True,
+            )
+            assert relay.stdout.readline().strip() == "relaying"
+            script = tmp_path / "client.py"
+            script.write_text(textwrap.dedent("""
+                import json, sys, genie_core
+                state = genie_core.init_sync(sys.argv[1], token=sys.argv[2], timeout=20, data_port=17002, discovery_budget=2.0)
+                print(json.dumps(state.backend_report.to_dict()))
+                genie_core.shutdown()
+            """))
+            inner = f"mount -t tmpfs tmpfs /dev/shm && exec {sys.executable} {script} 127.0.0.1:17001 {info.token}"
+            result = subprocess.run(["ip", "netns", "exec", cli_ns, "unshare", "--mount", "sh", "-c", inner],
+                                    capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+            assert result.returncode == 0, result.stderr[-2000:]
+            report = {c["name"]: c for c in json.loads(result.stdout.strip().splitlines()[-1])["candidates"]}
+            for name in ("tcp", "zmq"):
+                assert report[name]["available"], report[name]["reason"]
+                assert 2 * DELAY_S <= report[name]["rtt_s"] < 2 * DELAY_S + 0.05, (name, report[name]["rtt_s"])
+            print(f"\nrelay delay {DELAY_S * 1e3:.0f} ms each way: tcp rtt {report['tcp']['rtt_s'] * 1e3:.1f} ms, zmq rtt {report['zmq']['rtt_s'] * 1e3:.1f} ms")
+        finally:
+            if relay is not None:
+                relay.kill()
+                relay.wait()
 
 
 PARTITION_CLIENT = textwrap.dedent("""
@@ -208,45 +203,38 @@ def _run_partitioned(hosts, tmp_path, client_code: str, server_env: dict[str, st
     if shutil.which("nft") is None:
         pytest.skip("nftables (nft) is not installed")
     srv_ns, cli_ns = hosts
-    cf = tmp_path / "server.json"
-    env = dict(os.environ, GENIE_TOKEN="netns-" + os.urandom(8).hex(), GENIE_STATE_DIR=str(tmp_path / "state"), **(server_env or {}))
-    server = subprocess.Popen(
-        ["ip", "netns", "exec", srv_ns, sys.executable, "-m", "genie_core", "serve", "--ip", SERVER_IP, "--port", "0", "--connection-file", str(cf)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
     client = None
-    try:
-        assert any("ready" in server.stdout.readline() for _ in range(20))
-        info = ConnectionInfo.read(cf)
-        script = tmp_path / "client.py"
-        script.write_text(client_code)
-        client = subprocess.Popen(
-            ["ip", "netns", "exec", cli_ns, sys.executable, str(script), f"{SERVER_IP}:{info.port}", info.token],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=os.getcwd()),
-        )
-        seen: list[str] = []
-        for _ in range(200):  # bounded: the cuts, the heals, the result (and whatever else it prints)
-            line = client.stdout.readline().strip()
-            seen.append(line)
-            if line == "cut":
-                r = subprocess.run(["ip", "netns", "exec", cli_ns, "nft", "-f", "-"], input=PARTITION.format(ip=SERVER_IP), capture_output=True, text=True, timeout=10)
-                assert r.returncode == 0, r.stderr
-            elif line == "heal":
-                r = sh("ip", "netns", "exec", cli_ns, "nft", "delete", "table", "inet", "genie_partition")
-                assert r.returncode == 0, r.stderr
-            elif line.startswith("RESULT "):
-                return json.loads(line[len("RESULT "):])
-            elif not line and client.poll() is not None:
-                break
-            if line in ("cut", "heal"):
-                client.stdin.write("done\n")
-                client.stdin.flush()
-        raise AssertionError((seen[-20:], client.stderr.read()[-6000:] if client.poll() is not None else "no result"))
-    finally:
-        if client is not None and client.poll() is None:
-            client.kill()
-        server.terminate()
-        server.wait(10)
+    with server_in(srv_ns, tmp_path, **(server_env or {})) as info:
+        try:
+            script = tmp_path / "client.py"
+            script.write_text(client_code)
+            client = subprocess.Popen(
+                ["ip", "netns", "exec", cli_ns, sys.executable, str(script), f"{SERVER_IP}:{info.port}", info.token],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=os.getcwd()),
+            )
+            seen: list[str] = []
+            for _ in range(200):  # bounded: the cuts, the heals, the result (and whatever else it prints)
+                line = client.stdout.readline().strip()
+                seen.append(line)
+                if line == "cut":
+                    r = subprocess.run(["ip", "netns", "exec", cli_ns, "nft", "-f", "-"], input=PARTITION.format(ip=SERVER_IP),
+                                       capture_output=True, text=True, timeout=10)
+                    assert r.returncode == 0, r.stderr
+                elif line == "heal":
+                    r = sh("ip", "netns", "exec", cli_ns, "nft", "delete", "table", "inet", "genie_partition")
+                    assert r.returncode == 0, r.stderr
+                elif line.startswith("RESULT "):
+                    return json.loads(line[len("RESULT "):])
+                elif not line and client.poll() is not None:
+                    break
+                if line in ("cut", "heal"):
+                    client.stdin.write("done\n")
+                    client.stdin.flush()
+            raise AssertionError((seen[-20:], client.stderr.read()[-6000:] if client.poll() is not None else "no result"))
+        finally:
+            if client is not None and client.poll() is None:
+                client.kill()
+                client.wait()
 
 
 def test_partition_then_heal_runs_each_cell_once_and_says_so(hosts, tmp_path):

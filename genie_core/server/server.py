@@ -32,8 +32,8 @@ from ..monitoring.history_store import HistoryStore
 from ..nodes import NodeInfo
 from ..transport import detect
 from ..transport.data_server import DataServer
-from ..transport.segment import SHM_DIR, Segment, shm_available, sweep_dead
-from ..protocol import PROTOCOL_VERSION, Codec, Message, derive_key, split_identities
+from ..transport.segment import SHM_DIR, Segment, shm_available, sweep_dead, sweep_worker
+from ..protocol import PROTOCOL_VERSION, RUNS, Codec, Message, derive_key, split_identities
 from .session import Session
 from .worker_process import CPU, WorkerProcess, describe_exit
 
@@ -42,7 +42,6 @@ log = logging.getLogger("genie.server")
 BIG_MESSAGE = 8 << 20  # bytes of buffers above which a signature is checked off the loop thread
 TERMINAL_REPLIES = {"execute_reply", "push_reply", "pull_reply", "tensor_reply", "error_reply"}
 ENDED_REMEMBERED = 64  # ended sessions whose request records are kept
-RUNS = {"execute", "push", "pull", "tensor_ops"}  # requests that act on the session's worker: at most once each
 
 
 class Server:
@@ -272,7 +271,7 @@ class Server:
             except Exception:
                 w.proc.kill()
                 w.proc.wait()
-            sweep_segments(w.pid)
+            sweep_worker(w.pid)
         self.router.close()
         self.worker_router.close()
         if self._ctx is not None:
@@ -464,8 +463,9 @@ class Server:
 
     def _refuse(self, session: Session, msg: Message, ename: str, evalue: str) -> None:
         """Answer a request that will not run with an error (and remember that it did not)."""
-        session.finished(msg.id, {"status": "error", "ename": ename, "evalue": evalue})
-        self._reply(session.identity, msg, "error_reply", {"ename": ename, "evalue": evalue})
+        content = {"ename": ename, "evalue": evalue}
+        session.finished(msg.id, content)
+        self._reply(session.identity, msg, "error_reply", content)
 
     def _check_data_ref(self, session: Session, ref: Any) -> str:
         """A pushed segment must be this session's: one its data connection filled (tcp), or a
@@ -487,7 +487,7 @@ class Server:
         if ref:
             problem = self._check_data_ref(session, ref)
             if problem:
-                self._reply(session.identity, msg, "error_reply", {"ename": "PermissionError", "evalue": problem})
+                self._refuse(session, msg, "PermissionError", problem)
                 return
             view = Segment.attach(ref["segment"]).view if ref.get("keep") else Segment.adopt(ref["segment"])
             size = sum(ref["sizes"])
@@ -600,7 +600,7 @@ class Server:
                 continue
             if msg.type in TERMINAL_REPLIES:
                 worker.inflight.pop(msg.parent, None)
-                session.finished(msg.parent, msg.content if msg.type != "error_reply" else dict(msg.content, status="error"))
+                session.finished(msg.parent, msg.content)
             self._send(session.identity, Message(msg.type, msg.content, msg.buffers, parent=msg.parent, session=session.id))
 
     def _housekeeping(self) -> None:
@@ -608,7 +608,7 @@ class Server:
             if worker.alive():
                 continue
             self.workers.pop(worker.id, None)
-            sweep_segments(worker.pid)
+            sweep_worker(worker.pid)
             session = worker.session
             why = describe_exit(worker.proc.returncode, worker.pid)
             log.warning("worker %s (pid %d) %s", worker.id, worker.pid, why)
@@ -620,12 +620,12 @@ class Server:
                         "evalue": f"the session's worker process (pid {worker.pid}) {why} while running this request; "
                         "its variables are lost, and the next request starts a fresh worker",
                     }
-                    session.finished(request.id, dict(content, status="error"))
+                    session.finished(request.id, content)
                     self._reply(session.identity, request, "error_reply", content)
         still = []
         for w in self.dying:
             if w.reap():
-                sweep_segments(w.pid)
+                sweep_worker(w.pid)
             else:
                 still.append(w)
         self.dying = still
@@ -652,12 +652,6 @@ class Server:
             worker.stop()
             self.dying.append(worker)
         session.workers.clear()
-
-
-def sweep_segments(pid: int) -> None:
-    """Remove what a dead worker staged in /dev/shm and nobody collected."""
-    for path in SHM_DIR.glob(f"genie-w-{pid}-*"):
-        path.unlink(missing_ok=True)
 
 
 def _pid_alive(pid: int) -> bool:

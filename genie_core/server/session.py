@@ -37,6 +37,7 @@ class Session:
         return True
 
     def finished(self, request_id: str, content: dict[str, Any]) -> None:
+        """Its terminal reply went out: `content` has its status (an error reply has none: error)."""
         entry = self.requests.get(request_id)
         if entry is not None:
             entry.update(state="finished", status=str(content.get("status", "error")), finished=time.time(),

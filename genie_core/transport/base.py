@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+DATA_THRESHOLD = 1 << 20  # bytes: transfers at least this big use the data plane; smaller ones travel inline
+
 
 class Transport(Protocol):
     name: str

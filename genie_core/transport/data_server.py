@@ -13,6 +13,7 @@ import socket
 import threading
 from typing import Any, Callable
 
+from ..config import is_loopback
 from . import wire
 from .segment import Segment, segment_spares
 
@@ -62,7 +63,7 @@ class DataServer:
         spares = segment_spares("genie-s")
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = addr[0]
-        mac_on = not wire.is_loopback(peer)
+        mac_on = not is_loopback(peer)
         try:
             session, nonce = self._authenticate(conn)
             if session is None:

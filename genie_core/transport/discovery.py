@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import GenieError
@@ -57,8 +57,7 @@ class BackendReport:
     def to_dict(self) -> dict[str, Any]:
         return {
             "chosen": self.chosen, "reason": self.reason, "requested": self.requested, "elapsed_s": round(self.elapsed_s, 4),
-            "candidates": [{"name": c.name, "available": c.available, "reason": c.reason, "rtt_s": c.rtt_s,
-                            "bandwidth": c.bandwidth, "details": c.details} for c in self.candidates],
+            "candidates": [asdict(c) for c in self.candidates],
         }
 
     @classmethod

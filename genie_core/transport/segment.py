@@ -62,6 +62,12 @@ class Segment:
         segment.unlink()
         return segment.view
 
+    @staticmethod
+    def discard(name: str) -> None:
+        """Remove a segment nobody will adopt (a transfer that failed or was refused)."""
+        if "/" not in name and name.startswith("genie-"):
+            (SHM_DIR / name).unlink(missing_ok=True)
+
     def close(self) -> None:
         try:
             self.view.release()
@@ -137,6 +143,19 @@ def segment_spares(prefix: str) -> Spares:
         segment.unlink()
 
     return Spares(lambda size: Segment.create(prefix, size), release, lambda segment: segment.view)
+
+
+def memory_spares() -> Spares:
+    """Spare receive buffers in this process's own memory (a socket backend's destination)."""
+    import numpy as np
+
+    return Spares(lambda size: memoryview(np.empty(size, dtype=np.uint8)), lambda buffer: None, lambda buffer: buffer)
+
+
+def sweep_worker(pid: int) -> None:
+    """Remove what a dead worker staged and nobody collected."""
+    for path in SHM_DIR.glob(f"genie-w-{pid}-*"):
+        path.unlink(missing_ok=True)
 
 
 def sweep_dead() -> int:

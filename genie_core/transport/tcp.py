@@ -7,9 +7,10 @@ import socket
 import time
 from typing import Any
 
+from ..config import is_loopback
 from ..errors import AuthenticationError, ConnectionFailed
 from . import wire
-from .segment import Spares
+from .segment import memory_spares, split
 
 
 class TcpTransport:
@@ -23,7 +24,7 @@ class TcpTransport:
             raise ConnectionFailed(f"data port {self.address} unreachable: {exc.strerror or exc}") from None
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.key = key
-        self.mac_on = not wire.is_loopback(self.sock.getpeername()[0])
+        self.mac_on = not is_loopback(self.sock.getpeername()[0])
         greeting = wire.recv_exact(self.sock, len(wire.GREETING) + 32)
         if not greeting.startswith(wire.GREETING):
             raise ConnectionFailed(f"{self.address} is not a genie data port")
@@ -33,9 +34,7 @@ class TcpTransport:
             raise AuthenticationError(f"the data port at {self.address} refused this session")
         self.macs = wire.PayloadMacs(key, nonce, self.mac_on)
         self.sock.settimeout(None)
-        import numpy as np
-
-        self.spares = Spares(lambda n: memoryview(np.empty(n, dtype=np.uint8)), lambda b: None, lambda b: b)
+        self.spares = memory_spares()
 
     def put(self, buffers: list[Any], progress: Any = None) -> dict[str, Any]:
         sizes = [memoryview(b).nbytes for b in buffers]
@@ -54,24 +53,9 @@ class TcpTransport:
         if not reply.get("ok"):
             raise ConnectionError(f"data get failed: {reply.get('error')}")
         whole = self.spares.take(total, refill=False)  # the destination: bytes land here directly
-        out, offset = [], 0
-        for n in sizes:
-            out.append(whole[offset : offset + n])
-            offset += n
-        mac = self.macs.start(b"down")
-        done = 0
-        for buf in out:
-            wire.recv_payload_into(self.sock, memoryview(buf), None, progress, done, total)
-            done += len(buf)
-            if mac is not None:
-                mac.update(buf)
-        if mac is not None:
-            import hmac as _hmac
-
-            if not _hmac.compare_digest(wire.recv_exact(self.sock, 32), mac.digest()):
-                raise ConnectionError("pulled data failed authentication")
+        wire.recv_payload_into(self.sock, whole[:total], self.macs.start(b"down"), progress)
         self.spares.refill(total)
-        return out
+        return split(whole, sizes)
 
     def ping(self) -> float:
         start = time.perf_counter()

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from ..errors import AuthenticationError, ConnectionFailed
 from . import wire
-from .segment import Segment, Spares, segment_spares
+from .segment import Segment, memory_spares, segment_spares, split
 
 log = logging.getLogger("genie.ucx")
 
@@ -195,13 +195,12 @@ class UcxTransport:
     name = "ucx"
 
     def __init__(self, host: str, port: int, key: bytes, session: str, timeout: float = 5.0) -> None:
-        import numpy as np
         import ucxx
 
         self.address = f"{host}:{port}"
         self.key = key
         self.runner = _LoopThread("genie-ucx-client")
-        self.spares = Spares(lambda n: memoryview(np.empty(n, dtype=np.uint8)), lambda b: None, lambda b: b)
+        self.spares = memory_spares()
 
         async def connect() -> Any:
             ep = await ucxx.create_endpoint(host, port, connect_timeout=timeout)
@@ -272,11 +271,7 @@ class UcxTransport:
         if not reply.get("ok"):
             raise ConnectionError(f"ucx get failed: {reply.get('error')}")
         self.spares.refill(total)
-        out, offset = [], 0
-        for n in sizes:
-            out.append(whole[offset : offset + n])
-            offset += n
-        return out
+        return split(whole, sizes)
 
     def ping(self) -> float:
         async def go() -> None:

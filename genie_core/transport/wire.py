@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import json
 import socket
 import struct
@@ -67,13 +66,6 @@ class PayloadMacs:
     def start(self, direction: bytes) -> "hmac.HMAC | None":
         label = self.label(direction)
         return hmac.new(self.key, label, hashlib.sha256) if self.on else None
-
-
-def is_loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address.split("%")[0]).is_loopback
-    except ValueError:
-        return address == "localhost"
 
 
 Progress = "Callable[[int, int], None] | None"  # (bytes done, bytes in all)

@@ -22,11 +22,10 @@ import zmq
 from ..loop import SocketLoop
 from ..protocol import Codec, Message
 from ..serialize import deserialize_namespace, serialize_namespace
-from ..transport.segment import Segment, pack_into, segment_spares, split
 from ..errors import size_text
+from ..transport.base import DATA_THRESHOLD
+from ..transport.segment import Segment, pack_into, segment_spares, split
 from .streams import FLUSH_INTERVAL, OutStream, capture_fd
-
-DATA_THRESHOLD = 1 << 20  # bytes: smaller values travel inline
 
 log = logging.getLogger("genie.worker")
 
@@ -153,7 +152,7 @@ class Worker:
         held = self.tensors.bytes_held if self.tensors is not None else 0
         if self.max_bytes is not None and held + incoming > self.max_bytes:
             if ref:
-                Segment.adopt(ref["segment"]).release()  # take it off /dev/shm: it will not be used
+                Segment.discard(ref["segment"])  # it will not be used
             self.send("push_reply", {"status": "error", "ename": "LimitExceeded", "evalue": (
                 f"this push of {size_text(incoming)} would make this session hold {size_text(held + incoming)}; the server "
                 f"allows {size_text(self.max_bytes)} (--max-session-bytes): free some (del)")})
