@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--gpus", default=None, help="GPU indices to offer, e.g. 0,1 (default: all)")
     serve.add_argument("--node-id", default=None, help="name of this node (default: host name)")
     serve.add_argument("--connection-file", default=None, help="where to write the connection file")
-    serve.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    serve.add_argument("--lifeline-fd", type=int, default=None, help=argparse.SUPPRESS)  # see LocalServer
     serve.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default: $GENIE_LOG_LEVEL)")
     serve.add_argument("--poll-interval", type=float, default=None, help="seconds between GPU/host readings (default 1)")
     serve.add_argument("--no-monitoring", action="store_true", help="do not poll GPUs and the host")
@@ -109,4 +109,4 @@ def _serve(args: argparse.Namespace) -> int:
         enable_ucx=False if args.no_ucx else None,
     )
     logging.basicConfig(level=config.log_level.upper(), format="[genie %(levelname)s] %(message)s")
-    return run_server(config, parent_pid=args.parent_pid)
+    return run_server(config, parent_lifeline=args.lifeline_fd)

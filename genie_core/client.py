@@ -475,8 +475,11 @@ class Client:
         request.summary = first if len(first) <= 60 else first[:57] + "..."
         return request
 
-    def interrupt(self) -> None:
-        self._request(Message("interrupt"))
+    def interrupt(self, request: Request | str | None = None) -> None:
+        """Interrupt a cell (default: whichever runs): KeyboardInterrupt in its code, or, if it has
+        not started yet, it never runs. Its own reply says which; a finished cell is left alone."""
+        target = request.id if isinstance(request, Request) else request
+        self._request(Message("interrupt", {"request": target}))
 
     def push(self, values: dict[str, Any], *, gpu: int | None = None, device: str | None = None, timeout: float | None = None,
              progress: Any = None) -> list[str]:

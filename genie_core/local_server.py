@@ -12,6 +12,7 @@ from typing import Any
 
 from .config import ConnectionInfo, new_token, runtime_dir
 from .errors import ConnectionFailed
+from .lifeline import Lifeline
 
 
 def start_server_process(*args: str, env: dict[str, str] | None = None, connection_file: str | os.PathLike | None = None,
@@ -57,14 +58,16 @@ class LocalServer:
 
     def start(self, timeout: float = 30.0) -> ConnectionInfo:
         env = dict(os.environ, GENIE_TOKEN=new_token())
+        self.lifeline = Lifeline()  # the server stops when this process ends, however it ends
         cmd = [
             sys.executable, "-m", "genie_core", "serve", "--ip", "127.0.0.1", "--port", "0",
-            "--connection-file", str(self.connection_file), "--parent-pid", str(os.getpid()), "--no-ucx",
+            "--connection-file", str(self.connection_file), "--lifeline-fd", str(self.lifeline.fd), "--no-ucx",
         ]
         if self.gpus is not None:
             cmd += ["--gpus", ",".join(map(str, self.gpus))]
         with open(self.log_file, "wb") as log:
-            self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         pass_fds=(self.lifeline.fd,), start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.connection_file.exists():
@@ -86,5 +89,6 @@ class LocalServer:
     def stop(self, timeout: float = 5.0) -> None:
         if self.proc is not None:
             stop_process(self.proc, timeout)
+            self.lifeline.close()
         self.connection_file.unlink(missing_ok=True)
         self.log_file.unlink(missing_ok=True)

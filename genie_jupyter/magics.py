@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import io
 import shlex
+import signal
 import sys
+import threading
 import time
 from typing import Any, Iterator
 
@@ -16,7 +18,7 @@ from IPython.display import clear_output, display, publish_display_data
 
 import genie_core
 from genie_core.cluster import current_client
-from genie_core.client import Client, Request
+from genie_core.client import Client
 from genie_core.errors import RemoteError
 
 from .feed import ClusterFeed
@@ -54,21 +56,43 @@ def render(msg_type: str, content: dict[str, Any]) -> None:
         clear_output(wait=bool(content.get("wait")))
 
 
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """Hold a KeyboardInterrupt until the block is done, so a request is either sent and ours to
+    interrupt, or not sent at all (never sent behind our back, to block the next cell)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught and callable(previous):
+        previous(signal.SIGINT, None)
+
+
 def run_remote(client: Client, code: str, *, gpu: int | None = None, timeout: float | None = None) -> dict[str, Any]:
-    """Run `code` remotely, rendering its output live; the notebook's interrupt interrupts it."""
-    request = client.execute(code, gpu=gpu)
+    """Run `code` remotely, rendering its output live; the notebook's interrupt interrupts it
+    (each press sends one more interrupt, for code that swallowed the first)."""
+    with _interrupts_deferred():
+        request = client.execute(code, gpu=gpu)
     error: dict[str, Any] | None = None
     deadline = None if timeout is None else time.monotonic() + timeout
     interrupted_at: float | None = None
     while True:
         try:
-            msg = _next(request, deadline, interrupted_at)
+            msg = request.next(timeout=0.1)
             if msg is None:
-                if interrupted_at is None and deadline is not None and time.monotonic() > deadline:
-                    client.interrupt()
-                    interrupted_at = time.monotonic()
-                continue
-            if msg.type == "error":
+                now = time.monotonic()
+                if interrupted_at is None and deadline is not None and now > deadline:
+                    with _interrupts_deferred():
+                        client.interrupt(request)
+                    interrupted_at = now
+                elif interrupted_at is not None and now - interrupted_at > INTERRUPT_GRACE:
+                    break
+            elif msg.type == "error":
                 error = msg.content
             elif msg.type == "execute_reply":
                 if error is not None:
@@ -79,23 +103,19 @@ def run_remote(client: Client, code: str, *, gpu: int | None = None, timeout: fl
             else:
                 render(msg.type, msg.content)
         except KeyboardInterrupt:
-            if interrupted_at is None:
-                client.interrupt()
-                interrupted_at = time.monotonic()
-                continue
-            raise KeyboardInterrupt(
-                "stopped waiting for the remote cell; it may still be running on the server "
-                "(%genie_shutdown ends the session and its worker)"
-            ) from None
+            with _interrupts_deferred():
+                client.interrupt(request)
+            interrupted_at = time.monotonic()
+    _give_up(deadline)
 
 
-def _next(request: Request, deadline: float | None, interrupted_at: float | None) -> Any:
-    msg = request.next(timeout=0.1)
-    if msg is None and interrupted_at is not None and time.monotonic() - interrupted_at > INTERRUPT_GRACE:
-        if deadline is not None and time.monotonic() > deadline:
-            raise TimeoutError(f"the remote cell ran past its --timeout and did not stop within {INTERRUPT_GRACE:g} s of an interrupt")
-        raise KeyboardInterrupt(f"the remote cell did not stop within {INTERRUPT_GRACE:g} s of an interrupt; it may still be running")
-    return msg
+def _give_up(deadline: float | None) -> None:
+    """The remote cell ignored an interrupt for INTERRUPT_GRACE seconds: hand the notebook back."""
+    if deadline is not None and time.monotonic() > deadline:
+        raise TimeoutError(f"the remote cell ran past its --timeout and did not stop within {INTERRUPT_GRACE:g} s of an interrupt")
+    raise KeyboardInterrupt(
+        f"the remote cell did not stop within {INTERRUPT_GRACE:g} s of an interrupt; it may still be running on "
+        "the server (interrupt again, or %genie_shutdown to end the session and its worker)")
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ from ..config import MIN_NETWORK_TOKEN, ClusterConfig, ConnectionInfo, is_loopba
 from ..errors import ConfigError, ProtocolError
 from ..events import ClusterEvent, EventBus, EventType, Severity
 from ..gpus import list_gpus
+from ..lifeline import Lifeline, parent_gone
 from ..loop import SocketLoop
 from ..monitoring import GPUSource, NvmlSource, SimulatedGPUSource, create_resource_monitor
 from ..monitoring.history_store import HistoryStore
@@ -35,7 +36,7 @@ from ..transport.data_server import DataServer
 from ..transport.segment import SHM_DIR, Segment, shm_available, sweep_dead, sweep_worker
 from ..protocol import PROTOCOL_VERSION, RUNS, Codec, Message, derive_key, split_identities
 from .session import Session
-from .worker_process import CPU, WorkerProcess, describe_exit
+from .worker_process import CPU, WorkerProcess, describe_exit, sweep_orphans
 
 log = logging.getLogger("genie.server")
 
@@ -48,7 +49,7 @@ class Server:
     """`Server(config).start()` binds and returns; `serve_forever()` or `start_in_thread()` runs it."""
 
     def __init__(
-        self, config: ClusterConfig | None = None, *, parent_pid: int | None = None, spare_workers: int = 1,
+        self, config: ClusterConfig | None = None, *, parent_lifeline: int | None = None, spare_workers: int = 1,
         gpu_source: GPUSource | None = None,
     ) -> None:
         self.config = config or ClusterConfig.resolve(node_role="server")
@@ -65,7 +66,7 @@ class Server:
         self.node_id = self.config.resolved_node_id()
         self.codec = Codec(derive_key(self.token), max_bytes=self.config.max_message_bytes)
         self.worker_codec = Codec(key=None)
-        self.parent_pid = parent_pid
+        self.parent_lifeline = parent_lifeline  # a pipe from whoever embeds us: we stop when it closes
         self.spare_workers = spare_workers
         detected, self.gpu_reason = list_gpus()
         if self.config.gpus is not None:
@@ -93,6 +94,7 @@ class Server:
         self._gpu_source = gpu_source
         self._backlog: dict[bytes, deque[list[Any]]] = {}
         self._verifier = ThreadPoolExecutor(max_workers=2, thread_name_prefix="genie-verify")
+        self._lifeline = Lifeline()  # every worker holds its read end
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> "Server":
@@ -129,6 +131,9 @@ class Server:
         self.worker_router.bind(self.worker_endpoint)
         self._loop.add_socket(self.router, self._on_client_readable)
         self._loop.add_socket(self.worker_router, self._on_worker_readable)
+        if self.parent_lifeline is not None:
+            self._loop.add_socket(self.parent_lifeline, self._on_parent_gone)
+        sweep_orphans()
         self._loop.call_every(0.2, self._housekeeping)
         info = ConnectionInfo(self.config.ip, self.port, self.token, self.node_id, os.getpid(), PROTOCOL_VERSION,
                               self.keys.for_clients() if self.keys else None)
@@ -279,6 +284,7 @@ class Server:
         if self.connection_file is not None:
             self.connection_file.unlink(missing_ok=True)
         shutil.rmtree(self._worker_dir, ignore_errors=True)
+        self._lifeline.close()
         self._stopped.set()
 
     # -- clients --------------------------------------------------------------------------
@@ -437,10 +443,30 @@ class Server:
         self._reply(session.identity, msg, "close_reply", {"status": "ok"})
 
     def _on_interrupt(self, session: Session, msg: Message) -> None:
-        busy = [w for w in session.workers.values() if w.busy()]
-        for w in busy:
-            w.interrupt()
-        self._reply(session.identity, msg, "interrupt_reply", {"interrupted": len(busy)})
+        """Interrupt one cell (content "request"; none: whichever runs). A cell still waiting for
+        its worker to start is answered here and never runs; the worker judges the rest."""
+        target = msg.content.get("request")
+        target = str(target)[:64] if target else None
+        cancelled = forwarded = 0
+        for worker in session.workers.values():
+            for waiting in [m for m in worker.waiting if m.type == "execute" and target in (None, m.id)]:
+                worker.waiting.remove(waiting)
+                worker.inflight.pop(waiting.id, None)
+                self._cancel(session, waiting)
+                cancelled += 1
+            if worker.ready:
+                self._forward_to_worker(worker, Message("interrupt", {"request": target}))
+                forwarded += 1
+        self._reply(session.identity, msg, "interrupt_reply", {"cancelled": cancelled, "forwarded": forwarded})
+
+    def _cancel(self, session: Session, request: Message) -> None:
+        """Answer a cell interrupted before it started, as its worker would have."""
+        evalue = "interrupted before it started: the cell did not run"
+        self._reply(session.identity, request, "error", {"ename": "KeyboardInterrupt", "evalue": evalue,
+                                                         "traceback": [f"KeyboardInterrupt: {evalue}"]})
+        content = {"status": "error", "ename": "KeyboardInterrupt", "evalue": evalue, "ran": False}
+        session.finished(request.id, content)
+        self._reply(session.identity, request, "execute_reply", content)
 
     def _on_execute(self, session: Session, msg: Message) -> None:
         self._to_worker(session, msg)
@@ -550,7 +576,7 @@ class Server:
         return min(load, key=lambda i: (load[i], i))
 
     def _spawn(self, slot: int) -> WorkerProcess:
-        worker = WorkerProcess(os.urandom(8).hex(), slot, self.worker_endpoint, self.limits)
+        worker = WorkerProcess(os.urandom(8).hex(), slot, self.worker_endpoint, self._lifeline.fd, self.limits)
         self.workers[worker.id] = worker
         return worker
 
@@ -633,8 +659,11 @@ class Server:
         for session in list(self.sessions.values()):
             if now - session.last_seen > self.config.session_lease:
                 self._close_session(session, f"no message from the client for {self.config.session_lease:.0f} s")
-        if self.parent_pid is not None and not _pid_alive(self.parent_pid):
-            log.warning("parent process %d is gone; stopping", self.parent_pid)
+
+    def _on_parent_gone(self, fd: int) -> None:
+        if parent_gone(fd):
+            log.warning("the process that started this server is gone; stopping")
+            self._loop.remove_socket(fd)
             self._loop.stop(join=False)
 
     def _close_session(self, session: Session, why: str) -> None:
@@ -654,21 +683,11 @@ class Server:
         session.workers.clear()
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def run_server(config: ClusterConfig, parent_pid: int | None = None) -> int:
+def run_server(config: ClusterConfig, parent_lifeline: int | None = None) -> int:
     """`genie serve`: start, print the ready line, serve until SIGINT/SIGTERM."""
     import signal
 
-    server = Server(config, parent_pid=parent_pid).start()
+    server = Server(config, parent_lifeline=parent_lifeline).start()
 
     def _stop(signum: int, frame: Any) -> None:
         server._loop.stop(join=False)

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -60,8 +61,34 @@ def oom_kill_record(pid: int, records: int = 20000) -> str | None:
     return found
 
 
+def sweep_orphans() -> int:
+    """End the workers of servers that died without ending them (and their process groups).
+    The lifeline makes this rare; a worker that ignored SIGIO is one way to need it."""
+    ended = 0
+    for proc_dir in Path("/proc").glob("[0-9]*"):
+        try:
+            if proc_dir.stat().st_uid != os.getuid():
+                continue
+            argv = (proc_dir / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"genie_core.worker" not in argv[:3] or len(argv) < 7 or not argv[6].isdigit():
+            continue
+        try:  # the 4th field of stat is the parent: a worker whose server died was re-parented
+            parent = int((proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent != int(argv[6]):
+            try:
+                os.killpg(int(proc_dir.name), signal.SIGKILL)  # a worker leads its own process group
+                ended += 1
+            except OSError:
+                pass
+    return ended
+
+
 class WorkerProcess:
-    def __init__(self, worker_id: str, slot: int, endpoint: str, limits: dict[str, Any] | None = None) -> None:
+    def __init__(self, worker_id: str, slot: int, endpoint: str, lifeline: int, limits: dict[str, Any] | None = None) -> None:
         self.id = worker_id
         self.slot = slot
         env = dict(os.environ)
@@ -72,9 +99,10 @@ class WorkerProcess:
         env["GENIE_WORKER_ID"] = worker_id
         env.pop("GENIE_TOKEN", None)  # user code has no business with the server's token
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "genie_core.worker", endpoint, worker_id],
+            [sys.executable, "-m", "genie_core.worker", endpoint, worker_id, str(lifeline), str(os.getpid())],
             env=env,
             stdin=subprocess.DEVNULL,
+            pass_fds=(lifeline,),  # it ends when we do, however we end (see genie_core.lifeline)
             start_new_session=True,  # a Ctrl-C at the server's terminal is the server's, not the cell's
         )
         self.started = time.monotonic()
@@ -93,10 +121,6 @@ class WorkerProcess:
 
     def busy(self) -> bool:
         return any(m.type == "execute" for m in self.inflight.values())
-
-    def interrupt(self) -> None:
-        if self.alive():
-            os.kill(self.proc.pid, signal.SIGINT)
 
     def stop(self) -> None:
         """Ask it to end now (SIGTERM); `reap` escalates to SIGKILL if it lingers."""

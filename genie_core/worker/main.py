@@ -13,12 +13,15 @@ import os
 import queue
 import signal
 import sys
+import threading
 import time
 import traceback
+from collections import OrderedDict
 from typing import Any
 
 import zmq
 
+from ..lifeline import die_with_parent
 from ..loop import SocketLoop
 from ..protocol import Codec, Message
 from ..serialize import deserialize_namespace, serialize_namespace
@@ -30,8 +33,11 @@ from .streams import FLUSH_INTERVAL, OutStream, capture_fd
 log = logging.getLogger("genie.worker")
 
 
+REMEMBERED_CANCELS = 100  # interrupts of requests not started yet
+
+
 class Worker:
-    def __init__(self, endpoint: str, worker_id: str) -> None:
+    def __init__(self, endpoint: str, worker_id: str, server_pid: int) -> None:
         self.codec = Codec(key=None)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -41,10 +47,15 @@ class Worker:
         self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self.loop = SocketLoop("worker")
         self.loop.add_socket(self.sock, self._on_readable)
-        self.parent_pid = os.getppid()
+        self.server_pid = server_pid
         self.loop.call_every(1.0, self._check_parent)
         self.current: str = ""  # id of the request being served
-        self.executing = False
+        # Interrupts: the loop thread decides, under this lock, against what the main thread is doing.
+        self._interrupt_lock = threading.Lock()
+        self.cell = ""  # id of the execute request the main thread is in
+        self.armed = False  # user code is running: a SIGINT raises KeyboardInterrupt in it
+        self.interrupt_pending = False  # interrupted before its user code started
+        self.cancelled: OrderedDict[str, None] = OrderedDict()  # interrupted before the worker took them
         self.shell: Any = None
         self.tensors: Any = None  # the remote-tensor store, made on first use
         self.staged: list[Segment] = []  # a pull's segment, until the client adopts it
@@ -59,11 +70,39 @@ class Worker:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self.inbox.put(self.codec.unpack(frames))
+            msg = self.codec.unpack(frames)
+            if msg.type == "interrupt":  # handled here, at once: the main thread may be busy for hours
+                self._interrupt(msg.content.get("request"))
+            else:
+                self.inbox.put(msg)
 
     def _check_parent(self) -> None:
-        if os.getppid() != self.parent_pid:
+        """A fallback for the lifeline, should user code catch or ignore SIGIO."""
+        if os.getppid() != self.server_pid:
             os._exit(0)  # the server is gone: nobody can reach this worker any more
+
+    def _interrupt(self, target: str | None) -> None:
+        """Interrupt the cell `target` (None: whichever runs). It gets a KeyboardInterrupt in its
+        user code; a cell that has not started yet will not run; a finished one is left alone."""
+        with self._interrupt_lock:
+            if self.cell and target in (None, self.cell):
+                if self.armed:
+                    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # wakes a sleep there
+                else:
+                    self.interrupt_pending = True  # raised as its user code starts
+            elif target:
+                self.cancelled[target] = None
+                while len(self.cancelled) > REMEMBERED_CANCELS:
+                    self.cancelled.popitem(last=False)
+
+    def _user_code(self, running: bool) -> None:
+        """The shell tells us when user code starts and stops running (see WorkerShell.run_code)."""
+        with self._interrupt_lock:
+            self.armed = running
+            pending, self.interrupt_pending = self.interrupt_pending, False
+        if running and pending:
+            self.armed = False
+            raise KeyboardInterrupt
 
     def send(self, kind: str, content: dict[str, Any], buffers: list[Any] | None = None, parent: str | None = None) -> None:
         msg = Message(kind, content, buffers or [], parent=self.current if parent is None else parent)
@@ -94,13 +133,17 @@ class Worker:
 
         config = Config()
         config.HistoryManager.enabled = False  # no SQLite write per cell (0.4 ms); the notebook keeps the history
-        self.shell = WorkerShell.instance(emit=self.send, colors="linux", config=config)
+        self.shell = WorkerShell.instance(emit=self.send, on_user_code=self._user_code, colors="linux", config=config)
         self.shell.user_ns["__name__"] = "__main__"
         signal.signal(signal.SIGINT, self._on_sigint)
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
-        if self.executing:
+        # Runs on the main thread, maybe inside `with self._interrupt_lock` there: never take it here.
+        if self.armed:
             raise KeyboardInterrupt
+        if self.cell:  # user code paused between two statements: the next one is interrupted
+            self.interrupt_pending = True
+        # anywhere else (between cells) an interrupt is dropped
 
     # -- requests (main thread) -----------------------------------------------------------
     def serve(self) -> None:
@@ -130,19 +173,32 @@ class Worker:
         sys.stderr.flush()
 
     def on_execute(self, msg: Message) -> None:
+        """Run a cell; whatever happens, exactly one execute_reply goes back."""
         code = msg.content.get("code", "")
         silent = bool(msg.content.get("silent", False))
-        self.executing = True
+        with self._interrupt_lock:
+            cancelled = self.cancelled.pop(msg.id, False) is None
+            self.cell = "" if cancelled else msg.id
+        if cancelled:
+            evalue = "interrupted before it started: the cell did not run"
+            self.send("error", {"ename": "KeyboardInterrupt", "evalue": evalue, "traceback": [f"KeyboardInterrupt: {evalue}"]})
+            self.send("execute_reply", {"status": "error", "ename": "KeyboardInterrupt", "evalue": evalue, "ran": False})
+            return
+        reply: dict[str, Any]
         try:
             result = self.shell.run_cell(code, store_history=not silent, silent=silent)
+            reply = {"status": "ok" if result.success else "error", "execution_count": self.shell.execution_count - 1}
+            error = result.error_in_exec or result.error_before_exec
+            if error is not None:
+                reply.update(ename=type(error).__name__, evalue=str(error))
+        except KeyboardInterrupt:  # landed in IPython's own code around the cell
+            self.send("error", {"ename": "KeyboardInterrupt", "evalue": "", "traceback": ["KeyboardInterrupt"]})
+            reply = {"status": "error", "ename": "KeyboardInterrupt", "evalue": ""}
         finally:
-            self.executing = False
+            with self._interrupt_lock:
+                self.cell, self.armed, self.interrupt_pending = "", False, False
         sys.stdout.flush()
         sys.stderr.flush()
-        reply: dict[str, Any] = {"status": "ok" if result.success else "error", "execution_count": self.shell.execution_count - 1}
-        error = result.error_in_exec or result.error_before_exec
-        if error is not None:
-            reply.update(ename=type(error).__name__, evalue=str(error))
         self.send("execute_reply", reply)
 
     def on_push(self, msg: Message) -> None:
@@ -198,9 +254,10 @@ class Worker:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2:
-        raise SystemExit("usage: python -m genie_core.worker ENDPOINT WORKER_ID")
-    worker = Worker(argv[0], argv[1])
+    if len(argv) != 4:
+        raise SystemExit("usage: python -m genie_core.worker ENDPOINT WORKER_ID LIFELINE_FD SERVER_PID")
+    die_with_parent(int(argv[2]))
+    worker = Worker(argv[0], argv[1], int(argv[3]))
     try:
         worker.serve()
     finally:

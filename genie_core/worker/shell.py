@@ -70,6 +70,15 @@ class WorkerShell(InteractiveShell):
     displayhook_class = Type(WorkerDisplayHook)
     display_pub_class = Type(WorkerDisplayPublisher)
     emit = AnyTrait()
+    on_user_code = AnyTrait()  # on_user_code(True) as user code starts, (False) as it stops
+
+    async def run_code(self, code_obj, result=None, *, async_=False):  # type: ignore[no-untyped-def]
+        """IPython runs the user's code here: only in here may an interrupt raise KeyboardInterrupt."""
+        self.on_user_code(True)
+        try:
+            return await super().run_code(code_obj, result, async_=async_)
+        finally:
+            self.on_user_code(False)
 
     def init_displayhook(self) -> None:
         super().init_displayhook()
