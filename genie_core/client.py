@@ -38,6 +38,10 @@ log = logging.getLogger("genie.client")
 HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 TERMINAL = {"welcome", "pong", "execute_reply", "push_reply", "pull_reply", "error_reply", "interrupt_reply", "close_reply", "info_reply", "tensor_reply", "data_probe_reply", "set_backend_reply", "outcome_reply", "auth_failed"}
 KEEP_LOST = 100  # lost requests remembered
+# The start of a ZMTP 3 greeting (signature, major version): a ZMTP server answers it with its
+# whole 64-byte greeting, which names its security mechanism at bytes 12-31.
+ZMTP_SIGNATURE = b"\xff" + bytes(8) + b"\x7f\x03"
+GREETING_BYTES = 64
 
 
 @dataclass
@@ -147,7 +151,7 @@ class Client:
         self._transfer_lock = threading.Lock()
         self.rtt: float | None = None
         self.lost_requests: dict[str, LostRequest] = {}  # cut off by a lost connection; see LostRequest
-        self._hello: Request | None = None
+        self._handshake_error: GenieError | None = None  # set by the loop thread as a handshake fails
         self._session_gone = False  # the server said it no longer has our session
         self._pending: dict[str, Request] = {}
         self._seq = itertools.count(1)
@@ -160,23 +164,31 @@ class Client:
     # -- connecting -----------------------------------------------------------------------
     def connect(self) -> "Client":
         start = time.monotonic()
-        self._probe_tcp()
+        self._probe_server()
         ctx = self._ctx = zmq.Context()
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        self._main = self._dealer(ctx, f"tcp://{host}:{self.port}", self.curve)
-        self._hb = self._dealer(ctx, f"tcp://{host}:{self.port}", self.curve)
+        self._loop = SocketLoop("client", context=ctx)  # it closes the sockets and ends the context
+        endpoint = f"tcp://[{self.host}]:{self.port}" if ":" in self.host else f"tcp://{self.host}:{self.port}"
+        self._main = self._dealer(ctx, self.curve)
+        self._hb = self._dealer(ctx, self.curve)
         self._send_locks = {self._main: threading.Lock(), self._hb: threading.Lock()}
-        self._loop = SocketLoop("client")
         self._loop.add_socket(self._main, self._on_readable)
         self._loop.add_socket(self._hb, self._on_readable)
-        handshake = self._main.get_monitor_socket(HANDSHAKE_FAILED)
-        self._loop.add_socket(handshake, self._on_handshake_failed)
+        # Monitors before connecting: a handshake can fail before a later monitor would see it.
+        handshake = self._main.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED)
+        self._loop.add_socket(handshake, self._on_handshake_event)
+        if self.enable_heartbeat:  # a crashed server closes its connections: notice at once
+            self._loop.add_socket(self._hb.get_monitor_socket(zmq.EVENT_DISCONNECTED), self._on_disconnect)
+        self._loop.on_exit.append(self._disable_monitors)
+        self._main.connect(endpoint)
+        self._hb.connect(endpoint)
         self._loop.start()
         hello = Message("hello", {"client": {"host": socket.gethostname(), "pid": os.getpid(), "user": os.environ.get("USER", ""), "purpose": self.purpose}})
         left = self.timeout - (time.monotonic() - start)
         try:
-            self._hello = self._request(hello, self._main)
-            welcome = self._hello.wait(timeout=max(left, 0.1))
+            request = self._request(hello, self._main)
+            if self._handshake_error is not None and self._pending.pop(request.id, None) is not None:
+                raise self._handshake_error  # it failed before the hello was even registered
+            welcome = request.wait(timeout=max(left, 0.1))
         except TimeoutError:
             self.close(notify=False)
             raise ConnectionFailed(
@@ -190,7 +202,7 @@ class Client:
         def handshake_done() -> None:
             self._loop.remove_socket(handshake)
             self._main.disable_monitor()
-            handshake.close()
+            handshake.close(linger=0)
 
         self._loop.call_soon(handshake_done)
         self.session = welcome.content["session"]
@@ -199,11 +211,16 @@ class Client:
         self._last_heard = time.monotonic()
         if self.enable_heartbeat:
             self._loop.call_every(self.heartbeat_interval, self._heartbeat)
-            # A crashed server closes its connections: notice at once, without waiting for heartbeats.
-            monitor = self._hb.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            self._loop.add_socket(monitor, self._on_disconnect)
         self._event(EventType.CONNECTED, Severity.INFO, f"connected to {self.address} (session {self.session[:8]})", session=self.session[:8])
         return self
+
+    def _disable_monitors(self) -> None:
+        """On the loop thread as it ends: stop socket monitors before their sockets close."""
+        for sock in (self._main, self._hb):
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
 
     def select_backend(self, requested: str = "auto", budget: float = 1.0) -> BackendReport:
         """Measure the data-plane backends to this server and use the best (or the one asked for)."""
@@ -215,55 +232,96 @@ class Client:
         self._event(EventType.BACKEND_SELECTED, Severity.INFO, report.reason, backend=report.chosen, report=report.to_dict())
         return report
 
-    def _probe_tcp(self) -> None:
-        """Fail fast, with the reason, when nothing listens (zmq itself would wait silently)."""
+    def _probe_server(self) -> None:
+        """Fail fast, with the reason, when nothing listens, something other than ZMTP answers, or
+        the server's encryption differs from ours (zmq itself would retry silently). Exchanges
+        the start of a greeting, and reads the server's, which names its security mechanism."""
+        where = f"a genie server at {self.address}"
+        deadline = time.monotonic() + self.timeout
+        connected = False
         try:
-            with socket.create_connection((self.host, self.port), timeout=self.timeout):
-                pass
+            with socket.create_connection((self.host, self.port), timeout=self.timeout) as sock:
+                connected = True
+                sock.sendall(ZMTP_SIGNATURE)
+                greeting = b""
+                while len(greeting) < GREETING_BYTES:
+                    sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                    chunk = sock.recv(GREETING_BYTES - len(greeting))
+                    if not chunk:
+                        break
+                    greeting += chunk
         except ConnectionRefusedError:
-            raise ConnectionFailed(f"could not connect to a genie server at {self.address}: connection refused (is `genie serve` running there?)") from None
+            raise ConnectionFailed(f"could not connect to {where}: connection refused (is `genie serve` running there?)") from None
         except socket.gaierror as exc:
-            raise ConnectionFailed(f"could not connect to a genie server at {self.address}: unknown host ({exc.strerror})") from None
+            raise ConnectionFailed(f"could not connect to {where}: unknown host ({exc.strerror})") from None
         except (socket.timeout, TimeoutError):
-            raise ConnectionFailed(f"could not connect to a genie server at {self.address}: no answer within {self.timeout:g} s") from None
+            raise ConnectionFailed(
+                f"could not connect to {where}: no answer within {self.timeout:g} s" if not connected else
+                f"the server at {self.address} accepted a TCP connection but did not answer the Genie handshake "
+                f"within {self.timeout:g} s: is a genie server (protocol genie/2) listening there?") from None
         except OSError as exc:
-            raise ConnectionFailed(f"could not connect to a genie server at {self.address}: {exc.strerror or exc}") from None
+            raise ConnectionFailed(f"could not connect to {where}: {exc.strerror or exc}") from None
+        if len(greeting) < GREETING_BYTES:
+            raise ConnectionFailed(f"the server at {self.address} closed the connection during the Genie handshake "
+                                   "(it stopped or crashed, or it is not a genie server)")
+        if greeting[0] != 0xFF or greeting[9] != 0x7F:
+            raise ConnectionFailed(f"the server at {self.address} does not speak ZMTP: is a genie server listening there?")
+        mechanism = greeting[12:32].rstrip(b"\0")
+        if mechanism == b"CURVE" and not self.curve:
+            raise AuthenticationError(
+                f"the server at {self.address} requires encryption (genie serve --encrypt): connect with its "
+                "connection file (--connection-file), which holds the keys")
+        if mechanism == b"NULL" and self.curve:
+            raise ConnectionFailed(f"the server at {self.address} does not encrypt (it was started without --encrypt), "
+                                   "but the connection file holds encryption keys: use its current connection file")
 
-    def _on_handshake_failed(self, monitor: zmq.Socket) -> None:
-        """A failed CURVE (or mechanism) handshake is final: say why instead of timing out."""
+    def _on_handshake_event(self, monitor: zmq.Socket) -> None:
+        """A failed handshake (CURVE keys, mechanism) or a connection closed during it is final:
+        say why at once instead of waiting for the timeout."""
         from zmq.utils.monitor import recv_monitor_message
 
         while monitor.poll(0):
-            event = recv_monitor_message(monitor)["event"]
-            hello = self._pending.pop(self._hello.id, None) if self._hello is not None else None
-            if hello is None:
-                continue
-            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            event = recv_monitor_message(monitor)
+            if self._handshake_error is not None:
+                continue  # the first event says why; a disconnect follows every failed handshake
+            kind, value = event["event"], event["value"]
+            mismatch = kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+            if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 error: GenieError = AuthenticationError(
                     f"the server at {self.address} refused this client's encryption key: use the connection file "
                     "the server wrote this time it started (`genie serve --encrypt` makes new keys at each start)")
-            elif self.curve:
-                error = ConnectionFailed(f"the encryption handshake with {self.address} failed: the server there does not hold "
-                                         "the key in the connection file (a stale file, a server started without --encrypt, "
-                                         "or someone in between)")
-            else:
+            elif mismatch and not self.curve:
                 error = AuthenticationError(
                     f"the server at {self.address} requires encryption (genie serve --encrypt): connect with its "
                     "connection file (--connection-file), which holds the keys")
-            hello._put(_Closed(error))
+            elif mismatch:
+                error = ConnectionFailed(f"the server at {self.address} does not encrypt (it was started without --encrypt), "
+                                         "but the connection file holds encryption keys: use its current connection file")
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                error = ConnectionFailed(f"the handshake with {self.address} broke the ZMTP protocol (error {value:#x}): "
+                                         "is a genie server listening there?")
+            elif self.curve:  # the server drops a client whose key exchange it cannot read
+                error = ConnectionFailed(f"the encryption handshake with {self.address} failed: the server there does not hold "
+                                         "the key in the connection file (a stale file, or someone in between), or it "
+                                         "stopped during the handshake")
+            else:
+                error = ConnectionFailed(f"the server at {self.address} closed the connection during the Genie handshake "
+                                         "(it stopped or crashed, or it is not a genie server)")
+            self._handshake_error = error  # first, then the hello: connect() checks in the other order
+            for request in [r for r in list(self._pending.values()) if r.type == "hello"]:
+                self._pending.pop(request.id, None)
+                request._put(_Closed(error))
 
     @staticmethod
-    def _dealer(ctx: zmq.Context, endpoint: str, curve: dict[str, str] | None = None) -> zmq.Socket:
+    def _dealer(ctx: zmq.Context, curve: dict[str, str] | None = None) -> zmq.Socket:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.ROUTING_ID, os.urandom(16))
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)  # harmless for IPv4 addresses
         if curve:
             from .encryption import secure_client
 
             secure_client(sock, curve)
-        if endpoint.startswith("tcp://["):
-            sock.setsockopt(zmq.IPV6, 1)
-        sock.connect(endpoint)
         return sock
 
     # -- sending and receiving ------------------------------------------------------------
@@ -279,7 +337,7 @@ class Client:
         with self._send_locks[target]:  # sequence numbers must reach each socket in order
             msg.seq = next(self._seq)
             frames = self.codec.pack(msg)
-            self._loop.call_soon(lambda: target.send_multipart(frames, copy=False))
+            self._loop.call_soon(lambda: self._loop.send(target, frames))
         return request
 
     def _on_readable(self, sock: zmq.Socket) -> None:
@@ -317,7 +375,7 @@ class Client:
 
         while monitor.poll(0):
             event = recv_monitor_message(monitor)
-            if event["event"] == zmq.EVENT_DISCONNECTED and not self._closed:
+            if event["event"] == zmq.EVENT_DISCONNECTED and self.session and not self._closed:
                 self._mark_lost(f"connection to genie server at {self.address} lost: the server closed the connection (it stopped or crashed)")
 
     def _on_unauthenticated(self, frames: list[Any], exc: ProtocolError) -> None:
@@ -563,10 +621,4 @@ class Client:
         self._pending.clear()
         self.transport.close()
         if self._loop is not None:
-            self._loop.stop()
-        try:
-            self._hb.disable_monitor()
-        except (AttributeError, zmq.ZMQError):
-            pass
-        if self._ctx is not None:
-            self._ctx.destroy(linger=0)
+            self._loop.stop(timeout=2.0)  # the loop closes the sockets, then ends the context: bounded

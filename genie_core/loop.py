@@ -2,7 +2,9 @@
 
 Client, worker and server each own one `SocketLoop`. Other threads hand it work with
 `call_soon` (thread-safe, wakes the loop at once through a pipe), so a zmq socket is only
-ever used from the loop's thread.
+ever used from the loop's thread, and it is closed there too: when the loop ends it runs its
+`on_exit` callbacks, closes every socket it watched and ends its zmq context, in that order,
+so ending a context can never wait on a socket another thread still holds.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ log = logging.getLogger("genie")
 
 
 class SocketLoop:
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, context: zmq.Context | None = None) -> None:
         self.name = name
+        self.context = context  # ended by the loop, after its sockets are closed
+        self.on_exit: list[Callable[[], None]] = []
+        self._outbox: dict[zmq.Socket, deque[list[Any]]] = {}  # messages a socket could not take yet
         self.poller = zmq.Poller()
         self._handlers: dict[Any, Callable[[Any], None]] = {}
         self._calls: deque[Callable[[], None]] = deque()
@@ -41,6 +46,31 @@ class SocketLoop:
     def remove_socket(self, sock: zmq.Socket) -> None:
         self.poller.unregister(sock)
         self._handlers.pop(sock, None)
+        self._outbox.pop(sock, None)
+
+    def send(self, sock: zmq.Socket, frames: list[Any]) -> None:
+        """Send on the loop thread without ever blocking it: what the socket cannot take now (no
+        peer yet, or a full queue) waits here and goes as soon as the socket is writable."""
+        waiting = self._outbox.get(sock)
+        if waiting is not None:
+            waiting.append(frames)
+            return
+        try:
+            sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self._outbox[sock] = deque([frames])
+            self.poller.modify(sock, zmq.POLLIN | zmq.POLLOUT)
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        waiting = self._outbox.get(sock)
+        while waiting:
+            try:
+                sock.send_multipart(waiting[0], zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            waiting.popleft()
+        self._outbox.pop(sock, None)
+        self.poller.modify(sock, zmq.POLLIN)
 
     def call_every(self, interval: float, fn: Callable[[], None]) -> None:
         self._timers.append([time.monotonic() + interval, interval, fn])
@@ -59,13 +89,23 @@ class SocketLoop:
         self._thread = threading.Thread(target=self.run, name=f"genie-{self.name}", daemon=True)
         self._thread.start()
 
-    def stop(self, join: bool = True, timeout: float = 5.0) -> None:
+    def stop(self, join: bool = True, timeout: float = 5.0) -> bool:
+        """Stop (from any thread); with `join`, wait up to `timeout` s. True once it has ended."""
+        if self._thread is None:  # never ran: nothing else can hold its sockets
+            self._stopping = True
+            self._finish()
+            return True
+
         def _stop() -> None:
             self._stopping = True
 
         self.call_soon(_stop)
-        if join and self._thread is not None and self._thread is not threading.current_thread():
+        if join and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("genie %s loop did not stop within %g s; leaving it (its sockets stay open)", self.name, timeout)
+                return False
+        return self._closed
 
     def run(self) -> None:
         if self._thread is None:
@@ -81,7 +121,11 @@ class SocketLoop:
                     if exc.errno == zmq.EINTR:
                         continue
                     raise
-                for sock, _ in events:
+                for sock, flags in events:
+                    if flags & zmq.POLLOUT:
+                        self._guard(self._drain, sock)
+                        if not flags & zmq.POLLIN:
+                            continue
                     if sock == self._wake_r:
                         try:
                             while os.read(self._wake_r, 4096):
@@ -100,9 +144,22 @@ class SocketLoop:
                         timer[0] = now + timer[1]
                         self._guard(timer[2])
         finally:
-            self._closed = True
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+            self._finish()
+
+    def _finish(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for fn in self.on_exit:
+            self._guard(fn)
+        for sock in list(self._handlers):
+            if isinstance(sock, zmq.Socket) and not sock.closed:
+                sock.close(linger=0)
+        self._handlers.clear()
+        if self.context is not None:
+            self.context.destroy(linger=0)  # any socket left (made here, never watched) goes too
+        os.close(self._wake_r)
+        os.close(self._wake_w)
 
     def _guard(self, fn: Callable[..., None], *args: Any) -> None:
         try:

@@ -274,8 +274,9 @@ class Server:
             try:
                 w.proc.wait(max(0.0, deadline - time.monotonic()))
             except Exception:
-                w.proc.kill()
+                w.kill()
                 w.proc.wait()
+            w.reap()
             sweep_worker(w.pid)
         self.router.close()
         self.worker_router.close()

@@ -123,18 +123,28 @@ class WorkerProcess:
         return any(m.type == "execute" for m in self.inflight.values())
 
     def stop(self) -> None:
-        """Ask it to end now (SIGTERM); `reap` escalates to SIGKILL if it lingers."""
+        """Ask it, and the processes its cells started, to end now (SIGTERM to its process
+        group); `reap` escalates to SIGKILL if it lingers."""
         if self.stop_requested is None:
             self.stop_requested = time.monotonic()
-            if self.alive():
-                self.proc.terminate()
+            self._signal_group(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal_group(signal.SIGKILL)
+
+    def _signal_group(self, signum: int) -> None:
+        try:
+            os.killpg(self.proc.pid, signum)  # it leads its own process group (start_new_session)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def reap(self, grace: float = 2.0) -> bool:
         """True once the process is gone."""
         if self.proc.poll() is not None:
+            self._signal_group(signal.SIGKILL)  # what its cells started and left behind
             return True
         if self.stop_requested is not None and time.monotonic() - self.stop_requested > grace:
-            self.proc.kill()
+            self.kill()
         return False
 
     def info(self) -> dict[str, Any]:

@@ -78,8 +78,8 @@ class Worker:
 
     def _check_parent(self) -> None:
         """A fallback for the lifeline, should user code catch or ignore SIGIO."""
-        if os.getppid() != self.server_pid:
-            os._exit(0)  # the server is gone: nobody can reach this worker any more
+        if os.getppid() != self.server_pid:  # the server is gone: nobody can reach us any more
+            os.killpg(os.getpgrp(), signal.SIGKILL)  # with the cell's own child processes
 
     def _interrupt(self, target: str | None) -> None:
         """Interrupt the cell `target` (None: whichever runs). It gets a KeyboardInterrupt in its
@@ -107,7 +107,7 @@ class Worker:
     def send(self, kind: str, content: dict[str, Any], buffers: list[Any] | None = None, parent: str | None = None) -> None:
         msg = Message(kind, content, buffers or [], parent=self.current if parent is None else parent)
         frames = self.codec.pack(msg)
-        self.loop.call_soon(lambda: self.sock.send_multipart(frames, copy=False))
+        self.loop.call_soon(lambda: self.loop.send(self.sock, frames))
 
     # -- set-up ---------------------------------------------------------------------------
     def setup(self) -> None:

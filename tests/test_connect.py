@@ -1,0 +1,164 @@
+"""Every way a connection can fail ends in its own error within the timeout, 50 times in a row,
+and leaves nothing behind in the client process (threads, file descriptors)."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+import time
+
+import psutil
+import pytest
+import zmq
+
+from conftest import start_server
+from genie_core.client import Client
+from genie_core.errors import AuthenticationError, ConnectionFailed
+from reliability import record
+
+ROUNDS = 50
+TIMEOUT = 2.0
+
+
+class CuttingRelay:
+    """127.0.0.1:port -> the server, cutting both directions after `limit` bytes from the server:
+    to the client, the server died in the middle of the handshake."""
+
+    def __init__(self, target_port: int, limit: int) -> None:
+        self.target, self.limit = target_port, limit
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                a, _ = self.listener.accept()
+            except OSError:
+                return
+            b = socket.create_connection(("127.0.0.1", self.target))
+            threading.Thread(target=self._pump, args=(a, b, None), daemon=True).start()
+            threading.Thread(target=self._pump, args=(b, a, self.limit), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket, limit: int | None) -> None:
+        sent = 0
+        try:
+            while data := src.recv(1 << 16):
+                if limit is not None and sent + len(data) >= limit:
+                    dst.sendall(data[: limit - sent])
+                    break
+                dst.sendall(data)
+                sent += len(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def close(self) -> None:
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (close alone would not)
+        except OSError:
+            pass
+        self.listener.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    plain = start_server(tmp_path_factory.mktemp("plain"))
+    encrypted = start_server(tmp_path_factory.mktemp("encrypted"), "--encrypt")
+    yield plain, encrypted
+    plain.stop()
+    encrypted.stop()
+
+
+def _leaks_checked(fn):
+    """Threads and open files of this process are the same before and after."""
+    me = psutil.Process()
+    fn(3)  # warm-up: first imports, lazily made pools
+    time.sleep(0.2)
+    threads, fds = threading.active_count(), me.num_fds()
+    took = fn(ROUNDS)
+    deadline = time.monotonic() + 5  # daemon threads of the last attempt are finishing
+    while time.monotonic() < deadline and (threading.active_count() > threads or me.num_fds() > fds + 2):
+        time.sleep(0.05)
+    assert threading.active_count() <= threads, [t.name for t in threading.enumerate()]
+    assert me.num_fds() <= fds + 2, f"file descriptors {fds} -> {me.num_fds()}"
+    return took
+
+
+CASES = {
+    "wrong token": (AuthenticationError, "token does not match"),
+    "encryption required": (AuthenticationError, "requires encryption"),
+    "unknown client key": (AuthenticationError, "refused this client's encryption key"),
+    "wrong server key": (ConnectionFailed, "does not hold the key"),
+    "unreachable": (ConnectionFailed, "connection refused"),
+    "server dies mid-handshake": (ConnectionFailed, "closed the connection during the Genie handshake"),
+    # A paused server's kernel accepts connections until its backlog fills, then stops answering SYNs.
+    "server paused mid-handshake": (ConnectionFailed, "did not answer the Genie handshake|no answer within"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_connect_failure_is_its_own_error_within_the_timeout_50_times(servers, case):
+    plain, encrypted = servers
+    error, match = CASES[case]
+    stranger = dict(encrypted.info.curve)
+    stranger["client_public"], stranger["client_secret"] = (k.decode() for k in zmq.curve_keypair())
+    impostor = dict(encrypted.info.curve, server_public=zmq.curve_keypair()[0].decode())
+    port, token = plain.info.port, plain.info.token
+
+    def connect(i: int) -> None:
+        if case == "wrong token":
+            Client("127.0.0.1", port, "not-the-token", timeout=TIMEOUT).connect()
+        elif case == "encryption required":
+            Client("127.0.0.1", encrypted.info.port, encrypted.info.token, timeout=TIMEOUT).connect()
+        elif case == "unknown client key":
+            Client("127.0.0.1", encrypted.info.port, encrypted.info.token, timeout=TIMEOUT, curve=stranger).connect()
+        elif case == "wrong server key":
+            Client("127.0.0.1", encrypted.info.port, encrypted.info.token, timeout=TIMEOUT, curve=impostor).connect()
+        elif case == "unreachable":
+            Client("127.0.0.1", _free_port(), token, timeout=TIMEOUT).connect()
+        elif case == "server dies mid-handshake":
+            relay = CuttingRelay(port, limit=1 + i % 64)  # cut anywhere in the greeting and handshake
+            try:
+                Client("127.0.0.1", relay.port, token, timeout=TIMEOUT).connect()
+            finally:
+                relay.close()
+        else:
+            Client("127.0.0.1", port, token, timeout=0.3).connect()
+
+    def rounds(n: int) -> list[float]:
+        """n attempts; each must raise `error` (matching) within the timeout."""
+        took = []
+        for i in range(n):
+            start = time.monotonic()
+            with pytest.raises(error, match=match):
+                connect(i)
+            took.append(time.monotonic() - start)
+            assert took[-1] < TIMEOUT + 1.0, f"attempt {i} took {took[-1]:.2f} s"
+        return took
+
+    if case == "server paused mid-handshake":
+        plain.proc.send_signal(signal.SIGSTOP)  # the kernel still accepts; the server never answers
+    try:
+        took = _leaks_checked(rounds)
+    finally:
+        if case == "server paused mid-handshake":
+            plain.proc.send_signal(signal.SIGCONT)
+    record("Connect failures (50 in a row each)", case, f"{error.__name__} every time; slowest {max(took):.2f} s "
+           f"(median {sorted(took)[len(took) // 2]:.3f} s); no thread or file descriptor left behind")
+    good = plain.client()  # the server still serves
+    assert good.ping() < 1
+    good.close()

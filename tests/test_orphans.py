@@ -1,0 +1,111 @@
+"""No orphans: a server's workers (and their own children) end when the server ends, however it
+ends, and an embedded server ends with its kernel. On a GPU machine an orphaned worker would
+hold its GPU memory until someone found and killed it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+from jupyter_client.manager import start_new_kernel
+
+from conftest import run, start_server, stdout_of, wait_until
+from reliability import record
+
+HOLD = "import os, subprocess, torch\nheld = torch.ones(64 << 20)\nchild = subprocess.Popen(['sleep', '600'])\nprint(os.getpid(), child.pid)"
+
+
+def _gone(pid: int) -> bool:
+    """Ended: no such process, or a zombie (whose memory the kernel has already taken back)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _workers_of(server_pid: int) -> list[int]:
+    return [p.pid for p in psutil.Process(server_pid).children() if "genie_core.worker" in " ".join(p.cmdline())]
+
+
+def test_a_sigkilled_server_leaves_no_worker_behind(tmp_path):
+    srv = start_server(tmp_path)
+    client = srv.client()
+    try:
+        worker, child = map(int, stdout_of(run(client, HOLD)).split())
+        assert psutil.Process(worker).memory_info().rss > 256 << 20
+        workers = _workers_of(srv.proc.pid)  # the session's worker and the warm spare
+        assert worker in workers and len(workers) >= 2
+        srv.proc.kill()
+        killed = time.monotonic()
+        assert wait_until(lambda: all(_gone(p) for p in [*workers, child]), timeout=2.0), \
+            [p for p in [*workers, child] if not _gone(p)]
+        took = time.monotonic() - killed
+        record("No orphans", "server SIGKILLed, its session holding 256 MiB and a child process",
+               f"{len(workers)} workers and the cell's child ended {took:.3f} s later")
+    finally:
+        client.close(notify=False)
+        srv.stop()
+
+
+def test_a_worker_that_ignores_sigio_still_ends_with_its_server(tmp_path):
+    """User code can ignore the lifeline's signal; the worker's own check of its parent remains."""
+    srv = start_server(tmp_path)
+    client = srv.client()
+    try:
+        worker = int(stdout_of(run(client, "import os, signal\nsignal.signal(signal.SIGIO, signal.SIG_IGN)\nprint(os.getpid())")))
+        srv.proc.kill()
+        assert wait_until(lambda: _gone(worker), timeout=3.0)  # its own check of its parent, once a second
+    finally:
+        client.close(notify=False)
+        srv.stop()
+
+
+def test_the_start_up_sweep_ends_workers_whose_server_is_gone(tmp_path):
+    """A worker of a dead server that ignores SIGIO and whose own checks cannot run (stopped):
+    the next server's start-up sweep ends it."""
+    srv = start_server(tmp_path)
+    client = srv.client()
+    try:
+        worker = int(stdout_of(run(client, "import os, signal\nsignal.signal(signal.SIGIO, signal.SIG_IGN)\nprint(os.getpid())")))
+        os.kill(worker, signal.SIGSTOP)  # no thread of it can run: only someone else can end it
+        srv.proc.kill()
+        time.sleep(0.5)
+        assert not _gone(worker)
+        nxt = start_server(tmp_path)
+        try:
+            assert wait_until(lambda: _gone(worker), timeout=2.0)
+        finally:
+            nxt.stop()
+    finally:
+        client.close(notify=False)
+        srv.stop()
+        try:
+            os.kill(worker, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_sigkilled_kernel_takes_its_embedded_server_and_workers_along(tmp_path):
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        from test_kernel import execute, stdout
+
+        execute(kc, "%load_ext genie_jupyter")
+        reply, msgs = execute(kc, "%genie_init")
+        assert reply["status"] == "ok", msgs
+        reply, msgs = execute(kc, "%%remote\n" + HOLD)
+        worker, child = map(int, stdout(msgs).split())
+        server = psutil.Process(worker).parent()
+        assert "genie_core" in " ".join(server.cmdline())
+        everyone = [server.pid, *_workers_of(server.pid), child]
+        km.signal_kernel(signal.SIGKILL)
+        killed = time.monotonic()
+        assert wait_until(lambda: all(_gone(p) for p in everyone), timeout=2.0), [p for p in everyone if not _gone(p)]
+        took = time.monotonic() - killed
+        record("No orphans", "kernel SIGKILLed with an embedded server whose session held 256 MiB",
+               f"server, {len(everyone) - 2} workers and the cell's child ended {took:.3f} s later")
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
