@@ -20,14 +20,13 @@ from typing import Any, Iterator
 
 import zmq
 
-from .errors import (AuthenticationError, ConnectionFailed, ConnectionLost, GenieError, LimitExceeded, ProtocolError, RemoteError,
-                     WorkerDied, size_text)
+from .errors import (AuthenticationError, ConnectionFailed, ConnectionLost, GenieError, LimitExceeded, ProtocolError, size_text)
 from .events import ClusterEvent, EventBus, EventType, Severity
 from .lost_requests import KEEP_OUTPUT, LostRequest
 from .loop import SocketLoop
 from .monitoring.health import Grade, HealthCheck, HealthReport, worst
 from .nodes import NodeInfo
-from .protocol import RUNS, Codec, Message, derive_key
+from .protocol import RUNS, TERMINAL, Codec, Message, MessageType, Peer, derive_key, error_from, error_text, parse
 from .serialize import deserialize_namespace, serialize_namespace
 from .transport.base import DATA_THRESHOLD, InlineTransport
 from .transport.discovery import BackendReport, discover
@@ -36,7 +35,6 @@ from .transport.segment import Segment
 log = logging.getLogger("genie.client")
 
 HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-TERMINAL = {"welcome", "pong", "execute_reply", "push_reply", "pull_reply", "error_reply", "interrupt_reply", "close_reply", "info_reply", "tensor_reply", "data_probe_reply", "set_backend_reply", "outcome_reply", "auth_failed"}
 KEEP_LOST = 100  # lost requests remembered
 # The start of a ZMTP 3 greeting (signature, major version): a ZMTP server answers it with its
 # whole 64-byte greeting, which names its security mechanism at bytes 12-31.
@@ -75,8 +73,8 @@ class Request:
             raise item.error
         if item.type in TERMINAL:
             self.done = True
-        if item.type == "error_reply":
-            raise _error_from(item.content)
+        if item.type == MessageType.ERROR_REPLY:
+            raise error_from(item.content)
         return item
 
     def replies(self, timeout: float | None = None) -> Iterator[Message]:
@@ -95,22 +93,6 @@ class Request:
             pass
         assert last is not None
         return last
-
-
-def _error_text(content: dict[str, Any]) -> str:
-    """`ename: evalue` of an error reply (bounded), or "" when it names no error."""
-    return f"{content['ename']}: {content.get('evalue', '')}"[:500] if content.get("ename") else ""
-
-
-def _error_from(content: dict[str, Any]) -> Exception:
-    ename, evalue = content.get("ename", "Error"), content.get("evalue", "")
-    if ename == "WorkerDied":
-        return WorkerDied(evalue)
-    if ename == "LimitExceeded":
-        return LimitExceeded(evalue)
-    if ename == "SessionNotFound":
-        return ConnectionLost(evalue + "; run %genie_init (or genie_core.init) again to start a new session")
-    return RemoteError(ename, evalue, content.get("traceback"))
 
 
 class Client:
@@ -174,15 +156,18 @@ class Client:
         self._loop.add_socket(self._main, self._on_readable)
         self._loop.add_socket(self._hb, self._on_readable)
         # Monitors before connecting: a handshake can fail before a later monitor would see it.
-        handshake = self._main.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED)
-        self._loop.add_socket(handshake, self._on_handshake_event)
+        events = self._main.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED)
+        self._loop.add_socket(events, self._on_connection_event)
         if self.enable_heartbeat:  # a crashed server closes its connections: notice at once
             self._loop.add_socket(self._hb.get_monitor_socket(zmq.EVENT_DISCONNECTED), self._on_disconnect)
         self._loop.on_exit.append(self._disable_monitors)
         self._main.connect(endpoint)
         self._hb.connect(endpoint)
         self._loop.start()
-        hello = Message("hello", {"client": {"host": socket.gethostname(), "pid": os.getpid(), "user": os.environ.get("USER", ""), "purpose": self.purpose}})
+        hello = Message(MessageType.HELLO, {
+            "client": {"host": socket.gethostname(), "pid": os.getpid(), "user": os.environ.get("USER", ""), "purpose": self.purpose},
+            "heartbeat": self._hb.getsockopt(zmq.ROUTING_ID).hex(),  # the server takes pings, and sends events, there only
+        })
         left = self.timeout - (time.monotonic() - start)
         try:
             request = self._request(hello, self._main)
@@ -199,12 +184,6 @@ class Client:
             self.close(notify=False)
             raise
 
-        def handshake_done() -> None:
-            self._loop.remove_socket(handshake)
-            self._main.disable_monitor()
-            handshake.close(linger=0)
-
-        self._loop.call_soon(handshake_done)
         self.session = welcome.content["session"]
         self.node = welcome.content.get("node", {})
         self.slot = welcome.content.get("slot")
@@ -275,13 +254,19 @@ class Client:
             raise ConnectionFailed(f"the server at {self.address} does not encrypt (it was started without --encrypt), "
                                    "but the connection file holds encryption keys: use its current connection file")
 
-    def _on_handshake_event(self, monitor: zmq.Socket) -> None:
-        """A failed handshake (CURVE keys, mechanism) or a connection closed during it is final:
-        say why at once instead of waiting for the timeout."""
+    def _on_connection_event(self, monitor: zmq.Socket) -> None:
+        """The control connection's events. During the handshake, a failure (CURVE keys,
+        mechanism) or a closed connection is final: say why at once instead of waiting for the
+        timeout. After it, a closed connection loses what was in flight on it (zmq reconnects by
+        itself): those requests fail now, and "did it run?" asks about them once it is back."""
         from zmq.utils.monitor import recv_monitor_message
 
         while monitor.poll(0):
             event = recv_monitor_message(monitor)
+            if self.session:
+                if event["event"] == zmq.EVENT_DISCONNECTED and not self._closed:
+                    self._mark_lost(f"connection to genie server at {self.address} lost: the server closed the connection")
+                continue
             if self._handshake_error is not None:
                 continue  # the first event says why; a disconnect follows every failed handshake
             kind, value = event["event"], event["value"]
@@ -326,17 +311,25 @@ class Client:
 
     # -- sending and receiving ------------------------------------------------------------
     def _request(self, msg: Message, sock: zmq.Socket | None = None) -> Request:
-        if self.lost_reason is not None and msg.type not in ("hello", "ping", "outcome"):
-            raise ConnectionLost(self.lost_reason)
         if self._closed or self._loop is None:
             raise ConnectionLost(f"the connection to {self.address} is closed")
         request = Request(self, msg)
+        # Registered first, then checked: a connection lost meanwhile either sees it, or is seen here.
         self._pending[msg.id] = request
+        if self.lost_reason is not None and msg.type not in (MessageType.HELLO, MessageType.PING, MessageType.OUTCOME):
+            self._pending.pop(msg.id, None)
+            raise ConnectionLost(self.lost_reason)
         target = sock or self._main
         msg.session = self.session
+        limit = (self.node.get("limits") or {}).get("message_bytes")
         with self._send_locks[target]:  # sequence numbers must reach each socket in order
             msg.seq = next(self._seq)
             frames = self.codec.pack(msg)
+            size = sum(memoryview(f).nbytes for f in frames)
+            if limit is not None and size > limit:  # the server would drop the connection instead
+                self._pending.pop(msg.id, None)
+                raise LimitExceeded(f"this {msg.type} message of {size_text(size)} is over the {size_text(limit)} the server "
+                                    f"at {self.address} takes in one message (GENIE_MAX_MESSAGE_BYTES there)")
             self._loop.call_soon(lambda: self._loop.send(target, frames))
         return request
 
@@ -350,6 +343,9 @@ class Client:
                 msg = self.codec.unpack(frames)
             except ProtocolError as exc:
                 self._on_unauthenticated(frames, exc)
+                continue
+            if parse(msg.type, Peer.SERVER) is None:
+                log.warning("dropped a %r message from %s: servers do not send that", msg.type, self.address)
                 continue
             self._last_heard = time.monotonic()
             if msg.type == "pong":
@@ -433,12 +429,12 @@ class Client:
         if msg.type == "stream" and len(lost.output) < KEEP_OUTPUT:
             lost.output += str(msg.content.get("text", ""))[: KEEP_OUTPUT - len(lost.output)]
         elif msg.type == "error":
-            lost.error = _error_text(msg.content)
+            lost.error = error_text(msg.content)
         if msg.type == "error_reply" and msg.content.get("ename") == "SessionNotFound":
             self._settle(lost, "not run", "", "it reached the server after the server had ended the session")
         elif msg.type in TERMINAL:
             status = "error" if msg.type == "error_reply" else str(msg.content.get("status", "ok"))
-            self._settle(lost, "finished", status, lost.error or _error_text(msg.content))
+            self._settle(lost, "finished", status, lost.error or error_text(msg.content))
 
     def _ask_outcomes_in_background(self) -> None:
         if any(not r.settled for r in self.lost_requests.values()):
@@ -565,7 +561,7 @@ class Client:
                 if "data" in content and hasattr(self.transport, "after"):
                     self.transport.after()
         if reply.content.get("status") != "ok":
-            raise _error_from(reply.content)
+            raise error_from(reply.content)
         return list(reply.content.get("names", []))
 
     def pull(self, names: list[str], *, gpu: int | None = None, timeout: float | None = None, progress: Any = None) -> dict[str, Any]:
@@ -574,7 +570,7 @@ class Client:
         with self._transfer_lock:
             reply = self._request(Message("pull", {"names": list(names), "gpu": gpu, "via": via})).wait(timeout)
             if reply.content.get("status") != "ok":
-                raise _error_from(reply.content)
+                raise error_from(reply.content)
             ref = reply.content.get("data")
             if ref:
                 with self._data_errors("pull"):

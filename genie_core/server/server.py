@@ -3,7 +3,6 @@ requests to per-session worker processes, and answers heartbeats. It never runs 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import hashlib
@@ -14,10 +13,9 @@ import sys
 import tempfile
 import threading
 import time
-from collections import OrderedDict, deque
-from concurrent.futures import ThreadPoolExecutor
+from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -34,14 +32,14 @@ from ..nodes import NodeInfo
 from ..transport import detect
 from ..transport.data_server import DataServer
 from ..transport.segment import SHM_DIR, Segment, shm_available, sweep_dead, sweep_worker
-from ..protocol import PROTOCOL_VERSION, RUNS, Codec, Message, derive_key, split_identities
+from ..protocol import PROTOCOL_VERSION, TERMINAL, Codec, Message, MessageType, Peer, accepted_from, derive_key, parse
+from .admission import Admission, Admitted
 from .session import Session
 from .worker_process import CPU, WorkerProcess, describe_exit, sweep_orphans
 
 log = logging.getLogger("genie.server")
 
-BIG_MESSAGE = 8 << 20  # bytes of buffers above which a signature is checked off the loop thread
-TERMINAL_REPLIES = {"execute_reply", "push_reply", "pull_reply", "tensor_reply", "error_reply"}
+T = MessageType
 ENDED_REMEMBERED = 64  # ended sessions whose request records are kept
 
 
@@ -92,9 +90,10 @@ class Server:
         self.monitor = None
         self.store: HistoryStore | None = None
         self._gpu_source = gpu_source
-        self._backlog: dict[bytes, deque[list[Any]]] = {}
-        self._verifier = ThreadPoolExecutor(max_workers=2, thread_name_prefix="genie-verify")
         self._lifeline = Lifeline()  # every worker holds its read end
+        self._handlers = self._handler_table()
+        self.admission = Admission(self.codec, self.sessions, self.ended_sessions, self._loop.call_soon, self._on_admitted,
+                                   self._reply_to, self._send_raw)
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> "Server":
@@ -261,7 +260,7 @@ class Server:
             self.gate.stop()
         if getattr(self, "_shm_probe", None) is not None:
             self._shm_probe.unlink(missing_ok=True)
-        self._verifier.shutdown(wait=False, cancel_futures=True)
+        self.admission.close()
         if self.monitor is not None:
             self.monitor.stop()
         if self.store is not None:
@@ -297,110 +296,50 @@ class Server:
     def _reply(self, identity: bytes, request: Message, kind: str, content: dict[str, Any], buffers: list[Any] | None = None) -> None:
         self._send(identity, Message(kind, content, buffers or [], parent=request.id, session=request.session))
 
+    def _reply_to(self, identity: bytes, request: Message, kind: str, content: dict[str, Any]) -> None:
+        self._reply(identity, request, kind, content)
+
     def _on_client_readable(self, sock: zmq.Socket) -> None:
         for _ in range(64):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self._on_client_frames(frames)
+            self.admission.on_frames(frames)
 
-    def _on_client_frames(self, frames: list[Any]) -> None:
-        try:
-            idents, body = split_identities(frames)
-            identity = idents[0].bytes if hasattr(idents[0], "bytes") else bytes(idents[0])
-        except (ProtocolError, IndexError) as exc:
-            log.warning("dropped a malformed message: %s", exc)
-            return
-        backlog = self._backlog.get(identity)
-        if backlog is not None:  # an earlier big message from this connection is still being verified
-            backlog.append(body)
-        elif sum(len(f) for f in body[4:]) >= BIG_MESSAGE:
-            self._verify_in_background(identity, body)
+    def _on_admitted(self, admitted: Admitted) -> None:
+        """A message that passed admission: answer it, or hand it to its handler."""
+        if admitted.session is None:
+            self._on_hello(admitted.identity, admitted.msg)
+        elif admitted.type is T.PING:  # on whichever connection it came (the heartbeat one, mostly)
+            self._reply(admitted.identity, admitted.msg, T.PONG, {"time": time.time()})
         else:
-            self._on_client_message(identity, body, None)
+            self._handlers[admitted.type](admitted.session, admitted.msg)
 
-    def _verify_in_background(self, identity: bytes, body: list[Any]) -> None:
-        """Hash big buffers off the loop thread (hashlib releases the GIL), so heartbeats and
-        other sessions are answered meanwhile; later messages of this connection wait their turn."""
-        self._backlog[identity] = deque()
+    def _handler_table(self) -> dict[MessageType, Callable[[Session, Message], None]]:
+        """What each request a client may send does; built from the protocol's table, so a type
+        without a handler is caught at start-up and nothing is ever looked up by name."""
+        handlers: dict[MessageType, Callable[[Session, Message], None]] = {
+            T.EXECUTE: self._to_worker, T.PULL: self._to_worker, T.TENSOR_OPS: self._to_worker, T.PUSH: self._on_push,
+            T.INTERRUPT: self._on_interrupt, T.OUTCOME: self._on_outcome, T.INFO: self._on_info,
+            T.DATA_PROBE: self._on_data_probe, T.SET_BACKEND: self._on_set_backend, T.CLOSE: self._on_close,
+        }
+        unhandled = accepted_from(Peer.CLIENT) - {T.HELLO, T.PING} - set(handlers)
+        assert not unhandled, f"client requests without a handler: {sorted(unhandled)}"
+        return handlers
 
-        def verify() -> Message | ProtocolError:
-            try:
-                return self.codec.unpack(body)
-            except ProtocolError as exc:
-                return exc
-
-        future = self._verifier.submit(verify)
-        future.add_done_callback(lambda f: self._loop.call_soon(lambda: self._verified(identity, body, f.result())))
-
-    def _verified(self, identity: bytes, body: list[Any], result: Message | ProtocolError) -> None:
-        backlog = self._backlog.pop(identity, deque())
-        self._on_client_message(identity, body, result)
-        while backlog:
-            if identity in self._backlog:  # another big one started: the rest waits behind it
-                self._backlog[identity].extend(backlog)
-                return
-            self._on_client_frames([identity, *backlog.popleft()])
-
-    def _on_client_message(self, identity: bytes, body: list[Any], verified: Message | ProtocolError | None) -> None:
-        try:
-            if isinstance(verified, ProtocolError):
-                raise verified
-            msg = verified or self.codec.unpack(body)
-        except ProtocolError as exc:
-            log.warning("dropped a message that failed authentication or parsing: %s", exc)
-            self._answer_failed_hello(identity, body, str(exc))
-            return
-        if msg.type == "hello":
-            self._on_hello(identity, msg)
-            return
-        session = self.sessions.get(msg.session)
-        if session is None and msg.type == "outcome" and msg.session in self.ended_sessions:
-            # "Did it run?" from a client whose session ended while it was cut off: answer from the record.
-            self._reply(identity, msg, "outcome_reply", self._outcomes(self.ended_sessions[msg.session], msg))
-            return
-        if session is None:
-            self._reply(identity, msg, "error_reply", {"ename": "SessionNotFound", "evalue": "this session is unknown to the server (it ended, expired, or the server restarted)"})
-            return
-        if not session.accept_seq(identity, msg.seq):
-            log.warning("dropped a replayed or out-of-order message for session %s", session.id[:8])
-            return
-        session.last_seen = time.monotonic()
-        if msg.type == "ping":
-            if identity != session.identity:
-                session.heartbeat_identity = identity
-            self._reply(identity, msg, "pong", {"time": time.time()})
-            return
-        if identity != session.identity:
-            log.warning("dropped a %s request for session %s from another connection", msg.type, session.id[:8])
-            return
-        if msg.type in RUNS and not session.received(msg.id, msg.type):
-            self._reply(identity, msg, "error_reply", {"ename": "DuplicateRequest", "evalue": f"request {msg.id} was received before and runs at most once"})
-            return
-        handler = getattr(self, f"_on_{msg.type}", None)
-        if handler is None:
-            self._reply(identity, msg, "error_reply", {"ename": "ProtocolError", "evalue": f"unknown request type {msg.type!r}"})
-            return
-        handler(session, msg)
-
-    def _answer_failed_hello(self, identity: bytes, body: list[Any], reason: str) -> None:
-        """Tell a client whose hello fails authentication why, so it need not wait for a timeout.
-        The reply is unsigned (we cannot sign for a key we do not share) and carries nothing."""
-        if "signature" not in reason:
-            return
-        try:
-            header = json.loads(bytes(body[2].buffer if hasattr(body[2], "buffer") else body[2]))
-            if header.get("type") != "hello":
-                return
-            reply = Message("auth_failed", {"reason": "signature does not match: wrong token"}, parent=str(header.get("id", "")))
-            self.router.send_multipart([identity, *Codec(None).pack(reply)])
-        except Exception:
-            return
+    def _send_raw(self, identity: bytes, frames: list[Any]) -> None:
+        self.router.send_multipart([identity, *frames])
 
     def _on_hello(self, identity: bytes, msg: Message) -> None:
         client = msg.content.get("client") or {}
-        session = Session(identity, {k: str(v)[:200] for k, v in dict(client).items()}, self._next_slot())
+        try:
+            heartbeat = bytes.fromhex(str(msg.content.get("heartbeat") or ""))[:255] or None
+        except ValueError:
+            heartbeat = None
+        if heartbeat == identity:
+            heartbeat = None
+        session = Session(identity, {k: str(v)[:200] for k, v in dict(client).items()}, self._next_slot(), heartbeat)
         session.accept_seq(identity, msg.seq)
         self.sessions[session.id] = session
         log.info("session %s opened for %s", session.id[:8], session.client)
@@ -469,9 +408,6 @@ class Server:
         session.finished(request.id, content)
         self._reply(session.identity, request, "execute_reply", content)
 
-    def _on_execute(self, session: Session, msg: Message) -> None:
-        self._to_worker(session, msg)
-
     def _on_outcome(self, session: Session, msg: Message) -> None:
         self._reply(session.identity, msg, "outcome_reply", self._outcomes(session, msg))
 
@@ -529,7 +465,6 @@ class Server:
         session.backend = str(msg.content.get("backend", ""))[:32]
         self._reply(session.identity, msg, "set_backend_reply", {"ok": True})
 
-    _on_pull = _on_tensor_ops = _on_execute
 
     def _to_worker(self, session: Session, msg: Message) -> None:
         slot, problem = self._slot_for(session, msg.content.get("gpu"))
@@ -615,7 +550,11 @@ class Server:
             except ProtocolError as exc:
                 log.error("worker %s sent a malformed message: %s", wid, exc)
                 continue
-            if msg.type == "ready":
+            kind = parse(msg.type, Peer.WORKER)
+            if kind is None:
+                log.error("refused a %r message from worker %s, which may not send it", msg.type, wid)
+                continue
+            if kind is T.READY:
                 worker.ready = True
                 for waiting in worker.waiting:
                     self._forward_to_worker(worker, waiting)
@@ -625,7 +564,7 @@ class Server:
             session = worker.session
             if request is None or session is None or session.id not in self.sessions:
                 continue
-            if msg.type in TERMINAL_REPLIES:
+            if kind in TERMINAL:
                 worker.inflight.pop(msg.parent, None)
                 session.finished(msg.parent, msg.content)
             self._send(session.identity, Message(msg.type, msg.content, msg.buffers, parent=msg.parent, session=session.id))

@@ -7,6 +7,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+from ..protocol import Peer
 from .worker_process import WorkerProcess
 
 
@@ -14,7 +15,7 @@ REMEMBERED = 1000  # requests whose outcome a session remembers, for "did it run
 
 
 class Session:
-    def __init__(self, identity: bytes, client: dict[str, Any], slot: int) -> None:
+    def __init__(self, identity: bytes, client: dict[str, Any], slot: int, heartbeat_identity: bytes | None = None) -> None:
         self.id = secrets.token_urlsafe(18)  # unguessable: it is half of what binds a client to its worker
         self.identity = identity
         self.client = client
@@ -24,7 +25,7 @@ class Session:
         self.created = time.time()
         self._seqs: dict[bytes, int] = {}
         self.backend = "zmq"  # the data-plane backend the client chose
-        self.heartbeat_identity: bytes | None = None  # events go there: never queued behind a transfer
+        self.heartbeat_identity = heartbeat_identity  # named in the hello; events go there, never behind a transfer
         self.requests: OrderedDict[str, dict[str, Any]] = OrderedDict()  # id -> what became of it
 
     def received(self, request_id: str, kind: str) -> bool:
@@ -54,13 +55,18 @@ class Session:
         entry = self.requests.get(request_id)
         return dict(entry) if entry is not None else {"state": "not received"}
 
+    def peer(self, identity: bytes) -> Peer | None:
+        """Which of this session's connections `identity` is; None if it is not one of them."""
+        if identity == self.identity:
+            return Peer.CLIENT
+        if identity == self.heartbeat_identity:
+            return Peer.HEARTBEAT
+        return None
+
     def accept_seq(self, identity: bytes, seq: int) -> bool:
         """Sequence numbers rise strictly per connection; anything else is a replay."""
-        last = self._seqs.get(identity, -1)
-        if seq <= last:
+        if seq <= self._seqs.get(identity, -1):
             return False
-        if identity not in self._seqs and len(self._seqs) >= 4:
-            return False  # the main socket and a heartbeat socket, with room for one reconnect
         self._seqs[identity] = seq
         return True
 

@@ -14,7 +14,6 @@ import queue
 import signal
 import sys
 import threading
-import time
 import traceback
 from collections import OrderedDict
 from typing import Any
@@ -23,7 +22,7 @@ import zmq
 
 from ..lifeline import die_with_parent
 from ..loop import SocketLoop
-from ..protocol import Codec, Message
+from ..protocol import Codec, Message, MessageType, error_content, for_worker
 from ..serialize import deserialize_namespace, serialize_namespace
 from ..errors import size_text
 from ..transport.base import DATA_THRESHOLD
@@ -33,6 +32,7 @@ from .streams import FLUSH_INTERVAL, OutStream, capture_fd
 log = logging.getLogger("genie.worker")
 
 
+T = MessageType
 REMEMBERED_CANCELS = 100  # interrupts of requests not started yet
 
 
@@ -71,7 +71,7 @@ class Worker:
             except zmq.Again:
                 return
             msg = self.codec.unpack(frames)
-            if msg.type == "interrupt":  # handled here, at once: the main thread may be busy for hours
+            if msg.type == T.INTERRUPT:  # handled here, at once: the main thread may be busy for hours
                 self._interrupt(msg.content.get("request"))
             else:
                 self.inbox.put(msg)
@@ -147,30 +147,30 @@ class Worker:
 
     # -- requests (main thread) -----------------------------------------------------------
     def serve(self) -> None:
+        """Serve requests until the server ends this process (SIGTERM, or its lifeline)."""
         self.loop.start()
         self.setup()
         self.send(
-            "ready",
+            T.READY,
             {"pid": os.getpid(), "python": sys.version.split()[0], "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")},
             parent="",
         )
+        handlers = {T.EXECUTE: self.on_execute, T.PUSH: self.on_push, T.PULL: self.on_pull, T.TENSOR_OPS: self.on_tensor_ops}
         while True:
             try:
                 msg = self.inbox.get()
                 self.current = msg.id
-                handler = getattr(self, f"on_{msg.type}", None)
+                kind = for_worker(msg.type)
+                handler = handlers.get(kind) if kind is not None else None
                 if handler is None:
-                    self.send("error_reply", {"ename": "ProtocolError", "evalue": f"unknown request {msg.type!r}"})
+                    log.error("refused a %r message: the server does not send that to workers", msg.type)
+                    self.send(T.ERROR_REPLY, error_content("ProtocolError", f"a worker does not take {msg.type!r} requests"))
                     continue
                 handler(msg)
             except KeyboardInterrupt:
                 continue  # an interrupt that arrived just as a cell ended
-            except SystemExit:
-                break
             except Exception as exc:  # a failure of ours, not of user code: report it, keep serving
-                self.send("error_reply", {"ename": type(exc).__name__, "evalue": str(exc), "traceback": traceback.format_exc().splitlines()})
-        sys.stdout.flush()
-        sys.stderr.flush()
+                self.send(T.ERROR_REPLY, error_content(type(exc).__name__, str(exc), traceback.format_exc().splitlines()))
 
     def on_execute(self, msg: Message) -> None:
         """Run a cell; whatever happens, exactly one execute_reply goes back."""
@@ -248,22 +248,10 @@ class Worker:
         content, buffers = self.tensors.run(msg.buffers)
         self.send("tensor_reply", content, buffers)
 
-    def on_shutdown(self, msg: Message) -> None:
-        raise SystemExit
-
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 4:
         raise SystemExit("usage: python -m genie_core.worker ENDPOINT WORKER_ID LIFELINE_FD SERVER_PID")
     die_with_parent(int(argv[2]))
-    worker = Worker(argv[0], argv[1], int(argv[3]))
-    try:
-        worker.serve()
-    finally:
-        worker.spares.close()
-        for segment in worker.staged:
-            segment.unlink()
-    worker.loop.stop()
-    time.sleep(0.05)
-    os._exit(0)
+    Worker(argv[0], argv[1], int(argv[3])).serve()  # what it leaves in /dev/shm, its server sweeps

@@ -18,12 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .errors import ProtocolError
+from ..errors import ProtocolError
 
 PROTOCOL = b"genie/2"
 PROTOCOL_VERSION = 2
 _KEY_CONTEXT = b"genie message signing v1"
-RUNS = frozenset({"execute", "push", "pull", "tensor_ops"})  # requests that act on a session's worker: each runs at most once
 CHUNK = 4 << 20  # bytes of buffer per digest
 PARALLEL_FROM = 16 << 20  # buffers at least this big are hashed on several threads
 _pool: ThreadPoolExecutor | None = None

@@ -1,0 +1,162 @@
+"""Who gets in: every message from the network passes here before anything acts on it.
+
+In order: a valid signature (big messages are hashed off the loop thread, and later messages of
+the same connection wait behind them), a session this server holds, a connection that belongs
+to that session (its control connection, or the heartbeat connection its hello named), a
+sequence number above the last one from that connection (no replays), a type that kind of
+connection may send (the protocol's table), and for requests that run, an id never seen before.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..errors import ProtocolError
+from ..protocol import RUNS, Codec, Message, MessageType, Peer, parse, split_identities
+from ..protocol.errors import SESSION_NOT_FOUND, error_content
+from .session import Session
+
+log = logging.getLogger("genie.server")
+
+BIG_MESSAGE = 8 << 20  # bytes of buffers above which a signature is checked off the loop thread
+
+
+@dataclass
+class Admitted:
+    """A message that passed every check, with what it was checked against."""
+
+    identity: bytes
+    msg: Message
+    type: MessageType
+    peer: Peer
+    session: Session | None  # None for a hello, which opens one
+
+
+Reply = Callable[[bytes, Message, str, dict[str, Any]], None]
+
+
+class Admission:
+    def __init__(self, codec: Codec, sessions: dict[str, Session], ended: OrderedDict[str, Session],
+                 call_soon: Callable[[Callable[[], None]], None], admit: Callable[[Admitted], None],
+                 reply: Reply, send_raw: Callable[[bytes, list[Any]], None]) -> None:
+        self.codec = codec
+        self.sessions, self.ended = sessions, ended
+        self._call_soon = call_soon  # back onto the loop thread
+        self._admit = admit
+        self._reply = reply
+        self._send_raw = send_raw  # for the one unsigned answer: a hello with the wrong token
+        self._backlog: dict[bytes, deque[list[Any]]] = {}
+        self._verifier = ThreadPoolExecutor(max_workers=2, thread_name_prefix="genie-verify")
+        self.refused = 0  # messages refused after their signature checked out
+
+    def close(self) -> None:
+        self._verifier.shutdown(wait=False, cancel_futures=True)
+
+    # -- signatures -----------------------------------------------------------------------
+    def on_frames(self, frames: list[Any]) -> None:
+        """A message as the ROUTER socket gave it (loop thread)."""
+        try:
+            idents, body = split_identities(frames)
+            identity = idents[0].bytes if hasattr(idents[0], "bytes") else bytes(idents[0])
+        except (ProtocolError, IndexError) as exc:
+            log.warning("dropped a malformed message: %s", exc)
+            return
+        backlog = self._backlog.get(identity)
+        if backlog is not None:  # an earlier big message from this connection is still being verified
+            backlog.append(body)
+        elif sum(len(f) for f in body[4:]) >= BIG_MESSAGE:
+            self._verify_in_background(identity, body)
+        else:
+            self._check(identity, body, None)
+
+    def _verify_in_background(self, identity: bytes, body: list[Any]) -> None:
+        """Hash big buffers off the loop thread (hashlib releases the GIL), so heartbeats and
+        other sessions are answered meanwhile; later messages of this connection wait their turn."""
+        self._backlog[identity] = deque()
+
+        def verify() -> Message | ProtocolError:
+            try:
+                return self.codec.unpack(body)
+            except ProtocolError as exc:
+                return exc
+
+        future = self._verifier.submit(verify)
+        future.add_done_callback(lambda f: self._call_soon(lambda: self._verified(identity, body, f.result())))
+
+    def _verified(self, identity: bytes, body: list[Any], result: Message | ProtocolError) -> None:
+        backlog = self._backlog.pop(identity, deque())
+        self._check(identity, body, result)
+        while backlog:
+            if identity in self._backlog:  # another big one started: the rest waits behind it
+                self._backlog[identity].extend(backlog)
+                return
+            self.on_frames([identity, *backlog.popleft()])
+
+    # -- the checks -----------------------------------------------------------------------
+    def _check(self, identity: bytes, body: list[Any], verified: Message | ProtocolError | None) -> None:
+        try:
+            if isinstance(verified, ProtocolError):
+                raise verified
+            msg = verified or self.codec.unpack(body)
+        except ProtocolError as exc:
+            log.warning("dropped a message that failed authentication or parsing: %s", exc)
+            self._answer_failed_hello(identity, body, str(exc))
+            return
+        if msg.type == MessageType.HELLO:
+            self._admit(Admitted(identity, msg, MessageType.HELLO, Peer.CLIENT, None))
+            return
+        session = self.sessions.get(msg.session)
+        if session is None:
+            ended = self.ended.get(msg.session)
+            if ended is not None and msg.type == MessageType.OUTCOME and identity == ended.identity:
+                # "Did it run?" from a client whose session ended while it was cut off: answer from the record.
+                self._admit(Admitted(identity, msg, MessageType.OUTCOME, Peer.CLIENT, ended))
+                return
+            self._reply(identity, msg, MessageType.ERROR_REPLY, error_content(
+                SESSION_NOT_FOUND, "this session is unknown to the server (it ended, expired, or the server restarted)"))
+            return
+        peer = session.peer(identity)
+        if peer is None:
+            self._refuse(f"a {msg.type!r} message for session {session.id[:8]} from a connection that is not its own")
+            return
+        if not session.accept_seq(identity, msg.seq):
+            self._refuse(f"a replayed or out-of-order {msg.type!r} message for session {session.id[:8]}")
+            return
+        kind = parse(msg.type, peer)
+        if kind is None:
+            self._refuse(f"a {msg.type!r} message from session {session.id[:8]}'s {peer.value} connection, which may not send it")
+            if peer is Peer.CLIENT:  # a client that waits for an answer gets one
+                self._reply(identity, msg, MessageType.ERROR_REPLY,
+                            error_content("ProtocolError", f"unknown request type {msg.type!r}"))
+            return
+        session.last_seen = time.monotonic()
+        if kind in RUNS and not session.received(msg.id, kind):
+            self._reply(identity, msg, MessageType.ERROR_REPLY, error_content(
+                "DuplicateRequest", f"request {msg.id} was received before and runs at most once"))
+            return
+        self._admit(Admitted(identity, msg, kind, peer, session))
+
+    def _refuse(self, what: str) -> None:
+        self.refused += 1
+        log.warning("refused %s", what)
+
+    def _answer_failed_hello(self, identity: bytes, body: list[Any], reason: str) -> None:
+        """Tell a client whose hello fails authentication why, so it need not wait for a timeout.
+        The reply is unsigned (we cannot sign for a key we do not share) and carries nothing."""
+        if "signature" not in reason:
+            return
+        try:
+            header = json.loads(bytes(body[2].buffer if hasattr(body[2], "buffer") else body[2]))
+            if header.get("type") != MessageType.HELLO:
+                return
+            reply = Message(MessageType.AUTH_FAILED, {"reason": "signature does not match: wrong token"},
+                            parent=str(header.get("id", "")))
+            self._send_raw(identity, Codec(None).pack(reply))
+        except Exception:
+            return
