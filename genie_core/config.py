@@ -88,6 +88,7 @@ class ClusterConfig:
     encrypt: bool = False  # server: CurveZMQ on the control connection (keys in the connection file)
     max_session_tensors: int = 1_000_000  # server: remote tensors one session may hold
     max_session_bytes: int | None = None  # server: bytes of remote tensors one session may hold (and the largest push)
+    spare_workers: int = 1  # server: workers started ahead of need, so a new session's first cell does not wait
     log_level: str = "WARNING"
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -129,6 +130,8 @@ class ClusterConfig:
             )
         if self.gpu_poll_interval < 0.1:
             raise ConfigError(f"invalid gpu_poll_interval {self.gpu_poll_interval}: at least 0.1 s (NVML calls serialize in the driver)")
+        if self.spare_workers < 0:
+            raise ConfigError(f"invalid spare_workers {self.spare_workers}: 0 or more")
         if self.max_session_tensors < 1:
             raise ConfigError(f"invalid max_session_tensors {self.max_session_tensors}: at least 1")
         if isinstance(self.max_session_bytes, str):

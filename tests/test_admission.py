@@ -59,7 +59,6 @@ def _settled(client: Client) -> None:
     """A request sent after the attack on the same connection has been answered: had the attack
     been admitted, its cell would have run before this one."""
     assert stdout_of(run(client, "print('after')")) == "after\n"
-    time.sleep(0.1)
 
 
 def test_the_right_key_on_the_clients_own_connection_runs(victim, marker):

@@ -31,8 +31,16 @@ def execute(kc, code: str, timeout: float = 60.0) -> tuple[dict, list[tuple[floa
         if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
             break
         messages.append((time.monotonic(), msg))
-    reply = kc.get_shell_msg(timeout=10)
-    return reply["content"], messages
+    return reply_to(kc, msg_id)["content"], messages
+
+
+def reply_to(kc, msg_id: str, timeout: float = 10.0) -> dict:
+    """The shell reply to `msg_id` (replies to earlier requests, already handled, are skipped)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        reply = kc.get_shell_msg(timeout=max(deadline - time.monotonic(), 0.01))
+        if reply["parent_header"].get("msg_id") == msg_id:
+            return reply
 
 
 def stdout(messages) -> str:

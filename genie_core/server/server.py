@@ -47,7 +47,7 @@ class Server:
     """`Server(config).start()` binds and returns; `serve_forever()` or `start_in_thread()` runs it."""
 
     def __init__(
-        self, config: ClusterConfig | None = None, *, parent_lifeline: int | None = None, spare_workers: int = 1,
+        self, config: ClusterConfig | None = None, *, parent_lifeline: int | None = None, spare_workers: int | None = None,
         gpu_source: GPUSource | None = None,
     ) -> None:
         self.config = config or ClusterConfig.resolve(node_role="server")
@@ -65,7 +65,7 @@ class Server:
         self.codec = Codec(derive_key(self.token), max_bytes=self.config.max_message_bytes)
         self.worker_codec = Codec(key=None)
         self.parent_lifeline = parent_lifeline  # a pipe from whoever embeds us: we stop when it closes
-        self.spare_workers = spare_workers
+        self.spare_workers = self.config.spare_workers if spare_workers is None else spare_workers
         detected, self.gpu_reason = list_gpus()
         if self.config.gpus is not None:
             by_index = {g["index"]: g for g in detected}
