@@ -13,7 +13,7 @@ from pathlib import Path
 import genie_core
 
 ALL = ["monitor_overhead", "remote_tensors", "bulk_transfer", "cell_roundtrip", "connect_time", "failure_detection", "concurrency",
-       "message_signing"]
+       "message_signing", "soak"]
 
 
 def machine() -> dict:
@@ -39,11 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks")
     parser.add_argument("names", nargs="*", default=ALL, help=f"which ({', '.join(ALL)})")
     parser.add_argument("--quick", action="store_true", help="seconds, not minutes: checks the benchmarks still run")
+    parser.add_argument("--minutes", type=float, default=None, help="how long the soak runs (default 2)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="folder for results.json and results.md")
     args = parser.parse_args(argv)
     results = {"machine": machine(), "quick": args.quick, "benchmarks": []}
     for name in args.names:
-        result = importlib.import_module(f"benchmarks.{name}").run(quick=args.quick)
+        extra = {"minutes": args.minutes} if name == "soak" and args.minutes else {}
+        result = importlib.import_module(f"benchmarks.{name}").run(quick=args.quick, **extra)
         results["benchmarks"].append(result)
         print(json.dumps(result, indent=1), file=sys.stderr)
     out = Path(args.out)

@@ -94,12 +94,34 @@ def plain(text: str) -> str:
     return re.sub(r"\x1b\[[0-9;]*m", "", text)
 
 
+STRESS = int(os.environ.get("GENIE_STRESS_REPEATS", "5"))  # runs of each fault-path test (pytest-repeat)
+_repeats: dict[str, list[bool]] = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Count the runs of each repeated test: docs/RELIABILITY.md says how many passed."""
+    outcome = yield
+    report = outcome.get_result()
+    if item.get_closest_marker("repeat") is None or report.when not in ("setup", "call"):
+        return
+    if report.when == "setup" and report.passed:
+        return  # counted at its call
+    import re
+
+    case = re.sub(r"-?\d+-\d+$", "", getattr(getattr(item, "callspec", None), "id", ""))  # less pytest-repeat's "3-5"
+    name = f"{item.module.__name__}::{item.originalname}" + (f"[{case}]" if case else "")
+    _repeats.setdefault(name, []).append(report.passed)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _reliability_document():
     import reliability
 
     reliability.reset()
     yield
+    for name, runs in sorted(_repeats.items()):
+        reliability.record("Repeated fault-path tests (flaky is failing)", name, f"{sum(runs)} of {len(runs)} runs passed")
     reliability.write_document()
 
 

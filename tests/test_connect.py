@@ -12,7 +12,7 @@ import psutil
 import pytest
 import zmq
 
-from conftest import start_server
+from conftest import STRESS, start_server
 from genie_core.client import Client
 from genie_core.errors import AuthenticationError, ConnectionFailed
 from reliability import record
@@ -110,6 +110,7 @@ CASES = {
 }
 
 
+@pytest.mark.repeat(STRESS)
 @pytest.mark.parametrize("case", list(CASES))
 def test_each_connect_failure_is_its_own_error_within_the_timeout_50_times(servers, case):
     plain, encrypted = servers

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 import genie_core
-from conftest import run, start_server, stdout_of
+from conftest import STRESS, run, start_server, stdout_of
 from genie_core.errors import ConnectionLost
 from reliability import record
 
 
+@pytest.mark.repeat(STRESS)
 @pytest.mark.parametrize("backend", ["tcp", "shm", "zmq"])
 @pytest.mark.parametrize("direction", ["push", "pull"])
 def test_server_killed_mid_transfer_is_a_clear_error(tmp_path, backend, direction):
@@ -38,6 +39,7 @@ def test_server_killed_mid_transfer_is_a_clear_error(tmp_path, backend, directio
         srv.stop()
 
 
+@pytest.mark.repeat(STRESS)
 @pytest.mark.parametrize("code", [
     "while True:\n    pass",
     "import time\ntime.sleep(3600)",

@@ -8,7 +8,7 @@ import time
 import pytest
 from jupyter_client.manager import start_new_kernel
 
-from conftest import plain
+from conftest import STRESS, plain
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +93,7 @@ def test_remote_traceback_is_shown_and_the_cell_fails(connected):
     assert "genie_jupyter" not in text and "magics.py" not in text
 
 
+@pytest.mark.repeat(STRESS)
 def test_interrupt_button_interrupts_the_remote_cell(connected):
     km, kc = connected
     execute(kc, "%remote survivor = 'still here'")
@@ -125,6 +126,7 @@ def test_embedded_local_server_in_a_kernel(kernel):
     execute(kc, "%genie_shutdown")
 
 
+@pytest.mark.repeat(STRESS)
 def test_server_killed_mid_cell_fails_with_connection_lost(kernel, tmp_path):
     from conftest import start_server
 

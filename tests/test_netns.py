@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from conftest import STRESS
 from genie_core.local_server import start_server_process, stop_process
 
 RATE_MBIT = 200
@@ -237,6 +238,7 @@ def _run_partitioned(hosts, tmp_path, client_code: str, server_env: dict[str, st
                 client.wait()
 
 
+@pytest.mark.repeat(STRESS)
 def test_partition_then_heal_runs_each_cell_once_and_says_so(hosts, tmp_path):
     """nftables drops every packet between client and server (a partition: no reset, no
     close); the client must notice within the heartbeat timeout, come back when the link
@@ -302,6 +304,7 @@ EXPIRY_CLIENT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.repeat(STRESS)
 def test_a_partition_longer_than_the_lease_ends_the_session_and_says_what_ran(hosts, tmp_path):
     result = _run_partitioned(hosts, tmp_path, EXPIRY_CLIENT, {"GENIE_SESSION_LEASE": "2"})
     assert result["running"]["state"] == "stopped", result["running"]["describe"]

@@ -9,9 +9,10 @@ import signal
 import time
 
 import psutil
+import pytest
 from jupyter_client.manager import start_new_kernel
 
-from conftest import run, start_server, stdout_of, wait_until
+from conftest import STRESS, run, start_server, stdout_of, wait_until
 from reliability import record
 
 HOLD = "import os, subprocess, torch\nheld = torch.ones(64 << 20)\nchild = subprocess.Popen(['sleep', '600'])\nprint(os.getpid(), child.pid)"
@@ -29,6 +30,7 @@ def _workers_of(server_pid: int) -> list[int]:
     return [p.pid for p in psutil.Process(server_pid).children() if "genie_core.worker" in " ".join(p.cmdline())]
 
 
+@pytest.mark.repeat(STRESS)
 def test_a_sigkilled_server_leaves_no_worker_behind(tmp_path):
     srv = start_server(tmp_path)
     client = srv.client()
@@ -49,6 +51,7 @@ def test_a_sigkilled_server_leaves_no_worker_behind(tmp_path):
         srv.stop()
 
 
+@pytest.mark.repeat(STRESS)
 def test_a_worker_that_ignores_sigio_still_ends_with_its_server(tmp_path):
     """User code can ignore the lifeline's signal; the worker's own check of its parent remains."""
     srv = start_server(tmp_path)
@@ -62,6 +65,7 @@ def test_a_worker_that_ignores_sigio_still_ends_with_its_server(tmp_path):
         srv.stop()
 
 
+@pytest.mark.repeat(STRESS)
 def test_the_start_up_sweep_ends_workers_whose_server_is_gone(tmp_path):
     """A worker of a dead server that ignores SIGIO and whose own checks cannot run (stopped):
     the next server's start-up sweep ends it."""
@@ -87,6 +91,7 @@ def test_the_start_up_sweep_ends_workers_whose_server_is_gone(tmp_path):
             pass
 
 
+@pytest.mark.repeat(STRESS)
 def test_a_sigkilled_kernel_takes_its_embedded_server_and_workers_along(tmp_path):
     km, kc = start_new_kernel(kernel_name="python3")
     try:

@@ -12,7 +12,7 @@ import pytest
 import torch
 import zmq
 
-from conftest import plain, run, start_server, stdout_of, wait_until
+from conftest import STRESS, plain, run, start_server, stdout_of, wait_until
 from genie_core.client import Client
 from genie_core.errors import AuthenticationError, ConnectionFailed, ConnectionLost, RemoteError, WorkerDied
 from genie_core.protocol import Codec, Message, derive_key
@@ -145,6 +145,7 @@ def test_a_replayed_request_runs_once(server, tmp_path):
     sock.close()
 
 
+@pytest.mark.repeat(STRESS)
 def test_interrupt_stops_the_cell_and_keeps_the_session(client):
     run(client, "kept = 'yes'")
     request = client.execute("import time\ntime.sleep(60)")
@@ -157,6 +158,7 @@ def test_interrupt_stops_the_cell_and_keeps_the_session(client):
     assert stdout_of(run(client, "print(kept)")) == "yes\n"
 
 
+@pytest.mark.repeat(STRESS)
 @pytest.mark.parametrize(
     "code, cause",
     [("import os; os._exit(3)", "exited with code 3"), ("import ctypes; ctypes.string_at(0)", "SIGSEGV")],
@@ -175,6 +177,7 @@ def test_worker_crash_fails_the_cell_with_the_cause_and_the_session_recovers(cli
     record("Worker crashes", request.node.callspec.id, f"WorkerDied ({cause}) after {took:.2f} s; next cell ran on a fresh worker")
 
 
+@pytest.mark.repeat(STRESS)
 def test_server_killed_mid_cell_fails_the_cell_within_the_heartbeat_timeout(tmp_path):
     srv = start_server(tmp_path)
     try:
@@ -193,6 +196,7 @@ def test_server_killed_mid_cell_fails_the_cell_within_the_heartbeat_timeout(tmp_
         srv.stop()
 
 
+@pytest.mark.repeat(STRESS)
 def test_stopped_server_is_detected_as_lost(tmp_path):
     srv = start_server(tmp_path)
     try:
@@ -209,6 +213,7 @@ def test_stopped_server_is_detected_as_lost(tmp_path):
         srv.stop()
 
 
+@pytest.mark.repeat(STRESS)
 def test_a_cell_cut_off_by_a_paused_server_is_reported_once_it_answers(tmp_path):
     srv = start_server(tmp_path)
     try:
@@ -246,6 +251,7 @@ def test_each_request_runs_at_most_once_and_the_server_says_what_became_of_it(cl
     assert stdout_of(run(client, "print(n)")) == "1\n"
 
 
+@pytest.mark.repeat(STRESS)
 def test_sigterm_stops_the_server_and_its_workers(tmp_path):
     srv = start_server(tmp_path)
     client = srv.client()

@@ -14,6 +14,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections import OrderedDict
 from typing import Any
@@ -56,6 +57,8 @@ class Worker:
         self.armed = False  # user code is running: a SIGINT raises KeyboardInterrupt in it
         self.interrupt_pending = False  # interrupted before its user code started
         self.cancelled: OrderedDict[str, None] = OrderedDict()  # interrupted before the worker took them
+        self.sigints_sent = self.sigints_seen = 0  # a signal that lands just before a blocking call is resent
+        self.loop.call_every(0.1, self._resend_sigint)
         self.shell: Any = None
         self.tensors: Any = None  # the remote-tensor store, made on first use
         self.staged: list[Segment] = []  # a pull's segment, until the client adopts it
@@ -87,7 +90,7 @@ class Worker:
         with self._interrupt_lock:
             if self.cell and target in (None, self.cell):
                 if self.armed:
-                    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # wakes a sleep there
+                    self._send_sigint()
                 else:
                     self.interrupt_pending = True  # raised as its user code starts
             elif target:
@@ -95,12 +98,27 @@ class Worker:
                 while len(self.cancelled) > REMEMBERED_CANCELS:
                     self.cancelled.popitem(last=False)
 
+    def _send_sigint(self) -> None:
+        self.sigints_sent += 1
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # to the main thread: it wakes a sleep
+
+    def _resend_sigint(self) -> None:
+        """A signal that arrives between Python's last check and a blocking call (`time.sleep`
+        just starting) waits for the call to end. Until our handler has seen it, send it again:
+        signals coalesce, so the cell still gets one KeyboardInterrupt."""
+        with self._interrupt_lock:
+            if self.sigints_seen < self.sigints_sent and self.armed:
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
     def _user_code(self, running: bool) -> None:
-        """The shell tells us when user code starts and stops running (see WorkerShell.run_code)."""
+        """The shell tells us when user code starts and stops running (see WorkerShell.run_code).
+        An interrupt kept while no user code ran is raised as the next statement starts."""
         with self._interrupt_lock:
             self.armed = running
+            if not running:
+                return  # a pending interrupt stays pending (the cell ends it, if nothing runs after)
             pending, self.interrupt_pending = self.interrupt_pending, False
-        if running and pending:
+        if pending:
             self.armed = False
             raise KeyboardInterrupt
 
@@ -139,6 +157,7 @@ class Worker:
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
         # Runs on the main thread, maybe inside `with self._interrupt_lock` there: never take it here.
+        self.sigints_seen = self.sigints_sent
         if self.armed:
             raise KeyboardInterrupt
         if self.cell:  # user code paused between two statements: the next one is interrupted
@@ -179,6 +198,7 @@ class Worker:
         with self._interrupt_lock:
             cancelled = self.cancelled.pop(msg.id, False) is None
             self.cell = "" if cancelled else msg.id
+            self.sigints_seen = self.sigints_sent  # nothing sent for an earlier cell is resent into this one
         if cancelled:
             evalue = "interrupted before it started: the cell did not run"
             self.send("error", {"ename": "KeyboardInterrupt", "evalue": evalue, "traceback": [f"KeyboardInterrupt: {evalue}"]})

@@ -1,0 +1,141 @@
+"""A soak: 4 client processes for N minutes against one server, each mixing cells, pushes and
+pulls, remote-tensor work, interrupts and reconnects. The server's RSS, open file descriptors,
+threads and /dev/shm use are sampled throughout; after the warm-up they must stay flat, and no
+error may happen other than the KeyboardInterrupts the clients asked for.
+
+`python -m benchmarks soak --minutes N` (default 2; `--quick`: 20 seconds)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from . import _servers
+
+CLIENTS = 4
+OPS = {"cell": 5, "push_pull": 3, "remote_tensors": 3, "interrupt": 1, "reconnect": 1}
+SAMPLE_EVERY = 2.0  # seconds
+WARM_UP = 0.25  # of the run: sessions, workers, allocator pools and caches settle
+
+
+def _client(address: str, token: str, seconds: float, seed: int, results: Any) -> None:
+    """One client process: random operations until the time is up; every failure is kept."""
+    import torch
+
+    import genie_core
+
+    rng = random.Random(seed)
+    counts: dict[str, int] = {}
+    errors: list[str] = []
+    state = genie_core.init_sync(address, token=token, timeout=30)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        op = rng.choices(list(OPS), weights=list(OPS.values()))[0]
+        try:
+            client = state.client
+            if op == "cell":
+                n = rng.randrange(1000)
+                out = [m for m in client.execute(f"print(sum(range({n})))").replies(60) if m.type == "stream"]
+                assert "".join(m.content["text"] for m in out) == f"{sum(range(n))}\n", out
+            elif op == "push_pull":
+                t = torch.randint(0, 255, (rng.choice([1 << 10, 1 << 16, 1 << 20, 1 << 24]),), dtype=torch.uint8)
+                client.push({"t": t}, timeout=60)
+                assert torch.equal(client.pull(["t"], timeout=60)["t"], t)
+            elif op == "remote_tensors":
+                x = torch.randn(128, 128)
+                y = x.to("remote_accelerator:0")
+                for _ in range(rng.randrange(1, 200)):
+                    y = y * 0.5 + 1
+                    x = x * 0.5 + 1
+                assert torch.equal(y.cpu(), x)
+            elif op == "interrupt":
+                cell = client.execute("import time\nprint('started', flush=True)\ntime.sleep(60)")
+                next(m for m in cell.replies(60) if m.type == "stream")  # a fresh session's worker may be starting
+                client.interrupt(cell)
+                sent_at = time.time()
+                try:
+                    last = list(cell.replies(10))[-1]
+                except TimeoutError:
+                    raise AssertionError(f"the interrupted cell {cell.id} did not end within 10 s (interrupt sent {sent_at:.3f})") from None
+                assert last.content.get("ename") == "KeyboardInterrupt", last.content
+            else:
+                genie_core.shutdown()
+                state = genie_core.init_sync(address, token=token, timeout=30)
+            counts[op] = counts.get(op, 0) + 1
+        except Exception as exc:  # noqa: BLE001 - every failure is reported, none hidden
+            errors.append(f"{op}: {type(exc).__name__}: {exc}"[:300])
+    genie_core.shutdown()
+    results.put((seed, counts, errors))
+
+
+def _shm_bytes() -> int:
+    return sum(p.stat().st_size for p in Path("/dev/shm").glob("genie-*") if p.is_file()) if Path("/dev/shm").is_dir() else 0
+
+
+def _sample(server: psutil.Process) -> dict[str, float]:
+    return {"rss_mib": server.memory_info().rss / 2**20, "fds": server.num_fds(), "threads": server.num_threads(),
+            "shm_mib": _shm_bytes() / 2**20, "workers": len(server.children())}
+
+
+def run(quick: bool = False, minutes: float | None = None) -> dict:
+    seconds = 20.0 if quick else 60.0 * (2.0 if minutes is None else minutes)
+    proc, info = _servers.start("--no-ucx")
+    server = psutil.Process(proc.pid)
+    shm_before = _shm_bytes()
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    clients = [ctx.Process(target=_client, args=(f"{info.ip}:{info.port}", info.token, seconds, seed, results))
+               for seed in range(CLIENTS)]
+    samples: list[tuple[float, dict[str, float]]] = []
+    start = time.monotonic()
+    try:
+        for c in clients:
+            c.start()
+        while any(c.is_alive() for c in clients) and time.monotonic() - start < seconds + 120:
+            samples.append((time.monotonic() - start, _sample(server)))
+            time.sleep(SAMPLE_EVERY)
+        reports = [results.get(timeout=30) for _ in clients]
+        time.sleep(3.0)  # sessions closed by their clients: workers ended, segments swept
+        after = _sample(server)
+    finally:
+        for c in clients:
+            c.join(10)
+            if c.is_alive():
+                c.kill()
+        _servers.stop(proc)
+    counts: dict[str, int] = {}
+    errors = [e for _, _, errs in reports for e in errs]
+    for _, c, _ in reports:
+        for op, n in c.items():
+            counts[op] = counts.get(op, 0) + n
+    settled = [s for t, s in samples if t >= WARM_UP * seconds]
+    early, late = settled[: max(1, len(settled) // 3)], settled[-max(1, len(settled) // 3):]
+
+    def median(part: list[dict[str, float]], key: str) -> float:
+        return statistics.median(s[key] for s in part)
+
+    growth = {key: round(median(late, key) - median(early, key), 1) for key in ("rss_mib", "fds", "threads")}
+    shm_left = round((_shm_bytes() - shm_before) / 2**20, 1)
+    flat = growth["rss_mib"] < 10 and growth["fds"] <= 2 and growth["threads"] <= 1 and shm_left <= 0
+    return {
+        "name": "soak",
+        "seconds": round(seconds),
+        "clients": CLIENTS,
+        "operations": counts,
+        "errors": len(errors),
+        "error_examples": errors[:5],
+        "samples": len(samples),
+        "server_rss_mib_after_warm_up_first_third_last_third": [round(median(early, "rss_mib"), 1), round(median(late, "rss_mib"), 1)],
+        "server_rss_mib_max": round(max(s["rss_mib"] for _, s in samples), 1),
+        "growth_after_warm_up": growth,
+        "fds_threads_workers_at_end_after_clients_left": [after["fds"], after["threads"], after["workers"]],
+        "shm_mib_left_after_clients_left": shm_left,
+        "target": "zero errors other than the interrupts asked for; RSS growth after warm-up < 10 MiB; fds, threads flat; no /dev/shm left",
+        "met": not errors and flat,
+    }
