@@ -79,8 +79,31 @@ def _shm_bytes() -> int:
 
 
 def _sample(server: psutil.Process) -> dict[str, float]:
-    return {"rss_mib": server.memory_info().rss / 2**20, "fds": server.num_fds(), "threads": server.num_threads(),
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{server.pid}/status").read_text().splitlines() if ":" in line)
+    kib = {k: int(status[k].split()[0]) for k in ("RssAnon", "RssShmem") if k in status}
+    return {"rss_mib": server.memory_info().rss / 2**20, "anon_mib": kib.get("RssAnon", 0) / 1024,
+            "shmem_mib": kib.get("RssShmem", 0) / 1024, "fds": server.num_fds(), "threads": server.num_threads(),
             "shm_mib": _shm_bytes() / 2**20, "workers": len(server.children())}
+
+
+def _clients(ctx: Any, info: Any, n: int, seconds: float) -> tuple[list[Any], Any]:
+    """Start n client processes for `seconds`; they report on the returned queue."""
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_client, args=(f"{info.ip}:{info.port}", info.token, seconds, seed, results)) for seed in range(n)]
+    for p in procs:
+        p.start()
+    return procs, results
+
+
+def _thread_names(pid: int) -> dict[str, int]:
+    names: dict[str, int] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+        except OSError:
+            continue
+        names[name] = names.get(name, 0) + 1
+    return names
 
 
 def run(quick: bool = False, minutes: float | None = None) -> dict:
@@ -89,25 +112,33 @@ def run(quick: bool = False, minutes: float | None = None) -> dict:
     server = psutil.Process(proc.pid)
     shm_before = _shm_bytes()
     ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    clients = [ctx.Process(target=_client, args=(f"{info.ip}:{info.port}", info.token, seconds, seed, results))
-               for seed in range(CLIENTS)]
     samples: list[tuple[float, dict[str, float]]] = []
-    start = time.monotonic()
     try:
-        for c in clients:
-            c.start()
-        while any(c.is_alive() for c in clients) and time.monotonic() - start < seconds + 120:
+        # Warm-up: one client does everything once or more, and leaves; what the server keeps
+        # from then on (thread pools made on first use, caches) is the baseline.
+        procs, results = _clients(ctx, info, 1, 5.0 if quick else 15.0)
+        results.get(timeout=120)
+        procs[0].join(30)
+        time.sleep(3.0)
+        baseline = _sample(server)
+        threads_before = _thread_names(server.pid)
+        procs, results = _clients(ctx, info, CLIENTS, seconds)
+        start = time.monotonic()
+        while any(p.is_alive() for p in procs) and time.monotonic() - start < seconds + 120:
             samples.append((time.monotonic() - start, _sample(server)))
             time.sleep(SAMPLE_EVERY)
-        reports = [results.get(timeout=30) for _ in clients]
-        time.sleep(3.0)  # sessions closed by their clients: workers ended, segments swept
-        after = _sample(server)
+        reports = [results.get(timeout=30) for _ in procs]
+        for _ in range(20):  # sessions closed by their clients: workers end, connections close, segments go
+            time.sleep(0.5)
+            after = _sample(server)
+            if all(after[k] <= baseline[k] for k in ("fds", "threads", "workers")) and _shm_bytes() <= shm_before:
+                break
+        threads_after = _thread_names(server.pid)
     finally:
-        for c in clients:
-            c.join(10)
-            if c.is_alive():
-                c.kill()
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
         _servers.stop(proc)
     counts: dict[str, int] = {}
     errors = [e for _, _, errs in reports for e in errs]
@@ -116,13 +147,10 @@ def run(quick: bool = False, minutes: float | None = None) -> dict:
             counts[op] = counts.get(op, 0) + n
     settled = [s for t, s in samples if t >= WARM_UP * seconds]
     early, late = settled[: max(1, len(settled) // 3)], settled[-max(1, len(settled) // 3):]
-
-    def median(part: list[dict[str, float]], key: str) -> float:
-        return statistics.median(s[key] for s in part)
-
-    growth = {key: round(median(late, key) - median(early, key), 1) for key in ("rss_mib", "fds", "threads")}
+    rss = [statistics.median(s["rss_mib"] for s in part) for part in (early, late)]
+    left = {key: after[key] - baseline[key] for key in ("fds", "threads", "workers")}
     shm_left = round((_shm_bytes() - shm_before) / 2**20, 1)
-    flat = growth["rss_mib"] < 10 and growth["fds"] <= 2 and growth["threads"] <= 1 and shm_left <= 0
+    flat = rss[1] - rss[0] < 10 and left["fds"] <= 0 and left["threads"] <= 0 and left["workers"] <= 0 and shm_left <= 0
     return {
         "name": "soak",
         "seconds": round(seconds),
@@ -131,11 +159,15 @@ def run(quick: bool = False, minutes: float | None = None) -> dict:
         "errors": len(errors),
         "error_examples": errors[:5],
         "samples": len(samples),
-        "server_rss_mib_after_warm_up_first_third_last_third": [round(median(early, "rss_mib"), 1), round(median(late, "rss_mib"), 1)],
+        "server_rss_mib_first_third_last_third": [round(r, 1) for r in rss],
         "server_rss_mib_max": round(max(s["rss_mib"] for _, s in samples), 1),
-        "growth_after_warm_up": growth,
-        "fds_threads_workers_at_end_after_clients_left": [after["fds"], after["threads"], after["workers"]],
-        "shm_mib_left_after_clients_left": shm_left,
-        "target": "zero errors other than the interrupts asked for; RSS growth after warm-up < 10 MiB; fds, threads flat; no /dev/shm left",
+        "server_rss_mib_by_minute_anon_shmem": [[round(s["anon_mib"], 1), round(s["shmem_mib"], 1)]
+                                                for t, s in samples if int(t) % 60 < SAMPLE_EVERY],
+        "baseline_fds_threads_workers": [baseline["fds"], baseline["threads"], baseline["workers"]],
+        "left_after_clients_went": left,
+        "threads_by_name_baseline_end": [threads_before, threads_after],
+        "shm_mib_left_after_clients_went": shm_left,
+        "target": "zero errors other than the interrupts asked for; RSS growth < 10 MiB after warm-up; fds, threads, "
+                  "workers and /dev/shm back to the warm-up baseline once the clients have gone",
         "met": not errors and flat,
     }

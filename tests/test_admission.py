@@ -207,3 +207,119 @@ def test_a_raw_socket_without_a_session_gets_nothing(srv, marker):
     sock.close()
     ctx.term()
     assert not marker.exists()
+
+
+def test_a_big_message_and_the_small_ones_behind_it_all_arrive_in_order(tmp_path):
+    """Signatures of big messages are checked off the loop thread; what the same connection
+    sends meanwhile waits its turn, and then goes on (in order)."""
+    from genie_core.serialize import serialize_namespace
+
+    own = start_server(tmp_path)  # the module's server takes 1 MiB at most
+    client = own.client()
+    try:
+        metas, buffers = serialize_namespace({"big": bytearray(12 << 20)})  # 12 MiB on this connection
+        pushed = client._request(Message("push", {"values": metas}, buffers))
+        cells = [client.execute(f"print(len(big) + {i})") for i in range(3)]
+        assert pushed.wait(30).content["status"] == "ok"
+        assert [stdout_of([(m.type, m.content) for m in c.replies(30)]) for c in cells] == [f"{(12 << 20) + i}\n" for i in range(3)]
+    finally:
+        client.close()
+        own.stop()
+
+
+def test_a_wrong_token_is_told_at_once_and_a_forged_request_gets_no_answer(srv):
+    """The hello of a wrong token gets an (unsigned) auth_failed, so the client need not wait
+    for its timeout; a forged request of any other type gets nothing at all."""
+    from genie_core.errors import AuthenticationError
+
+    start = time.monotonic()
+    with pytest.raises(AuthenticationError, match="token does not match"):
+        Client("127.0.0.1", srv.info.port, "not-the-token", timeout=10).connect()
+    assert time.monotonic() - start < 2
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{srv.info.port}")
+    wrong = Codec(derive_key("not-the-token"))
+    try:
+        for kind in ("execute", "ping", "info", "close"):
+            sock.send_multipart(wrong.pack(Message(kind, session="s", seq=1)))
+        assert not sock.poll(500), "a forged request was answered"
+        sock.send_multipart(wrong.pack(Message("hello", seq=1)))
+        assert sock.poll(5000)
+        assert Codec(None).unpack(sock.recv_multipart(), verify=False).type == "auth_failed"
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def test_a_request_id_seen_before_runs_at_most_once_whatever_its_sequence_number(victim, marker):
+    first = _inject(victim, Message("execute", {"code": _code(marker)}, id="fixed-id-0123456789ab"))
+    _settled(victim)
+    again = victim._request(Message("execute", {"code": _code(marker)}, id="fixed-id-0123456789ab"))
+    with pytest.raises(Exception, match="DuplicateRequest"):
+        again.wait(10)
+    assert marker.read_text() == "x" and first
+
+
+def test_a_replayed_request_that_does_not_run_code_is_refused_too(srv):
+    """Replays are refused by their sequence number, not only by the at-most-once record of
+    requests that run: a captured `info` answered twice would leak twice."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{srv.info.port}")
+    codec = Codec(derive_key(srv.info.token))
+    try:
+        sock.send_multipart(codec.pack(Message("hello", seq=1)))
+        assert sock.poll(5000)
+        session = codec.unpack(sock.recv_multipart()).content["session"]
+        info = Message("info", session=session, seq=2)
+        frames = codec.pack(info)
+        sock.send_multipart(frames)
+        sock.send_multipart(frames)
+        replies = []
+        while sock.poll(1500):
+            reply = codec.unpack(sock.recv_multipart())
+            if reply.parent == info.id:  # (metric snapshots arrive here too)
+                replies.append(reply.type)
+        assert replies == ["info_reply"]
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def test_the_record_of_an_ended_session_answers_only_its_own_connection(tmp_path):
+    """A session that ended while its client was away (the lease ran out) still answers that
+    client's "did it run?"; another connection naming it gets nothing from it."""
+    from conftest import wait_until
+
+    short = start_server(tmp_path, env={"GENIE_SESSION_LEASE": "1"})
+    away = short.client(enable_heartbeat=False)
+    watcher = short.client()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{short.info.port}")
+    codec = Codec(derive_key(short.info.token))
+    try:
+        cell = away.execute("print('ran')")
+        cell.wait(10)
+        assert wait_until(lambda: all(s["id"] != away.session[:8] for s in watcher.info()["sessions"]), timeout=10)
+        outcome = away._request(Message("outcome", {"ids": [cell.id]})).wait(10).content["outcomes"][cell.id]
+        assert outcome["state"] == "finished" and outcome["status"] == "ok"
+        sock.send_multipart(codec.pack(Message("outcome", {"ids": [cell.id]}, session=away.session, seq=1)))
+        assert sock.poll(5000)
+        reply = codec.unpack(sock.recv_multipart())
+        assert reply.type == "error_reply" and reply.content["ename"] == "SessionNotFound"
+    finally:
+        sock.close()
+        ctx.term()
+        away.close(notify=False)
+        watcher.close()
+        short.stop()
+
+
+def test_the_server_lists_this_session(srv, victim):
+    sessions = [s for s in victim.info()["sessions"] if s["id"] == victim.session[:8]]
+    assert len(sessions) == 1 and 0 <= sessions[0]["idle_s"] < 60

@@ -31,13 +31,48 @@ def test_wrong_key_and_unsigned_messages_are_refused():
         Codec(derive_key("secret")).unpack(Codec(None).pack(Message("execute")))
 
 
+HEADER = b'{"id":"i","type":"ping","parent":"","session":"s","seq":1,"time":0.0}'
+
+
 @pytest.mark.parametrize(
-    "frames",
-    [[], [b"genie/2"], [b"nope/9", b"", b"{}", b"{}"], [b"genie/2", b"", b"not json", b"{}"], [b"genie/2", b"", b"[]", b"{}"]],
+    "frames, why",
+    [([], "frames"), ([b"genie/2"], "frames"), ([b"genie/2", b"", HEADER], "frames"),
+     ([b"nope/9", b"", HEADER, b"{}"], "unknown protocol"), ([b"genie/1", b"", HEADER, b"{}"], "unknown protocol"),
+     ([b"a", b"", HEADER, b"{}"], "unknown protocol"), ([b"zzzzzzz", b"", HEADER, b"{}"], "unknown protocol"),
+     ([b"genie/2", b"", b"not json", b"{}"], "malformed"), ([b"genie/2", b"", b"[]", b"{}"], "malformed"),
+     ([b"genie/2", b"", HEADER, b"[]"], "malformed"),
+     ([b"genie/2", b"", HEADER.replace(b',"seq":1', b""), b"{}"], "malformed"),  # every header field is required
+     ([b"genie/2", b"", HEADER.replace(b',"time":0.0', b""), b"{}"], "malformed"),
+     ([b"genie/2", b"", HEADER.replace(b'"seq":1', b'"seq":"x"'), b"{}"], "malformed")],
 )
-def test_malformed_messages_raise_protocol_error(frames):
-    with pytest.raises(ProtocolError):
+def test_malformed_messages_raise_protocol_error(frames, why):
+    with pytest.raises(ProtocolError, match=why):
         Codec(None).unpack(frames)
+
+
+def test_buffers_of_any_item_size_are_signed_and_sent_as_bytes():
+    """A float32 array's memoryview counts 4-byte items; the codec signs and sends bytes."""
+    import numpy as np
+
+    codec = Codec(derive_key("secret"))
+    values = np.arange(10, dtype=np.float32)
+    out = codec.unpack(codec.pack(Message("push", {}, [memoryview(values), values.data])))
+    assert [bytes(b) for b in out.buffers] == [values.tobytes()] * 2
+
+
+def test_routing_identities_are_split_from_the_message():
+    """The server's ROUTER puts one identity frame first; an identity of 7 bytes (the tag's
+    length) must not be taken for the tag, as zmq frames or as bytes."""
+    import zmq
+
+    from genie_core.protocol import PROTOCOL, split_identities
+
+    for make in (zmq.Frame, bytes):
+        for ident in (b"7-bytes", b"x", b"a" * 16, PROTOCOL[::-1]):
+            idents, body = split_identities([make(ident), make(PROTOCOL), make(b"sig"), make(bytes(1 << 20))])
+            assert [bytes(i) for i in idents] == [ident] and bytes(body[0]) == PROTOCOL and len(body) == 3
+    with pytest.raises(ProtocolError, match="no protocol tag"):
+        split_identities([b"ident", b"genie/9", b"x"])
 
 
 def test_size_cap():
@@ -114,7 +149,7 @@ def test_the_message_table_says_who_sends_what():
 
     assert accepted_from(Peer.HEARTBEAT) == {T.PING}
     assert RUNS == {T.EXECUTE, T.PUSH, T.PULL, T.TENSOR_OPS}
-    assert T.EXECUTE_REPLY in TERMINAL and T.ERROR_REPLY in TERMINAL and T.STREAM not in TERMINAL and T.EVENT not in TERMINAL
+    assert TERMINAL == {t for t in T if t.value.endswith("_reply")} | {T.WELCOME, T.AUTH_FAILED, T.PONG}
     assert parse("execute", Peer.CLIENT) is T.EXECUTE and parse("execute", Peer.HEARTBEAT) is None
     assert parse("welcome", Peer.CLIENT) is None and parse("welcome", Peer.SERVER) is T.WELCOME
     assert parse("ready", Peer.WORKER) is T.READY and parse("ready", Peer.CLIENT) is None
@@ -122,3 +157,35 @@ def test_the_message_table_says_who_sends_what():
     assert {for_worker(t) for t in ("execute", "push", "pull", "tensor_ops", "interrupt")} == {
         T.EXECUTE, T.PUSH, T.PULL, T.TENSOR_OPS, T.INTERRUPT}
     assert for_worker("info") is None and for_worker("close") is None and for_worker("nope") is None
+
+
+def test_a_session_remembers_its_newest_requests_and_what_ending_it_stopped():
+    """The record behind "did it run?": bounded, oldest forgotten first; ending the session
+    marks what was still running as stopped and leaves what finished alone."""
+    from genie_core.server.session import REMEMBERED, Session
+
+    session = Session(b"identity", {}, -1)
+    for i in range(REMEMBERED + 5):
+        assert session.received(f"r{i}", "execute")
+    assert not session.received(f"r{REMEMBERED + 4}", "execute")  # seen: runs at most once
+    assert len(session.requests) == REMEMBERED
+    assert session.outcome("r0") == {"state": "not received"} and session.outcome("r4") == {"state": "not received"}
+    assert session.outcome("r5")["state"] == "running" and session.outcome(f"r{REMEMBERED + 4}")["state"] == "running"
+    session.finished("r5", {"status": "ok"})
+    session.finished("r6", {"ename": "ValueError", "evalue": "bad"})
+    session.ended("closed by the client")
+    assert session.outcome("r5")["state"] == "finished" and session.outcome("r5")["status"] == "ok"
+    assert session.outcome("r6")["status"] == "error" and session.outcome("r6")["error"] == "ValueError: bad"
+    stopped = session.outcome("r7")
+    assert stopped["state"] == "stopped" and "closed by the client" in stopped["error"]
+
+
+def test_sequence_numbers_must_rise_per_connection():
+    from genie_core.protocol import Peer
+    from genie_core.server.session import Session
+
+    session = Session(b"control", {}, -1, heartbeat_identity=b"beat")
+    assert session.peer(b"control") is Peer.CLIENT and session.peer(b"beat") is Peer.HEARTBEAT and session.peer(b"x") is None
+    assert session.accept_seq(b"control", 0) and session.accept_seq(b"control", 5)
+    assert not session.accept_seq(b"control", 5) and not session.accept_seq(b"control", 4)
+    assert session.accept_seq(b"beat", 1)  # each connection counts on its own

@@ -122,11 +122,11 @@ class Codec:
                 type=str(header["type"]),
                 content=content,
                 buffers=list(buffers),
-                parent=str(header.get("parent", "")),
-                session=str(header.get("session", "")),
-                seq=int(header.get("seq", 0)),
+                parent=str(header["parent"]),
+                session=str(header["session"]),
+                seq=int(header["seq"]),
                 id=str(header["id"]),
-                time=float(header.get("time", 0.0)),
+                time=float(header["time"]),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise ProtocolError(f"malformed message: {exc}") from None

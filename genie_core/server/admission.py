@@ -53,7 +53,6 @@ class Admission:
         self._send_raw = send_raw  # for the one unsigned answer: a hello with the wrong token
         self._backlog: dict[bytes, deque[list[Any]]] = {}
         self._verifier = ThreadPoolExecutor(max_workers=2, thread_name_prefix="genie-verify")
-        self.refused = 0  # messages refused after their signature checked out
 
     def close(self) -> None:
         self._verifier.shutdown(wait=False, cancel_futures=True)
@@ -142,8 +141,8 @@ class Admission:
             return
         self._admit(Admitted(identity, msg, kind, peer, session))
 
-    def _refuse(self, what: str) -> None:
-        self.refused += 1
+    @staticmethod
+    def _refuse(what: str) -> None:
         log.warning("refused %s", what)
 
     def _answer_failed_hello(self, identity: bytes, body: list[Any], reason: str) -> None:
