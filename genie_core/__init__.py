@@ -4,7 +4,7 @@ __version__ = "0.1.0"
 
 from .cluster import ClusterState, get_cluster_state, init, init_sync, is_initialized, shutdown  # noqa: E402
 from .config import ClusterConfig  # noqa: E402
-from .transport.discovery import BackendReport, BackendUnavailable  # noqa: E402
+from .dataplane import BackendReport, BackendUnavailable  # noqa: E402
 from .errors import (  # noqa: E402
     AuthenticationError,
     ConfigError,

@@ -1,10 +1,13 @@
-"""The `genie` command: `genie serve` runs a server, `genie demo` runs the quickstart notebook."""
+"""The `genie` command: `genie serve` runs a server; `genie status` and `genie top` watch one.
+Other packages add commands through the `genie.commands` entry point group (genie_jupyter adds
+`genie demo`), so this core package never imports them."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+from importlib.metadata import entry_points
 
 from .config import ClusterConfig
 from .errors import GenieError
@@ -63,9 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             cmd.add_argument("--iterations", type=int, default=None, help="stop after N updates")
 
-    demo = sub.add_parser("demo", help="start a local server and run the quickstart notebook, printing each cell")
-    demo.add_argument("notebook", nargs="?", default=None, help="notebook to run (default: 01_quickstart)")
-    demo.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per cell")
+    for entry in entry_points(group="genie.commands"):
+        try:
+            add_command = entry.load()
+        except Exception as exc:  # a broken plugin must not break `genie serve`
+            logging.getLogger("genie").warning("the genie command %r from %s could not load: %s", entry.name, entry.value, exc)
+            continue
+        command = add_command(sub)  # adds its subparser; returns the function that runs it
+        command_parser = sub.choices[entry.name]
+        command_parser.set_defaults(run=command)
     return parser
 
 
@@ -82,10 +91,8 @@ def main(argv: list[str] | None = None) -> int:
             from .terminal import top
 
             return top(args.address, args.token, args.connection_file, args.iterations)
-        if args.command == "demo":
-            from genie_jupyter.demo import run_demo
-
-            return run_demo(args.notebook, timeout=args.timeout)
+        if getattr(args, "run", None) is not None:
+            return int(args.run(args))
     except GenieError as exc:
         print(f"genie: error: {exc}", file=sys.stderr)
         return 2

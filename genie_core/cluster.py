@@ -33,7 +33,7 @@ class ClusterState:
     address: str
     node: dict[str, Any] = field(default_factory=dict)
     backend: str = "zmq"
-    backend_report: Any = None  # transport.discovery.BackendReport: candidates, measurements, choice
+    backend_report: Any = None  # dataplane.BackendReport: candidates, measurements, choice
     phases: list[tuple[str, float]] = field(default_factory=list)
     client: Client | None = None
     server: Any = None

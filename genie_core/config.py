@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 import secrets
 import socket
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -90,18 +91,18 @@ class ClusterConfig:
     max_session_bytes: int | None = None  # server: bytes of remote tensors one session may hold (and the largest push)
     spare_workers: int = 1  # server: workers started ahead of need, so a new session's first cell does not wait
     log_level: str = "WARNING"
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def resolve(cls, environ: dict[str, str] | None = None, **explicit: Any) -> "ClusterConfig":
         """Explicit (non-None) arguments win, then `GENIE_*` variables, then defaults."""
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
-        extra: dict[str, Any] = dict(explicit.pop("extra", None) or {})
-        names = {f.name: f for f in dataclasses.fields(cls) if f.name != "extra"}
-        for key in list(explicit):
+        names = {f.name: f for f in dataclasses.fields(cls)}
+        for key in explicit:
             if key not in names:
-                extra[key] = explicit.pop(key)
+                near = difflib.get_close_matches(key, names, n=1)
+                raise TypeError(f"unknown setting {key!r}" + (f": did you mean {near[0]!r}?" if near else
+                                f"; the settings are {', '.join(names)}"))
         for name, f in names.items():
             value = explicit.get(name)
             if value is None:
@@ -110,7 +111,7 @@ class ClusterConfig:
                     value = _from_env(name, f.type, raw)
             if value is not None:
                 values[name] = value
-        config = cls(**values, extra=extra)
+        config = cls(**values)
         config.validate()
         return config
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -67,3 +68,11 @@ def run_demo(name: str | None = None, timeout: float = 300.0) -> int:
         return 1
     print(f"genie demo: all {counter['n']} cells ran.")
     return 0
+
+
+def command(sub: Any) -> Any:
+    """The `genie demo` subcommand (registered through the `genie.commands` entry point group)."""
+    demo = sub.add_parser("demo", help="start a local server and run the quickstart notebook, printing each cell")
+    demo.add_argument("notebook", nargs="?", default=None, help="notebook to run (default: 01_quickstart)")
+    demo.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per cell")
+    return lambda args: run_demo(args.notebook, timeout=args.timeout)

@@ -41,7 +41,7 @@ class RunningServer:
             self.proc.send_signal(signal.SIGCONT)  # a test may have paused it
         stop_process(self.proc)
         # A server killed by a test (SIGKILL) could not clean up; its next start would sweep.
-        from genie_core.transport.segment import sweep_dead
+        from genie_core.dataplane.segment import sweep_dead
 
         sweep_dead()
 

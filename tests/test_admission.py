@@ -46,12 +46,13 @@ def _inject(client: Client, msg: Message, codec: Codec | None = None, heartbeat:
             session: str | None = None) -> list:
     """Send `msg` on the client's own connection, with its session and its next sequence number
     (or those given), signed by `codec` (default: the right key). Returns the frames sent."""
-    sock = client._hb if heartbeat else client._main
-    with client._send_locks[sock]:
+    c = client.connection
+    sock = c.heartbeat if heartbeat else c.main
+    with c._send_locks[sock]:
         msg.session = client.session if session is None else session
-        msg.seq = next(client._seq) if seq is None else seq
-        frames = (codec or client.codec).pack(msg)
-        client._loop.call_soon(lambda: client._loop.send(sock, frames))
+        msg.seq = next(c._seq) if seq is None else seq
+        frames = (codec or c.codec).pack(msg)
+        c._loop.call_soon(lambda: c._loop.send(sock, frames))
     return frames
 
 
@@ -83,12 +84,13 @@ def test_an_unsigned_message_does_not_run(victim, marker):
 
 def test_a_message_with_a_tampered_buffer_does_not_run(victim, marker):
     """Buffers are signed too: the same message with one byte of a buffer changed is refused."""
+    c = victim.connection
     msg = Message("execute", {"code": _code(marker)}, [b"payload"], session=victim.session)
-    with victim._send_locks[victim._main]:
-        msg.seq = next(victim._seq)
-        frames = victim.codec.pack(msg)
+    with c._send_locks[c.main]:
+        msg.seq = next(c._seq)
+        frames = c.codec.pack(msg)
         tampered = [*frames[:-1], b"pAyload"]
-        victim._loop.call_soon(lambda: victim._loop.send(victim._main, tampered))
+        c._loop.call_soon(lambda: c._loop.send(c.main, tampered))
     _settled(victim)
     assert not marker.exists()
 
@@ -96,7 +98,8 @@ def test_a_message_with_a_tampered_buffer_does_not_run(victim, marker):
 def test_a_replayed_message_runs_once(victim, marker):
     frames = _inject(victim, Message("execute", {"code": _code(marker)}))
     _settled(victim)
-    victim._loop.call_soon(lambda: victim._loop.send(victim._main, frames))  # the same bytes again
+    c = victim.connection
+    c._loop.call_soon(lambda: c._loop.send(c.main, frames))  # the same bytes again
     _settled(victim)
     assert marker.read_text() == "x"
 
@@ -134,7 +137,7 @@ def test_the_heartbeat_connection_may_only_ping(victim, marker):
                                   "close_session", "housekeeping", "__init__", ""])
 def test_types_a_client_may_not_send_are_refused_with_one_error(victim, kind):
     """Internal names (the server once dispatched on `_on_<type>`) and server-only types."""
-    request = victim._request(Message(kind, {"code": "1"}))
+    request = victim.request(Message(kind, {"code": "1"}))
     with pytest.raises(Exception, match="unknown request type"):
         request.wait(5)
     _settled(victim)
@@ -218,7 +221,7 @@ def test_a_big_message_and_the_small_ones_behind_it_all_arrive_in_order(tmp_path
     client = own.client()
     try:
         metas, buffers = serialize_namespace({"big": bytearray(12 << 20)})  # 12 MiB on this connection
-        pushed = client._request(Message("push", {"values": metas}, buffers))
+        pushed = client.request(Message("push", {"values": metas}, buffers))
         cells = [client.execute(f"print(len(big) + {i})") for i in range(3)]
         assert pushed.wait(30).content["status"] == "ok"
         assert [stdout_of([(m.type, m.content) for m in c.replies(30)]) for c in cells] == [f"{(12 << 20) + i}\n" for i in range(3)]
@@ -256,7 +259,7 @@ def test_a_wrong_token_is_told_at_once_and_a_forged_request_gets_no_answer(srv):
 def test_a_request_id_seen_before_runs_at_most_once_whatever_its_sequence_number(victim, marker):
     first = _inject(victim, Message("execute", {"code": _code(marker)}, id="fixed-id-0123456789ab"))
     _settled(victim)
-    again = victim._request(Message("execute", {"code": _code(marker)}, id="fixed-id-0123456789ab"))
+    again = victim.request(Message("execute", {"code": _code(marker)}, id="fixed-id-0123456789ab"))
     with pytest.raises(Exception, match="DuplicateRequest"):
         again.wait(10)
     assert marker.read_text() == "x" and first
@@ -306,7 +309,7 @@ def test_the_record_of_an_ended_session_answers_only_its_own_connection(tmp_path
         cell = away.execute("print('ran')")
         cell.wait(10)
         assert wait_until(lambda: all(s["id"] != away.session[:8] for s in watcher.info()["sessions"]), timeout=10)
-        outcome = away._request(Message("outcome", {"ids": [cell.id]})).wait(10).content["outcomes"][cell.id]
+        outcome = away.request(Message("outcome", {"ids": [cell.id]})).wait(10).content["outcomes"][cell.id]
         assert outcome["state"] == "finished" and outcome["status"] == "ok"
         sock.send_multipart(codec.pack(Message("outcome", {"ids": [cell.id]}, session=away.session, seq=1)))
         assert sock.poll(5000)

@@ -73,3 +73,15 @@ def test_unreadable_connection_files(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not a Genie connection file"):
         ConnectionInfo.read(tmp_path / "bad.json")
+
+
+def test_a_misspelled_setting_is_an_error_naming_the_nearest_one():
+    """`init(tokn=...)` must not be dropped silently (the connection would then fail for
+    another reason, far from the typo)."""
+    import genie_core
+
+    with pytest.raises(TypeError, match="'tokn': did you mean 'token'"):
+        genie_core.init_sync("127.0.0.1:1", tokn="x")
+    with pytest.raises(TypeError, match="unknown setting 'frobnicate'; the settings are master_addr"):
+        ClusterConfig.resolve(frobnicate=1)
+    assert not genie_core.is_initialized()

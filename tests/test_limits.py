@@ -12,7 +12,7 @@ import torch
 import genie_core
 from conftest import start_server, stdout_of, run
 from genie_core.errors import LimitExceeded
-from genie_core.transport.segment import SHM_DIR
+from genie_core.dataplane.segment import SHM_DIR
 from reliability import record
 
 SECTION = "Session limits"
@@ -91,17 +91,17 @@ def test_limits_are_per_session(limited):
 
 
 def test_the_data_port_refuses_a_put_over_the_limit_before_taking_memory(limited):
-    from genie_core.transport.tcp import TcpTransport
+    from genie_core.dataplane.tcp import TcpChannel
 
     client = genie_core.get_cluster_state().client
     port = client.node["transport"]["data_port"]
-    transport = TcpTransport("127.0.0.1", port, client.codec.key, client.session)
+    transport = TcpChannel("127.0.0.1", port, client.connection.codec.key, client.session)
     before = set(SHM_DIR.glob("genie-s-*"))
     with pytest.raises((ConnectionError, OSError)):
         transport.put([bytearray(65 * MiB)])
     transport.close()
     assert set(SHM_DIR.glob("genie-s-*")) <= before
-    ok = TcpTransport("127.0.0.1", port, client.codec.key, client.session)  # the same put, under the limit, is taken
+    ok = TcpChannel("127.0.0.1", port, client.connection.codec.key, client.session)  # the same put, under the limit, is taken
     assert ok.put([bytearray(MiB)])["sizes"] == [MiB]
     ok.close()
 

@@ -162,7 +162,7 @@ def test_the_message_table_says_who_sends_what():
 def test_a_session_remembers_its_newest_requests_and_what_ending_it_stopped():
     """The record behind "did it run?": bounded, oldest forgotten first; ending the session
     marks what was still running as stopped and leaves what finished alone."""
-    from genie_core.server.session import REMEMBERED, Session
+    from genie_core.server.sessions import REMEMBERED, Session
 
     session = Session(b"identity", {}, -1)
     for i in range(REMEMBERED + 5):
@@ -182,7 +182,7 @@ def test_a_session_remembers_its_newest_requests_and_what_ending_it_stopped():
 
 def test_sequence_numbers_must_rise_per_connection():
     from genie_core.protocol import Peer
-    from genie_core.server.session import Session
+    from genie_core.server.sessions import Session
 
     session = Session(b"control", {}, -1, heartbeat_identity=b"beat")
     assert session.peer(b"control") is Peer.CLIENT and session.peer(b"beat") is Peer.HEARTBEAT and session.peer(b"x") is None

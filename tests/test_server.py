@@ -242,10 +242,10 @@ def test_each_request_runs_at_most_once_and_the_server_says_what_became_of_it(cl
     run(client, "n = 0")
     first = client.execute("n += 1")
     first.wait(10)
-    again = client._request(Message("execute", {"code": "n += 1"}, id=first.id))  # same id, fresh sequence number
+    again = client.request(Message("execute", {"code": "n += 1"}, id=first.id))  # same id, fresh sequence number
     with pytest.raises(RemoteError, match="DuplicateRequest.*at most once"):
         again.wait(10)
-    outcomes = client._request(Message("outcome", {"ids": [first.id, "never-sent"]})).wait(10).content["outcomes"]
+    outcomes = client.request(Message("outcome", {"ids": [first.id, "never-sent"]})).wait(10).content["outcomes"]
     assert outcomes[first.id]["state"] == "finished" and outcomes[first.id]["status"] == "ok"
     assert outcomes["never-sent"] == {"state": "not received"}
     assert stdout_of(run(client, "print(n)")) == "1\n"

@@ -14,8 +14,8 @@ import torch
 import genie_core
 from conftest import start_server
 from genie_core.errors import ConnectionLost, RemoteError
-from genie_core.transport import detect, wire
-from genie_core.transport.discovery import BackendUnavailable
+from genie_core.dataplane import BackendUnavailable, hardware, wire
+from genie_core.dataplane.ucx import available as ucx_available
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def values():
     }
 
 
-UCX = pytest.param("ucx", marks=pytest.mark.skipif(not detect.ucx()[0], reason="ucxx is not installed (the ucx extra)"))
+UCX = pytest.param("ucx", marks=pytest.mark.skipif(not ucx_available()[0], reason="ucxx is not installed (the ucx extra)"))
 
 
 @pytest.mark.parametrize("backend", ["shm", "tcp", "zmq", UCX])
@@ -54,7 +54,7 @@ def test_each_backend_moves_data_bit_exact(server, connect, backend):
     if backend == "ucx":
         wait_for_detection(server)
     state = connect(backend)
-    assert state.backend == backend and state.client.transport.name == backend
+    assert state.backend == backend and state.client.channel.name == backend
     sent = values()
     state.client.push(sent)
     state.client.execute("f32_sum = float(f32.double().sum())").wait(30)
@@ -75,7 +75,7 @@ def wait_for_detection(server) -> None:
 
     probe = server.client()
     try:
-        assert wait_until(lambda: probe.info()["node"]["transport"]["detect"], 30)
+        assert wait_until(lambda: {"ucx", "rdma", "dpdk", "gpudirect"} <= set(probe.info()["node"]["transport"]["detect"]), 30)
     finally:
         probe.close()
 
@@ -95,7 +95,7 @@ def test_auto_discovery_reports_every_candidate_with_a_reason(server, connect):
     assert report.elapsed_s < 1.0  # the budget on loopback
     for name in ("rdma", "dpdk", "gpudirect"):  # this machine: none of them, each with its reason
         assert not report.candidate(name).available
-    assert report.candidate("ucx").available == detect.ucx()[0]  # same host: offered, not measured
+    assert report.candidate("ucx").available == ucx_available()[0]  # same host: offered, not measured
     events = state.events.history(["BACKEND_SELECTED"])
     assert events and events[-1].data["report"]["chosen"] == report.chosen
 
@@ -120,14 +120,14 @@ def test_a_session_cannot_read_or_adopt_another_sessions_data(server, connect):
     state = connect("tcp")
     other = server.client()
     try:
-        ref = state.client.transport.put([bytes(2 << 20)])
+        ref = state.client.channel.put([bytes(2 << 20)])
         from genie_core.protocol import Message
 
         with pytest.raises(RemoteError, match="does not belong to this session"):
-            other._request(Message("push", {"values": [], "data": ref})).wait(10)
-        fake = {"segment": f"genie-w-{os.getpid()}-deadbeef0000", "sizes": [10], "via": "tcp"}
+            other.request(Message("push", {"values": [], "data": ref})).wait(10)
+        fake = {"segment": f"genie-w-{os.getpid()}-deadbeef0000", "sizes": [10]}
         with pytest.raises(ConnectionError, match="no such staged data"):
-            state.client.transport.get(fake)
+            state.client.channel.get(fake)
     finally:
         other.close()
 
@@ -142,31 +142,30 @@ def make_ib(root: Path, state: str, link: str = "Ethernet") -> None:
     (port / "rate").write_text("100 Gb/sec (4X EDR)\n")
 
 
-@pytest.mark.skipif(not detect.ucx()[0], reason="ucxx is not installed (the ucx extra)")
+@pytest.mark.skipif(not ucx_available()[0], reason="ucxx is not installed (the ucx extra)")
 def test_a_tampered_ucx_payload_is_refused(server, connect, monkeypatch):
     """UCX payloads carry a MAC (they may cross a network): a payload whose MAC does not match
     is refused and its memory released, in both directions."""
-    from genie_core.transport import ucx
-    from genie_core.transport.segment import SHM_DIR
+    from genie_core.dataplane.segment import SHM_DIR
 
     wait_for_detection(server)
     state = connect("ucx")
     t = torch.randn(1 << 20)
     state.client.push({"t": t})  # the real MAC passes
-    real = ucx._PayloadMac.digest
+    real = wire.PayloadMac.digest
     before = set(SHM_DIR.glob("genie-s-*"))
 
-    async def forged(self):  # noqa: ANN001
+    def forged(self):  # noqa: ANN001
         return bytes(32)
 
-    monkeypatch.setattr(ucx._PayloadMac, "digest", forged)
-    transport = state.client.transport
+    monkeypatch.setattr(wire.PayloadMac, "digest", forged)
+    transport = state.client.channel
     with pytest.raises(ConnectionError, match="payload failed authentication"):
         transport.put([memoryview(t.numpy()).cast("B")])
     assert set(SHM_DIR.glob("genie-s-*")) <= before
     with pytest.raises(ConnectionLost, match="payload failed authentication"):  # the other way: the client checks
         state.client.pull(["t"])
-    monkeypatch.setattr(ucx._PayloadMac, "digest", real)
+    monkeypatch.setattr(wire.PayloadMac, "digest", real)
     assert torch.equal(state.client.pull(["t"])["t"], t)
 
 
@@ -190,14 +189,14 @@ def test_payload_macs_bind_connection_direction_and_order():
 
 
 def test_rdma_detection(tmp_path):
-    ok, reason, _ = detect.rdma(str(tmp_path))
+    ok, reason, _ = hardware.rdma(str(tmp_path))
     assert not ok and "no /sys/class/infiniband" in reason
     make_ib(tmp_path, "4: ACTIVE")
-    ok, reason, details = detect.rdma(str(tmp_path))
+    ok, reason, details = hardware.rdma(str(tmp_path))
     assert ok and "mlx5_0" in reason and details["devices"][0]["ports"][0]["link_layer"] == "Ethernet"
     down = tmp_path / "down"
     make_ib(down, "1: DOWN", "InfiniBand")
-    ok, reason, _ = detect.rdma(str(down))
+    ok, reason, _ = hardware.rdma(str(down))
     assert not ok and "no ACTIVE port" in reason
 
 
@@ -207,15 +206,15 @@ def test_dpdk_and_gpudirect_detection(tmp_path):
     (tmp_path / "proc" / "modules").write_text("nvidia_peermem 16384 0 - Live 0x0\nnvidia 1 0 - Live 0x0\n")
     nic = tmp_path / "sys" / "bus" / "pci" / "drivers" / "vfio-pci" / "0000:3b:00.0"
     nic.mkdir(parents=True)
-    ok, reason, details = detect.dpdk(str(tmp_path / "sys"), str(tmp_path / "proc"))
+    ok, reason, details = hardware.dpdk(str(tmp_path / "sys"), str(tmp_path / "proc"))
     assert details["hugepages"] == 1024 and details["bound_nics"] == ["0000:3b:00.0 (vfio-pci)"]
     assert ok == details["libdpdk"] and (ok or "no libdpdk" in reason)
-    assert detect.gpudirect(str(tmp_path / "proc"))[0]
-    assert not detect.gpudirect(str(tmp_path))[0]
+    assert hardware.gpudirect(str(tmp_path / "proc"))[0]
+    assert not hardware.gpudirect(str(tmp_path))[0]
 
 
 def test_detection_on_this_machine_is_honest():
-    for name, finding in (("rdma", detect.rdma()), ("dpdk", detect.dpdk()), ("gpudirect", detect.gpudirect())):
+    for name, finding in (("rdma", hardware.rdma()), ("dpdk", hardware.dpdk()), ("gpudirect", hardware.gpudirect())):
         ok, reason, _ = finding
         assert not ok and reason, name  # this kernel has no InfiniBand, hugepages or vfio; no ucxx
 

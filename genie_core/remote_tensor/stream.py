@@ -30,7 +30,7 @@ class OpStream:
 
     @property
     def alive(self) -> bool:
-        return not self.client._closed
+        return not self.client.closed
 
     def record(self, entry: tuple) -> None:
         with self._lock:
@@ -56,7 +56,7 @@ class OpStream:
         payload = pickle.dumps(request, protocol=5, buffer_callback=oob.append)
         from ..protocol import Message
 
-        reply = self.client._request(Message("tensor_ops", {"gpu": self.index, "n": len(records)}, [payload, *(b.raw() for b in oob)])).wait()
+        reply = self.client.request(Message("tensor_ops", {"gpu": self.index, "n": len(records)}, [payload, *(b.raw() for b in oob)])).wait()
         self.round_trips += 1
         self.ops_sent += len(records)
         content = reply.content

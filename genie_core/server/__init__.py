@@ -1,5 +1,5 @@
-"""The genie server and its per-session worker processes."""
+"""The genie server: `Server` (to embed one) and `run_server` (what `genie serve` runs)."""
 
-from .server import Server, run_server
+from .app import Server, run_server
 
 __all__ = ["Server", "run_server"]

@@ -20,7 +20,7 @@ from typing import Any, Callable
 from ..errors import ProtocolError
 from ..protocol import RUNS, Codec, Message, MessageType, Peer, parse, split_identities
 from ..protocol.errors import SESSION_NOT_FOUND, error_content
-from .session import Session
+from .sessions import Session
 
 log = logging.getLogger("genie.server")
 

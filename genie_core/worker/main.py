@@ -14,7 +14,6 @@ import queue
 import signal
 import sys
 import threading
-import time
 import traceback
 from collections import OrderedDict
 from typing import Any
@@ -26,8 +25,8 @@ from ..loop import SocketLoop
 from ..protocol import Codec, Message, MessageType, error_content, for_worker
 from ..serialize import deserialize_namespace, serialize_namespace
 from ..errors import size_text
-from ..transport.base import DATA_THRESHOLD
-from ..transport.segment import Segment, pack_into, segment_spares, split
+from ..dataplane.base import DATA_THRESHOLD
+from ..dataplane.segment import Segment, pack_into, segment_spares, split
 from .streams import FLUSH_INTERVAL, OutStream, capture_fd
 
 log = logging.getLogger("genie.worker")
@@ -247,7 +246,7 @@ class Worker:
             return
         metas, buffers = serialize_namespace({n: self.shell.user_ns[n] for n in names})
         total = sum(memoryview(b).nbytes for b in buffers)
-        if msg.content.get("via") in ("tcp", "shm", "ucx") and total >= DATA_THRESHOLD:
+        if msg.content.get("staged") and total >= DATA_THRESHOLD:  # the client fetches it over its data plane
             for old in self.staged:  # staged earlier and never collected: the client went away
                 old.unlink()
             segment = self.spares.take(total, refill=False)  # the client (or the data port) adopts it

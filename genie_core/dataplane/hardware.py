@@ -1,4 +1,5 @@
-"""Is there RDMA, DPDK, GPUDirect or UCX here? Each answer is (available, reason, details).
+"""Is there RDMA, DPDK or GPUDirect here? Each answer is (available, reason, details), and each is a
+backend that reports it.
 
 The sysfs and procfs roots are parameters, so tests can point them at fixture trees: the
 fake lives at the hardware edge only.
@@ -6,12 +7,13 @@ fake lives at the hardware edge only.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
+
+from .base import Backend, Candidate, Channel, Link, ServerSide
 
 Finding = tuple[bool, str, dict[str, Any]]
 
@@ -87,22 +89,57 @@ def gpudirect(proc_root: str = "/proc") -> Finding:
     return False, "the nvidia_peermem kernel module is not loaded", {}
 
 
-def ucx() -> Finding:
-    if importlib.util.find_spec("ucxx") is None:
-        return False, "the ucxx bindings are not installed (pip install 'genie-jupyter[ucx]')", {}
-    from .ucx import available
+class _Detected(Backend):
+    """A transport found in the hardware of both ends. `rdma` is used through the ucx backend;
+    `dpdk` and `gpudirect` are detected and reported only: Genie has no data path of its own."""
 
-    ok, reason = available()
-    return ok, reason, {}
+    slow_start = True  # pkg-config and sysfs walks: after the server is ready
+
+    def find(self) -> Finding:
+        raise NotImplementedError
+
+    def offer(self, side: ServerSide) -> dict[str, Any]:
+        ok, reason, details = self.find()
+        return {"detect": {self.name: {"available": ok, "reason": reason, "details": details}, "hostname": os.uname().nodename}}
+
+    def probe(self, link: Link, budget: float, found: dict[str, tuple[Candidate, Channel | None]]) -> tuple[Candidate, Channel | None]:
+        remote = (link.server.get("detect") or {}).get(self.name) or {"available": False, "reason": "not reported by the server"}
+        ok, reason, local = self.find()
+        details = {"local": local, "server": remote.get("details", {})}
+        if not ok:
+            return Candidate(self.name, False, f"here: {reason}", details=details), None
+        if not remote["available"]:
+            return Candidate(self.name, False, f"server: {remote['reason']}", details=details), None
+        return self.both(details, found)
+
+    def both(self, details: dict[str, Any], found: dict[str, tuple[Candidate, Channel | None]]) -> tuple[Candidate, Channel | None]:
+        need = "a data path Genie does not have (it is detected and reported only)"
+        return Candidate(self.name, False, f"detected on both ends, but it needs {need}", details=details), None
 
 
-def server_report(sys_root: str = "/sys", proc_root: str = "/proc", with_ucx: bool = True) -> dict[str, Any]:
-    """What this machine supports, for the server's welcome message and `genie status`."""
-    out = {}
-    no_ucx = lambda: (False, "off on this server (genie serve --no-ucx; an embedded server never needs it)", {})  # noqa: E731
-    for name, fn in (("rdma", lambda: rdma(sys_root)), ("dpdk", lambda: dpdk(sys_root, proc_root)),
-                     ("gpudirect", lambda: gpudirect(proc_root)), ("ucx", ucx if with_ucx else no_ucx)):
-        ok, reason, details = fn()
-        out[name] = {"available": ok, "reason": reason, "details": details}
-    out["hostname"] = os.uname().nodename
-    return out
+class Rdma(_Detected):
+    name = "rdma"
+
+    def find(self) -> Finding:
+        return rdma()
+
+    def both(self, details: dict[str, Any], found: dict[str, tuple[Candidate, Channel | None]]) -> tuple[Candidate, Channel | None]:
+        ucx, channel = found.get("ucx", (None, None))
+        if ucx is None or channel is None:
+            return Candidate(self.name, False, "detected on both ends, but it needs the ucx backend, which is unavailable",
+                             details=details), None
+        return Candidate(self.name, True, "RDMA devices on both ends, used through UCX", ucx.rtt_s, ucx.bandwidth, details), channel
+
+
+class Dpdk(_Detected):
+    name = "dpdk"
+
+    def find(self) -> Finding:
+        return dpdk()
+
+
+class GpuDirect(_Detected):
+    name = "gpudirect"
+
+    def find(self) -> Finding:
+        return gpudirect()

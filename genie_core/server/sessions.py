@@ -1,4 +1,5 @@
-"""A client's session on the server: who it is, its workers, and its replay protection."""
+"""Clients' sessions on the server: who each one is, its connections, its replay protection,
+and the record of its requests that answers "did it run?" (kept a while after it ends)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,10 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from ..protocol import Peer
-from .worker_process import WorkerProcess
-
+from ..protocol import Message, Peer
 
 REMEMBERED = 1000  # requests whose outcome a session remembers, for "did it run?" after a lost connection
+ENDED_REMEMBERED = 64  # ended sessions whose request records are kept
 
 
 class Session:
@@ -20,7 +20,6 @@ class Session:
         self.identity = identity
         self.client = client
         self.slot = slot
-        self.workers: dict[int, WorkerProcess] = {}
         self.last_seen = time.monotonic()
         self.created = time.time()
         self._seqs: dict[bytes, int] = {}
@@ -82,5 +81,45 @@ class Session:
             "backend": self.backend,
             "created": self.created,
             "idle_s": round(time.monotonic() - self.last_seen, 3),
-            "workers": [w.info() for w in self.workers.values()],
         }
+
+
+class SessionTable:
+    """The sessions a server holds, and the records of the last ENDED_REMEMBERED that ended."""
+
+    def __init__(self) -> None:
+        self.live: dict[str, Session] = {}
+        self.ended: OrderedDict[str, Session] = OrderedDict()
+
+    def open(self, identity: bytes, hello: Message, slot: int) -> Session:
+        """A session for a client's hello; its heartbeat connection is the one the hello names."""
+        client = hello.content.get("client") or {}
+        try:
+            heartbeat: bytes | None = bytes.fromhex(str(hello.content.get("heartbeat") or ""))[:255] or None
+        except ValueError:
+            heartbeat = None
+        session = Session(identity, {k: str(v)[:200] for k, v in dict(client).items()}, slot,
+                          heartbeat if heartbeat != identity else None)
+        session.accept_seq(identity, hello.seq)
+        self.live[session.id] = session
+        return session
+
+    def end(self, session: Session, why: str) -> None:
+        """It ends: what it was running is recorded as stopped, and the record kept a while."""
+        self.live.pop(session.id, None)
+        session.ended(why)
+        self.ended[session.id] = session
+        while len(self.ended) > ENDED_REMEMBERED:
+            self.ended.popitem(last=False)
+
+    def expired(self, lease: float) -> list[Session]:
+        """Sessions whose clients have said nothing for `lease` seconds."""
+        now = time.monotonic()
+        return [s for s in self.live.values() if now - s.last_seen > lease]
+
+
+def outcomes(session: Session, msg: Message) -> dict[str, Any]:
+    """"Did it run?": for each request id asked about, running, finished (with status), stopped,
+    or not received."""
+    ids = [str(i)[:64] for i in list(msg.content.get("ids") or [])[:1000]]
+    return {"outcomes": {i: session.outcome(i) for i in ids}}

@@ -1,0 +1,183 @@
+"""The client side of a session with one genie server: `Client` is what `%genie_init` and
+`genie_core.init` make. Its parts: the connection (sockets, handshake, heartbeats), recovery
+("did it run?" after a lost connection) and transfers (pushes and pulls over the data plane)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..dataplane import BackendReport, Channel
+from ..events import ClusterEvent, EventBus, EventType, Severity
+from ..monitoring.health import Grade, HealthCheck, HealthReport, worst
+from ..nodes import NodeInfo
+from ..protocol import Message, MessageType
+from .connection import Connection, Request
+from .recovery import LostRequest, Recovery
+from .transfers import Transfers
+
+__all__ = ["Client", "LostRequest", "Request"]
+
+T = MessageType
+
+
+class Client:
+    def __init__(self, host: str, port: int, token: str, *, timeout: float = 30.0, enable_heartbeat: bool = True,
+                 heartbeat_interval: float = 1.0, heartbeat_timeout: float = 4.0, events: EventBus | None = None,
+                 purpose: str = "session", data_port: int | None = None, curve: dict[str, str] | None = None) -> None:
+        self.connection = Connection(host, port, token, timeout=timeout, enable_heartbeat=enable_heartbeat,
+                                     heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout,
+                                     purpose=purpose, curve=curve)
+        self.events = events or EventBus()
+        self.metrics: NodeInfo | None = None  # the newest snapshot the server pushed
+        self.server_health: HealthReport | None = None
+        self.recovery = Recovery(self.connection, self._event)
+        self.transfers = Transfers(self.connection, data_port)
+        self.connection.on_unsolicited = self._on_unsolicited
+
+    # -- what it is connected to ------------------------------------------------------------
+    @property
+    def address(self) -> str:
+        return self.connection.address
+
+    @property
+    def host(self) -> str:
+        return self.connection.host
+
+    @property
+    def session(self) -> str:
+        return self.connection.session
+
+    @property
+    def node(self) -> dict[str, Any]:
+        return self.connection.node
+
+    @property
+    def slot(self) -> int | None:
+        return self.connection.slot
+
+    @property
+    def rtt(self) -> float | None:
+        return self.connection.rtt
+
+    @property
+    def lost_reason(self) -> str | None:
+        return self.connection.lost_reason
+
+    @property
+    def connected(self) -> bool:
+        return self.connection.connected
+
+    @property
+    def closed(self) -> bool:
+        return self.connection.closed
+
+    @property
+    def channel(self) -> Channel:
+        """The data-plane channel in use (`channel.name`: the backend discovery chose)."""
+        return self.transfers.channel
+
+    @property
+    def backend_report(self) -> BackendReport | None:
+        return self.transfers.report
+
+    @property
+    def lost_requests(self) -> dict[str, LostRequest]:
+        return self.recovery.lost
+
+    def take_settled(self) -> list[LostRequest]:
+        """Lost requests whose fate is now known and not yet reported (each is returned once)."""
+        return self.recovery.take_settled()
+
+    # -- the API --------------------------------------------------------------------------
+    def connect(self) -> Client:
+        self.connection.connect()
+        self._event(EventType.CONNECTED, Severity.INFO, f"connected to {self.address} (session {self.session[:8]})",
+                    session=self.session[:8])
+        return self
+
+    def select_backend(self, requested: str = "auto", budget: float = 1.0) -> BackendReport:
+        """Measure the data-plane backends to this server and use the best (or the one asked for)."""
+        report = self.transfers.select(requested, budget)
+        self._event(EventType.BACKEND_SELECTED, Severity.INFO, report.reason, backend=report.chosen, report=report.to_dict())
+        return report
+
+    def request(self, msg: Message) -> Request:
+        """Send a request on the control connection; its replies arrive on the returned Request."""
+        return self.connection.request(msg)
+
+    def execute(self, code: str, *, gpu: int | None = None, silent: bool = False) -> Request:
+        request = self.request(Message(T.EXECUTE, {"code": code, "gpu": gpu, "silent": silent}))
+        first = next((line.strip() for line in code.splitlines() if line.strip()), "")
+        request.summary = first if len(first) <= 60 else first[:57] + "..."
+        return request
+
+    def interrupt(self, request: Request | str | None = None) -> None:
+        """Interrupt a cell (default: whichever runs): KeyboardInterrupt in its code, or, if it has
+        not started yet, it never runs. Its own reply says which; a finished cell is left alone."""
+        target = request.id if isinstance(request, Request) else request
+        self.request(Message(T.INTERRUPT, {"request": target}))
+
+    def push(self, values: dict[str, Any], *, gpu: int | None = None, device: str | None = None, timeout: float | None = None,
+             progress: Any = None) -> list[str]:
+        """Send values to the session's worker. `progress(done, total)` follows the bytes (data plane only)."""
+        return self.transfers.push(values, gpu=gpu, device=device, timeout=timeout, progress=progress)
+
+    def pull(self, names: list[str], *, gpu: int | None = None, timeout: float | None = None, progress: Any = None) -> dict[str, Any]:
+        """Bring values back from the session's worker. `progress(done, total)` as with `push`."""
+        return self.transfers.pull(names, gpu=gpu, timeout=timeout, progress=progress)
+
+    def ping(self, timeout: float = 5.0) -> float:
+        import time
+
+        start = time.perf_counter()
+        self.request(Message(T.PING)).wait(timeout)
+        return time.perf_counter() - start
+
+    def info(self, timeout: float = 5.0, history_points: int = 60, events: int = 50) -> dict[str, Any]:
+        """The server's node, latest readings, health, recent history and events, sessions."""
+        return self.request(Message(T.INFO, {"history_points": history_points, "events": events})).wait(timeout).content
+
+    def close(self, notify: bool = True) -> None:
+        if self.connection.closed:
+            return
+        if notify and self.connected:
+            try:
+                self.request(Message(T.CLOSE)).wait(timeout=1.0)
+            except Exception:
+                pass  # the server reaps the session after its lease anyway
+        if self.session:
+            self._event(EventType.SESSION_CLOSED, Severity.INFO, f"session {self.session[:8]} closed", session=self.session[:8])
+        self.transfers.close()
+        self.connection.close()
+
+    # -- what the server tells us ---------------------------------------------------------
+    def _on_unsolicited(self, msg: Message) -> None:
+        """Messages the server sends on its own: events and metric snapshots."""
+        if msg.type == T.EVENT:
+            self.events.emit(ClusterEvent.from_dict(msg.content))
+        elif msg.type == T.METRICS:
+            self.metrics = NodeInfo.from_dict(msg.content["node"])
+            if msg.content.get("health"):
+                self.server_health = HealthReport.from_dict(msg.content["health"])
+            self.events.emit(ClusterEvent(EventType.METRICS, self.metrics.node_id, Severity.INFO, msg.content))
+
+    def _event(self, kind: EventType, severity: Severity, message: str, **data: Any) -> None:
+        node = self.node.get("node_id", self.address)
+        self.events.emit(ClusterEvent(kind, node, severity, {"message": message, "address": self.address, **data}))
+
+    @property
+    def health(self) -> HealthReport | None:
+        """The server's own report plus what only the client sees: the network and the peer."""
+        base = self.server_health
+        if base is None and self.lost_reason is None:
+            return None
+        checks = list(base.checks) if base else []
+        if self.rtt is not None:
+            slow = self.rtt >= 0.5
+            checks.append(HealthCheck("network", Grade.DEGRADED if slow else Grade.HEALTHY,
+                                      f"network: heartbeat round trip {self.rtt * 1000:.1f} ms"))
+        lost = self.lost_reason is not None
+        checks.append(HealthCheck("peers", Grade.UNHEALTHY if lost else Grade.HEALTHY,
+                                  self.lost_reason if lost else f"peers: {self.address} reachable"))
+        node = base.node if base else self.node.get("node_id", self.address)
+        return HealthReport(node, worst([c.grade for c in checks]), checks)

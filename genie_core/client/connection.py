@@ -1,0 +1,405 @@
+"""One client's connection to one server: the handshake, requests and their replies, heartbeats,
+and noticing when the server stops answering.
+
+Requests go out on one DEALER socket, heartbeats on a second one (so a long cell or a large
+transfer never delays them); both belong to a background loop thread, which also closes them.
+Callers block on the request they made, never on the socket.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import zmq
+
+from ..errors import AuthenticationError, ConnectionFailed, ConnectionLost, GenieError, LimitExceeded, ProtocolError, size_text
+from ..loop import SocketLoop
+from ..protocol import TERMINAL, Codec, Message, MessageType, Peer, derive_key, error_from, parse
+from ..protocol.errors import SESSION_NOT_FOUND
+
+log = logging.getLogger("genie.client")
+
+T = MessageType
+HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+# The start of a ZMTP 3 greeting (signature, major version): a ZMTP server answers it with its
+# whole 64-byte greeting, which names its security mechanism at bytes 12-31.
+ZMTP_SIGNATURE = b"\xff" + bytes(8) + b"\x7f\x03"
+GREETING_BYTES = 64
+ANSWERED_WHILE_LOST = (T.HELLO, T.PING, T.OUTCOME)  # what may still be sent while the server is not answering
+
+
+@dataclass
+class Closed:
+    """Put on a request's queue when its connection went: the error its waiter raises."""
+
+    error: BaseException
+
+
+class Request:
+    """One request in flight: its replies arrive here, in order, ending with a terminal one."""
+
+    def __init__(self, msg: Message, address: str) -> None:
+        self.id = msg.id
+        self.type = msg.type
+        self.address = address
+        self.sent = time.monotonic()
+        self.summary = ""  # a few words on what it does, should it be lost
+        self._queue: queue.SimpleQueue[Message | Closed] = queue.SimpleQueue()
+        self.done = False
+
+    def put(self, item: Message | Closed) -> None:
+        self._queue.put(item)
+
+    def next(self, timeout: float | None = None) -> Message | None:
+        """The next reply, or None after `timeout` seconds. Raises if the connection is lost."""
+        try:
+            item = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if isinstance(item, Closed):
+            self.done = True
+            raise item.error
+        if item.type in TERMINAL:
+            self.done = True
+        if item.type == T.ERROR_REPLY:
+            raise error_from(item.content)
+        return item
+
+    def replies(self, timeout: float | None = None) -> Iterator[Message]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.done:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"no reply to {self.type} from {self.address} within {timeout} s")
+            msg = self.next(timeout=left)
+            if msg is not None:
+                yield msg
+
+    def wait(self, timeout: float | None = None) -> Message:
+        last = None
+        for last in self.replies(timeout):
+            pass
+        assert last is not None
+        return last
+
+
+class Connection:
+    """The sockets and the protocol of one session. What happens to the session (lost, back,
+    replies nobody waits for, events) goes to the owner through the `on_*` callbacks, which run
+    on the loop thread."""
+
+    def __init__(self, host: str, port: int, token: str, *, timeout: float = 30.0, enable_heartbeat: bool = True,
+                 heartbeat_interval: float = 1.0, heartbeat_timeout: float = 4.0, purpose: str = "session",
+                 curve: dict[str, str] | None = None) -> None:
+        self.host, self.port = host, port
+        self.address = f"{host}:{port}"
+        self.codec = Codec(derive_key(token))
+        self.timeout = timeout
+        self.enable_heartbeat = enable_heartbeat
+        self.heartbeat_interval, self.heartbeat_timeout = heartbeat_interval, heartbeat_timeout
+        self.purpose = purpose  # "probe" for one-shot tools like `genie status`
+        self.curve = curve  # keys from the connection file of a server started with --encrypt
+        self.session = ""
+        self.node: dict[str, Any] = {}
+        self.slot: int | None = None
+        self.lost_reason: str | None = None
+        self.session_gone = False  # the server said it no longer has our session
+        self.rtt: float | None = None
+        self.closed = False
+        self.pending: dict[str, Request] = {}
+        self.last_heard = time.monotonic()
+        self.on_lost: Callable[[str, list[Request]], None] = lambda reason, cut: None
+        self.on_back: Callable[[], None] = lambda: None
+        self.on_orphan: Callable[[Message], None] = lambda msg: None  # a reply nobody waits for any more
+        self.on_unsolicited: Callable[[Message], None] = lambda msg: None  # events and readings
+        self.on_session_gone: Callable[[str], None] = lambda why: None
+        self._seq = itertools.count(1)
+        self._send_locks: dict[Any, threading.Lock] = {}  # one per socket: a big request never holds up a ping
+        self._handshake_error: GenieError | None = None  # set by the loop thread as a handshake fails
+        self._loop: SocketLoop | None = None
+
+    # -- connecting -------------------------------------------------------------------------
+    def connect(self) -> dict[str, Any]:
+        """Handshake; returns the server's welcome."""
+        start = time.monotonic()
+        self._probe_server()
+        ctx = zmq.Context()
+        self._loop = SocketLoop("client", context=ctx)  # it closes the sockets and ends the context
+        endpoint = f"tcp://[{self.host}]:{self.port}" if ":" in self.host else f"tcp://{self.host}:{self.port}"
+        self.main = self._dealer(ctx)
+        self.heartbeat = self._dealer(ctx)
+        self._send_locks = {self.main: threading.Lock(), self.heartbeat: threading.Lock()}
+        self._loop.add_socket(self.main, self._on_readable)
+        self._loop.add_socket(self.heartbeat, self._on_readable)
+        # Monitors before connecting: a handshake can fail before a later monitor would see it.
+        self._loop.add_socket(self.main.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED), self._on_connection_event)
+        if self.enable_heartbeat:  # a crashed server closes its connections: notice at once
+            self._loop.add_socket(self.heartbeat.get_monitor_socket(zmq.EVENT_DISCONNECTED), self._on_disconnect)
+        self._loop.on_exit.append(self._disable_monitors)
+        self.main.connect(endpoint)
+        self.heartbeat.connect(endpoint)
+        self._loop.start()
+        hello = Message(T.HELLO, {
+            "client": {"host": socket.gethostname(), "pid": os.getpid(), "user": os.environ.get("USER", ""), "purpose": self.purpose},
+            "heartbeat": self.heartbeat.getsockopt(zmq.ROUTING_ID).hex(),  # pings come, and events go, there only
+        })
+        left = self.timeout - (time.monotonic() - start)
+        try:
+            request = self.request(hello)
+            if self._handshake_error is not None and self.pending.pop(request.id, None) is not None:
+                raise self._handshake_error  # it failed before the hello was even registered
+            welcome = request.wait(timeout=max(left, 0.1))
+        except TimeoutError:
+            self.close()
+            raise ConnectionFailed(
+                f"the server at {self.address} accepted a TCP connection but did not answer the Genie handshake "
+                f"within {self.timeout:g} s: is a genie server (protocol genie/2) listening there?"
+            ) from None
+        except BaseException:
+            self.close()
+            raise
+        self.session = welcome.content["session"]
+        self.node = welcome.content.get("node", {})
+        self.slot = welcome.content.get("slot")
+        self.last_heard = time.monotonic()
+        if self.enable_heartbeat:
+            self._loop.call_every(self.heartbeat_interval, self._heartbeat)
+        return welcome.content
+
+    def _probe_server(self) -> None:
+        """Fail fast, with the reason, when nothing listens, something other than ZMTP answers, or
+        the server's encryption differs from ours (zmq itself would retry silently). Sends only
+        the start of a greeting, and reads the server's, which names its security mechanism."""
+        where = f"a genie server at {self.address}"
+        deadline = time.monotonic() + self.timeout
+        connected = False
+        greeting = b""
+        try:
+            with socket.create_connection((self.host, self.port), timeout=self.timeout) as sock:
+                connected = True
+                sock.sendall(ZMTP_SIGNATURE)
+                while len(greeting) < GREETING_BYTES:
+                    sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                    chunk = sock.recv(GREETING_BYTES - len(greeting))
+                    if not chunk:
+                        break
+                    greeting += chunk
+        except ConnectionRefusedError:
+            raise ConnectionFailed(f"could not connect to {where}: connection refused (is `genie serve` running there?)") from None
+        except socket.gaierror as exc:
+            raise ConnectionFailed(f"could not connect to {where}: unknown host ({exc.strerror})") from None
+        except (socket.timeout, TimeoutError):
+            raise ConnectionFailed(
+                f"could not connect to {where}: no answer within {self.timeout:g} s" if not connected else
+                f"the server at {self.address} accepted a TCP connection but did not answer the Genie handshake "
+                f"within {self.timeout:g} s: is a genie server (protocol genie/2) listening there?") from None
+        except OSError as exc:
+            raise ConnectionFailed(f"could not connect to {where}: {exc.strerror or exc}") from None
+        if len(greeting) < GREETING_BYTES:
+            raise ConnectionFailed(f"the server at {self.address} closed the connection during the Genie handshake "
+                                   "(it stopped or crashed, or it is not a genie server)")
+        if greeting[0] != 0xFF or greeting[9] != 0x7F:
+            raise ConnectionFailed(f"the server at {self.address} does not speak ZMTP: is a genie server listening there?")
+        mechanism = greeting[12:32].rstrip(b"\0")
+        if mechanism == b"CURVE" and not self.curve:
+            raise AuthenticationError(
+                f"the server at {self.address} requires encryption (genie serve --encrypt): connect with its "
+                "connection file (--connection-file), which holds the keys")
+        if mechanism == b"NULL" and self.curve:
+            raise ConnectionFailed(f"the server at {self.address} does not encrypt (it was started without --encrypt), "
+                                   "but the connection file holds encryption keys: use its current connection file")
+
+    def _dealer(self, ctx: zmq.Context) -> zmq.Socket:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.ROUTING_ID, os.urandom(16))
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)  # harmless for IPv4 addresses
+        if self.curve:
+            from ..encryption import secure_client
+
+            secure_client(sock, self.curve)
+        return sock
+
+    def _on_connection_event(self, monitor: zmq.Socket) -> None:
+        """The control connection's events. During the handshake, a failure (CURVE keys,
+        mechanism) or a closed connection is final: say why at once instead of waiting for the
+        timeout. After it, a closed connection loses what was in flight on it (zmq reconnects by
+        itself): those requests fail now, and "did it run?" asks about them once it is back."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        while monitor.poll(0):
+            event = recv_monitor_message(monitor)
+            if self.session:
+                if event["event"] == zmq.EVENT_DISCONNECTED and not self.closed:
+                    self.mark_lost(f"connection to genie server at {self.address} lost: the server closed the connection")
+                continue
+            if self._handshake_error is not None:
+                continue  # the first event says why; a disconnect follows every failed handshake
+            kind, value = event["event"], event["value"]
+            if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                error: GenieError = AuthenticationError(
+                    f"the server at {self.address} refused this client's encryption key: use the connection file "
+                    "the server wrote this time it started (`genie serve --encrypt` makes new keys at each start)")
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                error = ConnectionFailed(f"the handshake with {self.address} broke the ZMTP protocol (error {value:#x}): "
+                                         "is a genie server listening there?")
+            elif self.curve:  # the server drops a client whose key exchange it cannot read
+                error = ConnectionFailed(f"the encryption handshake with {self.address} failed: the server there does not hold "
+                                         "the key in the connection file (a stale file, or someone in between), or it "
+                                         "stopped during the handshake")
+            else:
+                error = ConnectionFailed(f"the server at {self.address} closed the connection during the Genie handshake "
+                                         "(it stopped or crashed, or it is not a genie server)")
+            self._handshake_error = error  # first, then the hello: connect() checks in the other order
+            for request in [r for r in list(self.pending.values()) if r.type == T.HELLO]:
+                self.pending.pop(request.id, None)
+                request.put(Closed(error))
+
+    def _disable_monitors(self) -> None:
+        """On the loop thread as it ends: stop socket monitors before their sockets close."""
+        for sock in (self.main, self.heartbeat):
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+
+    # -- requests and replies -----------------------------------------------------------
+    def request(self, msg: Message, *, heartbeat: bool = False) -> Request:
+        """Send `msg` (on the heartbeat connection if asked); its replies arrive on the Request."""
+        if self.closed or self._loop is None:
+            raise ConnectionLost(f"the connection to {self.address} is closed")
+        request = Request(msg, self.address)
+        # Registered first, then checked: a connection lost meanwhile either sees it, or is seen here.
+        self.pending[msg.id] = request
+        if self.lost_reason is not None and msg.type not in ANSWERED_WHILE_LOST:
+            self.pending.pop(msg.id, None)
+            raise ConnectionLost(self.lost_reason)
+        target = self.heartbeat if heartbeat else self.main
+        msg.session = self.session
+        limit = (self.node.get("limits") or {}).get("message_bytes")
+        loop = self._loop
+        with self._send_locks[target]:  # sequence numbers must reach each socket in order
+            msg.seq = next(self._seq)
+            frames = self.codec.pack(msg)
+            size = sum(memoryview(f).nbytes for f in frames)
+            if limit is not None and size > limit:  # the server would drop the connection instead
+                self.pending.pop(msg.id, None)
+                raise LimitExceeded(f"this {msg.type} message of {size_text(size)} is over the {size_text(limit)} the server "
+                                    f"at {self.address} takes in one message (GENIE_MAX_MESSAGE_BYTES there)")
+            loop.call_soon(lambda: loop.send(target, frames))
+        return request
+
+    def _on_readable(self, sock: zmq.Socket) -> None:
+        for _ in range(256):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                msg = self.codec.unpack(frames)
+            except ProtocolError as exc:
+                self._on_unauthenticated(frames, exc)
+                continue
+            if parse(msg.type, Peer.SERVER) is None:
+                log.warning("dropped a %r message from %s: servers do not send that", msg.type, self.address)
+                continue
+            self.last_heard = time.monotonic()
+            if msg.type == T.PONG:
+                self.rtt = time.monotonic() - getattr(self.pending.get(msg.parent), "sent", time.monotonic())
+            session_unknown = msg.type == T.ERROR_REPLY and msg.content.get("ename") == SESSION_NOT_FOUND
+            if self.lost_reason is not None and self.session and not self.session_gone and not session_unknown:
+                self.lost_reason = None
+                self.on_back()
+            if not msg.parent:
+                self.on_unsolicited(msg)
+                continue
+            request = self.pending.get(msg.parent)
+            if request is not None and msg.type in TERMINAL:
+                self.pending.pop(msg.parent, None)
+            if request is None:
+                self.on_orphan(msg)
+            if session_unknown:
+                self._session_ended(str(msg.content.get("evalue", "session not found")))
+            if request is not None:
+                request.put(msg)
+
+    def _on_unauthenticated(self, frames: list[Any], exc: ProtocolError) -> None:
+        try:
+            msg = Codec(None).unpack(frames, verify=False)
+        except ProtocolError:
+            log.warning("dropped a malformed message from %s: %s", self.address, exc)
+            return
+        request = self.pending.pop(msg.parent, None)
+        if msg.type == T.AUTH_FAILED and request is not None and request.type == T.HELLO:
+            request.put(Closed(AuthenticationError(
+                f"authentication failed: the token does not match the server at {self.address} "
+                "(see the `genie serve` output or its connection file)")))
+        else:
+            log.warning("dropped an unauthenticated message from %s: %s", self.address, exc)
+
+    # -- liveness -------------------------------------------------------------------------
+    def _on_disconnect(self, monitor: zmq.Socket) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while monitor.poll(0):
+            event = recv_monitor_message(monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED and self.session and not self.closed:
+                self.mark_lost(f"connection to genie server at {self.address} lost: the server closed the connection "
+                               "(it stopped or crashed)")
+
+    def _heartbeat(self) -> None:
+        silent_for = time.monotonic() - self.last_heard
+        if self.lost_reason is None and silent_for > self.heartbeat_timeout:
+            self.mark_lost(f"connection to genie server at {self.address} lost: no heartbeat for {silent_for:.1f} s")
+        for rid, req in list(self.pending.items()):
+            if req.type == T.PING and time.monotonic() - req.sent > self.heartbeat_timeout:
+                self.pending.pop(rid, None)
+        try:
+            self.request(Message(T.PING), heartbeat=True)
+        except ConnectionLost:
+            pass
+
+    def mark_lost(self, reason: str) -> None:
+        """The server stopped answering: every request in flight fails now (the owner learns
+        which, to ask about them later); pings go on, and the first answer brings it back."""
+        if self.lost_reason is not None:
+            return
+        self.lost_reason = reason
+        log.warning(reason)
+        cut = [r for r in list(self.pending.values()) if r.type != T.PING]
+        for request in cut:
+            self.pending.pop(request.id, None)
+        self.on_lost(reason, cut)
+
+    def _session_ended(self, why: str) -> None:
+        """The server no longer knows our session (it expired while we were cut off, or the
+        server restarted): this connection is done."""
+        if self.lost_reason is None:
+            self.mark_lost(why)
+        self.lost_reason = f"{why}; run %genie_init (or genie_core.init) again to start a new session"
+        if not self.session_gone:
+            self.session_gone = True
+            self.on_session_gone(why)
+
+    @property
+    def connected(self) -> bool:
+        return bool(self.session) and self.lost_reason is None and not self.closed
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Fail what is pending, stop the loop (it closes the sockets, then ends the context)."""
+        if self.closed:
+            return
+        self.closed = True
+        for request in list(self.pending.values()):
+            request.put(Closed(ConnectionLost(f"the connection to {self.address} was closed")))
+        self.pending.clear()
+        if self._loop is not None:
+            self._loop.stop(timeout=timeout)

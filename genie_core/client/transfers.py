@@ -1,0 +1,104 @@
+"""Pushes and pulls: values serialized (tensors and arrays as raw bytes), the bytes moved by the
+data-plane channel that discovery chose, and a broken data connection said plainly."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator
+
+from ..dataplane import DATA_THRESHOLD, BackendReport, Channel, InlineChannel, Link, backends, discover
+from ..errors import ConnectionLost, GenieError, LimitExceeded, size_text
+from ..protocol import Message, MessageType, error_from
+from ..serialize import deserialize_namespace, serialize_namespace
+from .connection import Connection
+
+T = MessageType
+
+
+class Transfers:
+    def __init__(self, connection: Connection, data_port: int | None = None) -> None:
+        self.connection = connection
+        self.data_port = data_port  # a tcp data port given by the user (tunnels, relays), else the server's
+        self.channel: Channel = InlineChannel()
+        self.report: BackendReport | None = None
+        self._lock = threading.Lock()  # one transfer at a time on the data plane
+
+    def select(self, requested: str = "auto", budget: float = 1.0) -> BackendReport:
+        """Measure the data-plane backends to this server and use the best (or the one asked for)."""
+        c = self.connection
+
+        def data_probe(ref: dict[str, Any] | None, blob: bytes) -> None:
+            c.request(Message(T.DATA_PROBE, {"data": ref}, [blob] if blob else [])).wait(10)
+
+        def ping() -> None:
+            c.request(Message(T.PING)).wait(10)
+
+        link = Link(c.host, c.codec.key or b"", c.session, c.node.get("transport") or {}, self.data_port, data_probe,
+                    ping, requested)
+        report, channel = discover(backends(), link, budget)
+        with self._lock:
+            self.channel.close()
+            self.channel, self.report = channel, report
+        c.request(Message(T.SET_BACKEND, {"backend": report.chosen})).wait(5)
+        return report
+
+    def push(self, values: dict[str, Any], *, gpu: int | None = None, device: str | None = None,
+             timeout: float | None = None, progress: Any = None) -> list[str]:
+        metas, buffers = serialize_namespace(values)
+        size = sum(memoryview(b).nbytes for b in buffers)
+        limit = (self.connection.node.get("limits") or {}).get("session_bytes")
+        if limit is not None and size > limit:  # said before a byte is sent
+            raise LimitExceeded(f"this push of {size_text(size)} is more than the server lets a session hold "
+                                f"({size_text(limit)}, --max-session-bytes)")
+        content: dict[str, Any] = {"values": metas, "gpu": gpu, "device": device}
+        with self._lock:  # the reply frees the channel's buffer for the next transfer
+            ref = None
+            if size >= DATA_THRESHOLD:
+                with self._data_errors("push"):
+                    ref = self.channel.put(buffers, progress)
+            if ref is not None:
+                content["data"], buffers = ref, []
+            try:
+                reply = self.connection.request(Message(T.PUSH, content, buffers)).wait(timeout)
+            except BaseException:
+                if ref is not None:
+                    self.channel.discard(ref)  # nobody adopted it
+                raise
+            finally:
+                if ref is not None:
+                    self.channel.after()
+        if reply.content.get("status") != "ok":
+            raise error_from(reply.content)
+        return list(reply.content.get("names", []))
+
+    def pull(self, names: list[str], *, gpu: int | None = None, timeout: float | None = None,
+             progress: Any = None) -> dict[str, Any]:
+        with self._lock:
+            content = {"names": list(names), "gpu": gpu, "staged": self.channel.staged}
+            reply = self.connection.request(Message(T.PULL, content)).wait(timeout)
+            if reply.content.get("status") != "ok":
+                raise error_from(reply.content)
+            ref = reply.content.get("data")
+            if ref:
+                with self._data_errors("pull"):
+                    buffers = self.channel.get(ref, progress)
+            else:
+                buffers = reply.buffers
+        return deserialize_namespace(reply.content["values"], buffers)
+
+    @contextlib.contextmanager
+    def _data_errors(self, what: str) -> Iterator[None]:
+        """A data connection that breaks is a lost connection, said plainly (whatever the backend raised)."""
+        try:
+            yield
+        except GenieError:
+            raise
+        except Exception as exc:
+            raise ConnectionLost(
+                f"the {self.channel.name} data connection to genie server at {self.connection.address} broke during a "
+                f"{what} ({type(exc).__name__}: {exc}); run %genie_init (or genie_core.init) to reconnect"
+            ) from None
+
+    def close(self) -> None:
+        self.channel.close()

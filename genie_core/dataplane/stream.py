@@ -1,0 +1,225 @@
+"""The exchange on a stream backend (tcp, ucx), both ends, written once and without I/O.
+
+Each side is a generator that yields what to send or receive (`Send`, `Receive`, ...) and is
+sent back what was received; a backend only drives it over its own connection, synchronously
+(tcp) or with asyncio (ucx), as h11 does for HTTP. The exchange:
+
+    server: GREETING + nonce    client: {"session", "proof", "mac"}    server: {"ok", "mac"}
+    then, any number of times:
+    put   client: {"op": "put", "sizes"} payload      server: {"ok", "segment"} (a segment the worker adopts)
+    get   client: {"op": "get", "segment", "size"}    server: {"ok", "size"} payload (a segment a worker staged)
+    ping  client: {"op": "ping"}                       server: {"ok"}
+    sink  client: {"op": "sink", "size"} payload       server: {"ok"} (discovery: received and discarded)
+
+Payloads carry a MAC trailer (wire.PayloadMac) when the connection has MACs on: when either end
+asks for them (each asks when its peer is not on loopback), and the server's answer settles it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generator
+
+from . import wire
+from .segment import Segment, segment_spares, split
+
+log = logging.getLogger("genie.data")
+
+
+@dataclass
+class Send:
+    """Send raw bytes (the greeting)."""
+
+    data: bytes
+
+
+@dataclass
+class Receive:
+    """Receive exactly `size` raw bytes."""
+
+    size: int
+
+
+@dataclass
+class SendHeader:
+    header: dict[str, Any]
+
+
+@dataclass
+class ReceiveHeader:
+    limit: int = 1 << 20
+
+
+@dataclass
+class SendPayload:
+    buffers: list[Any]
+    mac: wire.PayloadMac | None
+    progress: wire.Progress = None
+
+
+@dataclass
+class ReceivePayload:
+    """Receive into `view`; the driver answers whether the MAC trailer matched (True if none)."""
+
+    view: memoryview
+    mac: wire.PayloadMac | None
+    progress: wire.Progress = None
+    pieces: list[int] = field(default_factory=list)  # buffer sizes, so MAC pieces are cut as the sender cut them
+
+
+Step = Send | Receive | SendHeader | ReceiveHeader | SendPayload | ReceivePayload
+Exchange = Generator[Step, Any, Any]
+
+
+def mac_matches(mac: wire.PayloadMac | None, trailer: bytes) -> bool:
+    return mac is None or hmac.compare_digest(trailer, mac.digest())
+
+
+# -- the server's side ----------------------------------------------------------------------
+
+@dataclass
+class DataHost:
+    """What a data listener needs from the server: the key, which sessions exist (and their
+    workers' pids), who owns the segments filled here, and the largest put it takes."""
+
+    key: bytes
+    session_workers: Callable[[str], list[int] | None]
+    owners: dict[str, str] = field(default_factory=dict)  # segment name -> session, shared by all listeners
+    max_put: int = 1 << 50
+
+
+def serve(host: DataHost, mac_on: bool) -> Exchange:
+    """One data connection, server side: authenticate it, then answer its requests."""
+    nonce = os.urandom(32)
+    yield Send(wire.GREETING + nonce)
+    hello = yield ReceiveHeader(4096)
+    session = str(hello.get("session", ""))
+    try:
+        proof = bytes.fromhex(str(hello.get("proof", "")))
+    except ValueError:
+        proof = b""
+    if host.session_workers(session) is None or not hmac.compare_digest(proof, wire.handshake_mac(host.key, nonce, session)):
+        log.warning("refused a data connection: bad proof or unknown session")
+        yield SendHeader({"ok": False, "error": "authentication failed"})
+        return
+    mac_on = mac_on or bool(hello.get("mac"))
+    yield SendHeader({"ok": True, "mac": mac_on})
+    macs = wire.PayloadMacs(host.key, nonce, mac_on)
+    made: list[Segment] = []  # filled here, not yet adopted by a worker
+    spares = segment_spares("genie-s")
+    scratch = bytearray(0)
+    try:
+        while True:
+            header = yield ReceiveHeader()
+            op = header.get("op")
+            if op == "ping":
+                yield SendHeader({"ok": True})
+            elif op == "put":
+                sizes = [int(n) for n in header["sizes"]]
+                wire.check_put(sizes, host.max_put)
+                for old in [m for m in made if not m.path.exists()]:  # adopted by a worker since
+                    made.remove(old)
+                    host.owners.pop(old.name, None)
+                segment = spares.take(sum(sizes), refill=False)
+                made.append(segment)
+                try:
+                    ok = yield ReceivePayload(segment.view[: sum(sizes)], macs.start(b"up"), pieces=sizes)
+                finally:
+                    segment.close()
+                if not ok:
+                    made.remove(segment)
+                    segment.unlink()
+                    yield SendHeader({"ok": False, "error": "payload failed authentication"})
+                    continue
+                host.owners[segment.name] = session
+                yield SendHeader({"ok": True, "segment": segment.name, "sizes": sizes})
+                spares.refill(sum(sizes))
+            elif op == "get":
+                view = _staged(host, session, str(header.get("segment", "")))
+                if view is None:
+                    yield SendHeader({"ok": False, "error": "no such staged data for this session"})
+                    continue
+                size = min(int(header["size"]), len(view))
+                yield SendHeader({"ok": True, "size": size})
+                yield SendPayload([view[:size]], macs.start(b"down"))
+            elif op == "sink":
+                n = int(header["size"])
+                wire.check_put([n], host.max_put)
+                if len(scratch) < n:
+                    scratch = bytearray(n)
+                ok = yield ReceivePayload(memoryview(scratch)[:n], macs.start(b"up"), pieces=[n])
+                yield SendHeader({"ok": ok})
+            else:
+                yield SendHeader({"ok": False, "error": f"unknown op {op!r}"})
+    finally:
+        spares.close()
+        for segment in made:  # filled but never adopted (the client went away): free them
+            host.owners.pop(segment.name, None)
+            segment.unlink()
+
+
+def _staged(host: DataHost, session: str, name: str) -> memoryview | None:
+    """A segment one of this session's workers staged for a pull (and nobody else's)."""
+    parts = name.split("-")
+    pids = host.session_workers(session) or []
+    if len(parts) < 4 or parts[1] != "w" or not parts[2].isdigit() or int(parts[2]) not in pids:
+        return None
+    try:
+        return Segment.adopt(name)  # staged for exactly one pull: gone once sent
+    except (OSError, ValueError):
+        return None
+
+
+# -- the client's side ----------------------------------------------------------------------
+
+def authenticate(key: bytes, session: str, want_mac: bool) -> Exchange:
+    """Returns the connection's payload MACs, on if either end asked for them."""
+    greeting = yield Receive(len(wire.GREETING) + 32)
+    if not greeting.startswith(wire.GREETING):
+        raise ConnectionError("not a genie data port (or another version of it)")
+    nonce = greeting[len(wire.GREETING):]
+    yield SendHeader({"session": session, "proof": wire.handshake_mac(key, nonce, session).hex(), "mac": want_mac})
+    reply = yield ReceiveHeader()
+    if not reply.get("ok"):
+        raise PermissionError("the data port refused this session")
+    return wire.PayloadMacs(key, nonce, on=bool(reply.get("mac")) or want_mac)
+
+
+def put(macs: wire.PayloadMacs, buffers: list[Any], progress: wire.Progress = None) -> Exchange:
+    sizes = [memoryview(b).nbytes for b in buffers]
+    yield SendHeader({"op": "put", "sizes": sizes})
+    yield SendPayload(buffers, macs.start(b"up"), progress)
+    reply = yield ReceiveHeader()
+    if not reply.get("ok"):
+        raise ConnectionError(f"data put failed: {reply.get('error')}")
+    return {"segment": reply["segment"], "sizes": sizes}
+
+
+def get(macs: wire.PayloadMacs, ref: dict[str, Any], into: memoryview, progress: wire.Progress = None) -> Exchange:
+    """Fetch a staged segment into `into` (the caller's reused receive buffer); returns its buffers."""
+    sizes = [int(n) for n in ref["sizes"]]
+    total = sum(sizes)
+    yield SendHeader({"op": "get", "segment": ref["segment"], "size": total})
+    reply = yield ReceiveHeader()
+    if not reply.get("ok"):
+        raise ConnectionError(f"data get failed: {reply.get('error')}")
+    if not (yield ReceivePayload(into[:total], macs.start(b"down"), progress, pieces=[total])):
+        raise ConnectionError("payload failed authentication")
+    return split(into, sizes)
+
+
+def ping() -> Exchange:
+    yield SendHeader({"op": "ping"})
+    yield ReceiveHeader()
+
+
+def sink(macs: wire.PayloadMacs, payload: memoryview) -> Exchange:
+    """Send bytes the server receives and discards: how fast this connection moves data."""
+    yield SendHeader({"op": "sink", "size": len(payload)})
+    yield SendPayload([payload], macs.start(b"up"))
+    reply = yield ReceiveHeader()
+    if not reply.get("ok"):
+        raise ConnectionError("payload failed authentication")

@@ -1,0 +1,104 @@
+"""What crosses a raw data connection (tcp, ucx): a greeting with a nonce, JSON headers, and raw
+payload bytes, with a MAC that binds each payload to its connection, direction and order."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import socket
+import struct
+from typing import Any, Callable
+
+from ..protocol import chunk_digests
+
+GREETING = b"GENIE-DATA/2"
+CHUNK = 8 << 20  # bytes per socket call; a multiple of the MAC's 4 MiB chunks
+Progress = Callable[[int, int], None] | None  # (bytes done, bytes in all)
+
+
+def handshake_mac(key: bytes, nonce: bytes, session: str) -> bytes:
+    """The client's proof that it holds the token, for this connection's nonce and session."""
+    return hmac.new(key, b"genie data connection\0" + nonce + session.encode(), hashlib.sha256).digest()
+
+
+class PayloadMac:
+    """One payload's MAC: HMAC over the SHA-256 digests of its 4 MiB chunks (as the control
+    messages sign buffers), so a transfer can hash its pieces while it moves them. Pieces must be
+    cut at multiples of 4 MiB, except the last piece of each buffer."""
+
+    def __init__(self, key: bytes, label: bytes) -> None:
+        self.key, self.label = key, label
+        self.digests: list[bytes] = []
+
+    def update(self, piece: Any) -> None:
+        self.digests.append(chunk_digests(piece))
+
+    def digest(self) -> bytes:
+        return hmac.new(self.key, self.label + b"".join(self.digests), hashlib.sha256).digest()
+
+
+class PayloadMacs:
+    """A connection's payload MACs, keyed by the token and bound to the connection's nonce, the
+    direction and a transfer counter, so a payload replayed, reordered or moved to another
+    connection fails. Both ends call `start` once per payload, in the same order."""
+
+    def __init__(self, key: bytes, nonce: bytes, on: bool = True) -> None:
+        self.key, self.nonce, self.on = key, nonce, on
+        self._counts = {b"up": 0, b"down": 0}
+
+    def start(self, direction: bytes) -> PayloadMac | None:
+        """The next payload's MAC (None when off): b"up" is client to server, b"down" back."""
+        count = self._counts[direction]
+        self._counts[direction] = count + 1
+        if not self.on:
+            return None
+        return PayloadMac(self.key, b"genie data payload\0" + self.nonce + direction + count.to_bytes(8, "big"))
+
+
+def encode_header(header: dict[str, Any]) -> bytes:
+    return json.dumps(header, separators=(",", ":")).encode()
+
+
+def decode_header(data: bytes, limit: int) -> dict[str, Any]:
+    if len(data) > limit:
+        raise ConnectionError(f"header of {len(data)} bytes refused")
+    header = json.loads(data)
+    if not isinstance(header, dict):
+        raise ConnectionError("header is not a JSON object")
+    return header
+
+
+def check_put(sizes: list[int], limit: int) -> None:
+    """A put the server will not take: refused before any memory is set aside for it."""
+    if any(n < 0 for n in sizes) or sum(sizes) > limit:
+        raise ValueError(f"refused a put of {sum(sizes)} bytes (the limit is {limit})")
+
+
+# -- plain sockets (the tcp backend) -----------------------------------------------------------
+
+def send_header(sock: socket.socket, header: dict[str, Any]) -> None:
+    body = encode_header(header)
+    sock.sendall(struct.pack("!I", len(body)) + body)
+
+
+def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:], min(len(view) - got, CHUNK))
+        if n == 0:
+            raise ConnectionError("data connection closed mid-transfer")
+        got += n
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_exact_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def recv_header(sock: socket.socket, limit: int = 1 << 20) -> dict[str, Any]:
+    (n,) = struct.unpack("!I", recv_exact(sock, 4))
+    if n > limit:
+        raise ConnectionError(f"header of {n} bytes refused")
+    return decode_header(recv_exact(sock, n), limit)

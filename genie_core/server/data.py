@@ -1,0 +1,84 @@
+"""The server's side of the data plane: every backend in the registry offered to clients (the
+slow ones after the server is ready), and the checks on what a push or probe names."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import numpy as np
+
+from ..dataplane import ServerSide, backends
+from ..dataplane.segment import Segment
+from ..dataplane.stream import DataHost
+
+log = logging.getLogger("genie.server")
+
+
+class DataPlane:
+    def __init__(self, side: ServerSide) -> None:
+        self.side = side
+        self.backends = backends()
+        self.info: dict[str, Any] = {"encrypted": side.encrypted, "detect": {}}  # what clients learn in the welcome
+
+    @property
+    def host(self) -> DataHost:
+        return self.side.host
+
+    def start(self) -> None:
+        for backend in self.backends:
+            if not backend.slow_start:
+                self._offer(backend)
+        threading.Thread(target=self._start_slow, name="genie-detect", daemon=True).start()
+
+    def _start_slow(self) -> None:
+        for backend in self.backends:
+            if backend.slow_start:
+                self._offer(backend)
+
+    def _offer(self, backend: Any) -> None:
+        try:
+            offered = backend.offer(self.side)
+        except Exception:
+            log.exception("the %s data plane could not start", backend.name)
+            return
+        for key, value in offered.items():
+            if isinstance(value, dict) and isinstance(self.info.get(key), dict):
+                self.info[key].update(value)
+            else:
+                self.info[key] = value
+
+    def stop(self) -> None:
+        for backend in self.backends:
+            try:
+                backend.stop()
+            except Exception:
+                log.exception("stopping the %s data plane", backend.name)
+
+    def check_ref(self, ref: Any, session_id: str) -> str:
+        """A segment a push or probe names must be this session's: one a data listener filled for
+        it, or one its client made on this host (same user, who can read our /dev/shm anyway).
+        Returns "" or why not."""
+        if not ref:
+            return ""
+        name = str(ref.get("segment", ""))
+        owner = self.host.owners.get(name)
+        if owner is not None:
+            return "" if owner == session_id else f"segment {name!r} does not belong to this session"
+        if name.startswith("genie-c-") and "/" not in name:
+            return ""
+        return f"not a segment of this session: {name!r}"
+
+    @staticmethod
+    def probe(ref: dict[str, Any] | None, buffers: list[Any]) -> int:
+        """Discovery's round trip: take the bytes as a push would (map a segment and touch every
+        page of it, as the worker's tensors later will; or receive them inline). Returns the size."""
+        if not ref:
+            return sum(len(b) for b in buffers)
+        size = sum(int(n) for n in ref["sizes"])
+        view = Segment.attach(ref["segment"]).view if ref.get("keep") else Segment.adopt(ref["segment"])
+        int(np.frombuffer(view, dtype=np.uint8, count=size)[::4096].sum())
+        view.release()
+        return size
+

@@ -1,0 +1,366 @@
+"""Worker processes: one per session and device slot, a warm spare started ahead of need, and
+the requests the server hands them. A worker runs user code; the server never does.
+
+Each worker holds the read end of the server's lifeline (see genie_core.lifeline), leads its
+own process group, and is told apart from other processes by its argv (for the start-up sweep).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import zmq
+
+from ..dataplane.segment import sweep_worker
+from ..protocol import TERMINAL, Codec, Message, MessageType, Peer, error_content, parse
+from .sessions import Session
+
+log = logging.getLogger("genie.server")
+
+CPU = -1  # the device slot of a worker that uses no GPU
+T = MessageType
+
+
+def describe_exit(returncode: int | None, pid: int | None = None) -> str:
+    if returncode is None:
+        return "is still running"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        if -returncode != signal.SIGKILL:
+            return f"was killed by {name}"
+        oom = oom_kill_record(pid) if pid is not None else None
+        if oom is None:
+            return f"was killed by {name} (out of memory? the kernel log, which would say, is not readable here)"
+        if oom:
+            return f"was killed by the kernel's out-of-memory killer ({oom})"
+        return f"was killed by {name}"
+    return f"exited with code {returncode}"
+
+
+def oom_kill_record(pid: int, records: int = 20000) -> str | None:
+    """The kernel's own words if it killed `pid` for lack of memory; "" if it did not; None if
+    the kernel log cannot be read (it needs root or CAP_SYSLOG)."""
+    try:
+        fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    found = ""
+    try:
+        for _ in range(records):  # bounded: the ring buffer holds a few thousand records
+            try:
+                record = os.read(fd, 8192).decode(errors="replace")
+            except BlockingIOError:
+                break
+            except OSError:  # EPIPE: records overwritten while reading; go on with the next
+                continue
+            match = re.search(rf"([^;]*Killed process {pid} \([^)]*\))", record)
+            if match:
+                found = match.group(1).strip()
+    finally:
+        os.close(fd)
+    return found
+
+
+def sweep_orphans() -> int:
+    """End the workers of servers that died without ending them (and their process groups).
+    The lifeline makes this rare; a worker that ignored SIGIO is one way to need it."""
+    ended = 0
+    for proc_dir in Path("/proc").glob("[0-9]*"):
+        try:
+            if proc_dir.stat().st_uid != os.getuid():
+                continue
+            argv = (proc_dir / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"genie_core.worker" not in argv[:3] or len(argv) < 7 or not argv[6].isdigit():
+            continue
+        try:  # the 4th field of stat is the parent: a worker whose server died was re-parented
+            parent = int((proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent != int(argv[6]):
+            try:
+                os.killpg(int(proc_dir.name), signal.SIGKILL)  # a worker leads its own process group
+                ended += 1
+            except OSError:
+                pass
+    return ended
+
+
+class WorkerProcess:
+    def __init__(self, worker_id: str, slot: int, endpoint: str, lifeline: int, limits: dict[str, Any] | None = None) -> None:
+        self.id = worker_id
+        self.slot = slot
+        env = dict(os.environ)
+        for name, value in (limits or {}).items():  # the worker enforces the session limits itself
+            env[f"GENIE_LIMIT_{name.upper()}"] = "" if value is None else str(value)
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # so CUDA's GPU N is NVML's (and nvidia-smi's) GPU N
+        env["CUDA_VISIBLE_DEVICES"] = "" if slot == CPU else str(slot)
+        env["GENIE_WORKER_ID"] = worker_id
+        env.pop("GENIE_TOKEN", None)  # user code has no business with the server's token
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "genie_core.worker", endpoint, worker_id, str(lifeline), str(os.getpid())],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            pass_fds=(lifeline,),  # it ends when we do, however we end (see genie_core.lifeline)
+            start_new_session=True,  # a Ctrl-C at the server's terminal is the server's, not the cell's
+        )
+        self.started = time.monotonic()
+        self.ready = False
+        self.session: Session | None = None
+        self.waiting: list[Message] = []  # requests that arrived before the worker was ready
+        self.inflight: dict[str, Message] = {}  # request id -> request
+        self.stop_requested: float | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def busy(self) -> bool:
+        return any(m.type == "execute" for m in self.inflight.values())
+
+    def stop(self) -> None:
+        """Ask it, and the processes its cells started, to end now (SIGTERM to its process
+        group); `reap` escalates to SIGKILL if it lingers."""
+        if self.stop_requested is None:
+            self.stop_requested = time.monotonic()
+            self._signal_group(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal_group(signal.SIGKILL)
+
+    def _signal_group(self, signum: int) -> None:
+        try:
+            os.killpg(self.proc.pid, signum)  # it leads its own process group (start_new_session)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def reap(self, grace: float = 2.0) -> bool:
+        """True once the process is gone."""
+        if self.proc.poll() is not None:
+            self._signal_group(signal.SIGKILL)  # what its cells started and left behind
+            return True
+        if self.stop_requested is not None and time.monotonic() - self.stop_requested > grace:
+            self.kill()
+        return False
+
+    def info(self) -> dict[str, Any]:
+        return {"id": self.id, "pid": self.pid, "slot": self.slot, "ready": self.ready, "busy": self.busy()}
+
+
+Reply = Callable[[Session, Message], None]  # a worker's message, passed on to its session's client
+
+
+class WorkerPool:
+    """The workers of one server: a spare per slot kept warm, each session's workers by slot, and
+    the ones ending. Requests go to a session's worker (started if needed); its messages come back
+    through `reply`; a worker that dies fails what it was running, naming why."""
+
+    def __init__(self, sock: zmq.Socket, endpoint: str, lifeline: int, limits: dict[str, Any], gpus: list[dict[str, Any]],
+                 spares: int, reply: Reply, address: str) -> None:
+        self.sock, self.endpoint, self.lifeline, self.limits = sock, endpoint, lifeline, limits
+        self.gpus, self.spare_count, self.reply, self.address = gpus, spares, reply, address
+        self.codec = Codec(key=None)  # a private Unix socket in a 0700 folder
+        self.workers: dict[str, WorkerProcess] = {}
+        self.spares: list[WorkerProcess] = []
+        self.dying: list[WorkerProcess] = []
+        self.assigned: dict[str, dict[int, WorkerProcess]] = {}  # session id -> its workers by slot
+        self.sessions: dict[str, Session] = {}  # the live sessions, to balance slots (shared with the session table)
+
+    # -- slots ----------------------------------------------------------------------------
+    def next_slot(self) -> int:
+        """The GPU with the fewest sessions (the CPU on a server without GPUs)."""
+        if not self.gpus:
+            return CPU
+        load = {g["index"]: 0 for g in self.gpus}
+        for s in self.sessions.values():
+            if s.slot in load:
+                load[s.slot] += 1
+        return min(load, key=lambda i: (load[i], i))
+
+    def slot_for(self, session: Session, gpu: Any) -> tuple[int, str]:
+        """The slot a request asks for (None: the session's own), or why it cannot have it."""
+        if gpu is None:
+            return session.slot, ""
+        try:
+            index = int(gpu)
+        except (TypeError, ValueError):
+            return CPU, f"invalid GPU {gpu!r}: expected an index"
+        if not self.gpus:
+            if index == 0:
+                return CPU, ""
+            return CPU, f"GPU {index} does not exist: the server at {self.address} has no GPU (use --gpu 0, its CPU)"
+        indices = [g["index"] for g in self.gpus]
+        if index not in indices:
+            return CPU, f"GPU {index} does not exist on {self.address}: it has GPUs {', '.join(map(str, indices))}"
+        return index, ""
+
+    # -- processes ------------------------------------------------------------------------
+    def _spawn(self, slot: int) -> WorkerProcess:
+        worker = WorkerProcess(os.urandom(8).hex(), slot, self.endpoint, self.lifeline, self.limits)
+        self.workers[worker.id] = worker
+        return worker
+
+    def _take(self, slot: int) -> WorkerProcess:
+        for w in self.spares:
+            if w.slot == slot and w.alive():
+                self.spares.remove(w)
+                return w
+        return self._spawn(slot)
+
+    def refill_spares(self) -> None:
+        slot = self.next_slot()
+        self.spares = [w for w in self.spares if w.alive()]
+        if self.spare_count > 0 and not any(w.slot == slot for w in self.spares):
+            if len(self.spares) >= self.spare_count:
+                old = self.spares.pop(0)
+                self.workers.pop(old.id, None)
+                old.stop()
+                self.dying.append(old)
+            self.spares.append(self._spawn(slot))
+
+    def of(self, session: Session) -> dict[int, WorkerProcess]:
+        """The session's workers, by slot."""
+        return self.assigned.get(session.id, {})
+
+    def worker_pids(self, session_id: str) -> list[int] | None:
+        """For the data listeners (their threads): the pids of a live session's workers, else None."""
+        if session_id not in self.sessions:
+            return None
+        return [w.pid for w in list(self.assigned.get(session_id, {}).values())]
+
+    def release(self, session: Session) -> None:
+        """The session ended: its workers end (and so does what their cells started)."""
+        for worker in self.assigned.pop(session.id, {}).values():
+            self.workers.pop(worker.id, None)
+            worker.stop()
+            self.dying.append(worker)
+
+    def stop_all(self, grace: float = 3.0) -> None:
+        procs = list(self.workers.values()) + self.spares + self.dying
+        for w in procs:
+            w.stop()
+        deadline = time.monotonic() + grace
+        for w in procs:
+            try:
+                w.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                w.kill()
+                w.proc.wait()
+            w.reap()
+            sweep_worker(w.pid)
+
+    # -- requests -------------------------------------------------------------------------
+    def route(self, session: Session, msg: Message) -> str:
+        """Hand a request to the session's worker of its slot; "" or why it cannot go."""
+        slot, problem = self.slot_for(session, msg.content.get("gpu"))
+        if problem:
+            return problem
+        workers = self.assigned.setdefault(session.id, {})
+        worker = workers.get(slot)
+        fresh = worker is None
+        if worker is None:
+            worker = workers[slot] = self._take(slot)
+            worker.session = session
+        worker.inflight[msg.id] = msg
+        if worker.ready:
+            self._forward(worker, msg)
+        else:
+            worker.waiting.append(msg)
+        if fresh:  # after the request is on its way: starting a process takes a few milliseconds
+            self.refill_spares()
+        return ""
+
+    def interrupt(self, session: Session, target: str | None) -> tuple[list[Message], int]:
+        """Interrupt a cell (None: whichever runs). Cells still waiting for their worker to start
+        are taken back (returned: the caller answers them; they never run); ready workers are told."""
+        cancelled, forwarded = [], 0
+        for worker in self.of(session).values():
+            for waiting in [m for m in worker.waiting if m.type == T.EXECUTE and target in (None, m.id)]:
+                worker.waiting.remove(waiting)
+                worker.inflight.pop(waiting.id, None)
+                cancelled.append(waiting)
+            if worker.ready:
+                self._forward(worker, Message(T.INTERRUPT, {"request": target}))
+                forwarded += 1
+        return cancelled, forwarded
+
+    def _forward(self, worker: WorkerProcess, msg: Message) -> None:
+        frames = self.codec.pack(Message(msg.type, msg.content, msg.buffers, id=msg.id))
+        self.sock.send_multipart([worker.id.encode(), *frames], copy=False)
+
+    def on_readable(self, sock: zmq.Socket) -> None:
+        """Workers' messages (loop thread): readiness, and outputs and replies for their clients."""
+        for _ in range(256):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            wid = frames[0].bytes.decode(errors="replace")
+            worker = self.workers.get(wid)
+            if worker is None:
+                continue
+            try:
+                msg = self.codec.unpack(frames[1:])
+            except Exception as exc:
+                log.error("worker %s sent a malformed message: %s", wid, exc)
+                continue
+            kind = parse(msg.type, Peer.WORKER)
+            if kind is None:
+                log.error("refused a %r message from worker %s, which may not send it", msg.type, wid)
+                continue
+            if kind is T.READY:
+                worker.ready = True
+                for waiting in worker.waiting:
+                    self._forward(worker, waiting)
+                worker.waiting.clear()
+                continue
+            session = worker.session
+            if worker.inflight.get(msg.parent) is None or session is None or session.id not in self.sessions:
+                continue
+            if kind in TERMINAL:
+                worker.inflight.pop(msg.parent, None)
+                session.finished(msg.parent, msg.content)
+            self.reply(session, msg)
+
+    def housekeeping(self) -> None:
+        """Notice workers that died (failing what they ran, saying why) and reap ending ones."""
+        for worker in list(self.workers.values()):
+            if worker.alive():
+                continue
+            self.workers.pop(worker.id, None)
+            sweep_worker(worker.pid)
+            worker.reap()
+            why = describe_exit(worker.proc.returncode, worker.pid)
+            log.warning("worker %s (pid %d) %s", worker.id, worker.pid, why)
+            session = worker.session
+            if session is not None and self.of(session).get(worker.slot) is worker:
+                del self.assigned[session.id][worker.slot]
+                for request in list(worker.inflight.values()) + worker.waiting:
+                    content = error_content("WorkerDied", f"the session's worker process (pid {worker.pid}) {why} while running "
+                                            "this request; its variables are lost, and the next request starts a fresh worker")
+                    session.finished(request.id, content)
+                    self.reply(session, Message(T.ERROR_REPLY, content, parent=request.id))
+        still = []
+        for w in self.dying:
+            if w.reap():
+                sweep_worker(w.pid)
+            else:
+                still.append(w)
+        self.dying = still
+        if self.spare_count and not any(w.alive() for w in self.spares):
+            self.refill_spares()
