@@ -69,11 +69,10 @@ class _DeviceModule:
 
     @staticmethod
     def get_amp_supported_dtype() -> list[Any]:
-        """torch.autocast asks this first: refuse clearly rather than run without the casts asked for."""
-        raise NotImplementedError(
-            "torch.autocast is not supported on remote_accelerator devices yet; cast explicitly instead "
-            "(model.to(torch.bfloat16), x.to(torch.bfloat16)), or use autocast inside a %%remote cell"
-        )
+        """torch.autocast asks this first (see autocast.py)."""
+        from .autocast import supported_dtypes
+
+        return supported_dtypes()
 
     @staticmethod
     def synchronize(device: Any = None) -> None:
@@ -123,6 +122,23 @@ def _factory_kernels(lib: Any) -> None:
 
         return kernel
 
+    def copy_from(src: Any, dst: Any, non_blocking: bool = False) -> Any:
+        """CPU -> remote, remote -> remote and remote -> CPU copies reached below Python dispatch
+        (`torch.tensor(data, device=...)` and `.to()` make an empty remote tensor, then copy)."""
+        from .tensor import dispatch
+
+        return dispatch(torch.ops.aten.copy_.default, (dst, src), {"non_blocking": non_blocking})
+
+    def copy_from_and_resize(src: Any, dst: Any) -> Any:
+        from .tensor import dispatch
+
+        if tuple(dst.shape) != tuple(src.shape):
+            dispatch(torch.ops.aten.resize_.default, (dst, list(src.shape)), {})
+        return dispatch(torch.ops.aten.copy_.default, (dst, src), {})
+
+    lib.impl("_copy_from", copy_from, "PrivateUse1")
+    lib.impl("_copy_from_and_resize", copy_from_and_resize, "PrivateUse1")
+
     for name in (
         "empty.memory_format", "empty_strided.default", "arange.start_step", "arange.start", "arange.default", "eye.default", "eye.m",
         "linspace.default", "logspace.default", "randperm.default", "range.step", "tril_indices.default", "triu_indices.default",
@@ -147,6 +163,12 @@ def register() -> None:
         _setup_privateuseone_for_python_backend(DEVICE_TYPE, backend_module=_DeviceModule())
         _lib = torch.library.Library("aten", "IMPL")
         _factory_kernels(_lib)
+        from . import serialization
+
+        serialization.register()
+        from . import autocast
+
+        autocast.register()
         _registered = True
 
 

@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_map
 
 from ..errors import LimitExceeded, size_text
 from ..serialize import serialize_namespace
-from .ops import MemoryFormat, Ref, RemoteDevice
+from .ops import MemoryFormat, Ref, RemoteDevice, StorageOf
 
 
 class _Failed:
@@ -89,6 +89,8 @@ class TensorExecutor:
             return t
         if isinstance(value, RemoteDevice):
             return self.device
+        if isinstance(value, StorageOf):
+            return self._resolve(value.ref).untyped_storage()
         if isinstance(value, MemoryFormat):
             return getattr(torch, value.name)
         return value

@@ -30,6 +30,18 @@ class RemoteDevice:
         return (RemoteDevice, ())
 
 
+class StorageOf:
+    """A remote tensor's storage inside an op's arguments (`set_`)."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, ref: Ref) -> None:
+        self.ref = ref
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (StorageOf, (self.ref,))
+
+
 class MemoryFormat:
     """`torch.preserve_format` and friends: they pickle by a name that pickle looks up by scanning
     sys.modules, which can land on the notebook's `__main__`; send the plain name instead."""

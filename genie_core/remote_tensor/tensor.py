@@ -5,11 +5,14 @@ server when a value is needed."""
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from typing import Any
 
 import torch
+from torch.utils._mode_utils import no_dispatch
 
-from .ops import Ref, RemoteDevice, encode_value
+from . import serialization
+from .ops import Ref, RemoteDevice, StorageOf, encode_value
 from .stream import OpStream, new_id
 
 aten = torch.ops.aten
@@ -19,9 +22,12 @@ DEVICE_TYPE = "remote_accelerator"
 _LOCAL_SCALAR = aten._local_scalar_dense.default
 _TO_COPY = aten._to_copy.default
 _COPY = aten.copy_.default
+_SET_STORAGE = (aten.set_.source_Storage, aten.set_.source_Storage_storage_offset)
 
 _meta_cache: dict[Any, Any] = {}
 _alias_cache: dict[Any, list[tuple[int, Any]]] = {}
+# A remote tensor's (placeholder) storage, by the storage's address: `x.set_(y.untyped_storage())`.
+_storage_owners: dict[int, Any] = {}
 
 
 class RemoteTensor(torch.Tensor):
@@ -56,6 +62,35 @@ class RemoteTensor(torch.Tensor):
     def tolist(self) -> Any:  # type: ignore[override]
         return self.detach().cpu().tolist()
 
+    def untyped_storage(self) -> Any:  # type: ignore[override]
+        """The placeholder storage; remembered so that `t.set_(x.untyped_storage(), ...)` can name x."""
+        storage = super().untyped_storage()
+        _storage_owners[storage._cdata] = weakref.ref(self)
+        return storage
+
+    def __reduce_ex__(self, proto: int) -> Any:
+        """Pickled (and `torch.save`d) as its values on the CPU and its device, as PyTorch does for
+        devices without host-visible storage: `torch.load` puts it back on the device, or where
+        `map_location` says."""
+        if getattr(self, "_is_param", False):
+            return (torch._utils._rebuild_parameter, (self.detach(), self.requires_grad, OrderedDict()))
+        return (torch._utils._rebuild_device_tensor_from_cpu_tensor, (self.detach().cpu(), self.dtype, str(self.device), self.requires_grad))
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        """A copy on the same device (recorded, no round trip); Parameters stay Parameters."""
+        if id(self) in memo:
+            return memo[id(self)]
+        if not self.is_leaf:
+            raise RuntimeError("Only Tensors created explicitly by the user (graph leaves) support the deepcopy protocol at the moment")
+        with torch.no_grad():
+            copy = self.clone(memory_format=torch.preserve_format)
+        if getattr(self, "_is_param", False):
+            copy = torch.nn.Parameter(copy, self.requires_grad)
+        else:
+            copy.requires_grad_(self.requires_grad)
+        memo[id(self)] = copy
+        return copy
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
         return dispatch(func, args, kwargs or {})
@@ -68,11 +103,17 @@ def _streams_of(flat: list[Any]) -> OpStream:
             if stream is None:
                 stream = a._stream
             elif a._stream is not stream:
+                if a._stream.client is not stream.client:
+                    raise RuntimeError(
+                        f"these remote tensors belong to two different Genie sessions ({DEVICE_TYPE}:{stream.index} of one and "
+                        f"{DEVICE_TYPE}:{a._stream.index} of another): bring one to the CPU first (.cpu()), then .to() the other device"
+                    )
                 raise RuntimeError(
                     f"Expected all tensors to be on the same device, but found at least two devices, "
-                    f"{DEVICE_TYPE}:{stream.index} and {DEVICE_TYPE}:{a._stream.index} (or two Genie sessions)!"
+                    f"{DEVICE_TYPE}:{stream.index} and {DEVICE_TYPE}:{a._stream.index}!"
                 )
-    assert stream is not None
+    if stream is None:
+        raise RuntimeError("no remote tensor among the arguments")
     return stream
 
 
@@ -105,6 +146,18 @@ def _map(fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
 
 
+def set_metadata(t: torch.Tensor, size: Any, stride: Any, offset: int) -> None:
+    """Change a wrapper's shape, strides and offset in place (the local half of `resize_`, `t_`,
+    `set_`...): PyTorch's meta kernel of `set_` applied to the wrapper itself, which holds no data."""
+    with no_dispatch():
+        was = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            aten.set_.source_Storage_storage_offset(t, torch.Tensor.untyped_storage(t), offset, list(size), list(stride))
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(was)
+
+
 def dispatch(func, args: tuple, kwargs: dict) -> Any:  # noqa: ANN001
     flat = _leaves(args, kwargs)
     stream = _streams_of(flat)
@@ -124,20 +177,25 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:  # noqa: ANN001
     # Local (CPU) tensors in the arguments travel with the op: uploaded once, by value.
     uploads: list[int] = []
 
+    def upload(a: torch.Tensor) -> int:
+        rid = new_id()
+        stream.record(("put", rid, a.detach().clone()))  # a snapshot: later local changes must not leak in
+        uploads.append(rid)
+        return rid
+
     def encode(a: Any) -> Any:
         if isinstance(a, RemoteTensor):
             return Ref(a._rid)
         if isinstance(a, torch.Tensor):
             if a.device.type == "meta":
                 raise RuntimeError("meta tensors cannot be mixed with remote tensors")
-            rid = new_id()
-            stream.record(("put", rid, a.detach().clone()))  # a snapshot: later local changes must not leak in
-            uploads.append(rid)
-            return Ref(rid)
+            return Ref(upload(a))
         if _is_remote_device(a):
             return RemoteDevice()
         if isinstance(a, torch.Generator):
             raise NotImplementedError("explicit torch.Generator objects are not supported on remote tensors; use torch.manual_seed")
+        if isinstance(a, torch.UntypedStorage):
+            return _encode_storage(a, stream)
         return encode_value(a)
 
     outputs = _output_specs(func, flat, args, kwargs)
@@ -148,15 +206,14 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:  # noqa: ANN001
     metas = out_meta if is_sequence else (out_meta,)
     results: list[Any] = []
     out_ids: list[int | None] = []
+    reshaped: list[tuple[Any, Any]] = []
     for position, m in enumerate(metas):
         alias = aliases.get(position)
         if alias is not None:  # an in-place or out= op: the result *is* that argument
             target = _argument(alias, args, kwargs)
-            if isinstance(m, torch.Tensor) and (tuple(m.shape), tuple(m.stride())) != (tuple(target.shape), tuple(target.stride())):
-                raise RuntimeError(
-                    f"{func}: changing a remote tensor's shape or strides in place is not supported "
-                    f"(from {tuple(target.shape)} to {tuple(m.shape)}); use the out-of-place form"
-                )
+            if isinstance(m, torch.Tensor) and (tuple(m.shape), tuple(m.stride()), m.storage_offset()) != (
+                    tuple(target.shape), tuple(target.stride()), target.storage_offset()):
+                reshaped.append((target, m))  # resize_, t_, set_, out= resized: the wrapper follows
             results.append(target)
             out_ids.append(None)
         elif isinstance(m, torch.Tensor):
@@ -170,9 +227,27 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:  # noqa: ANN001
     stream.record(("op", str(func), enc_args, enc_kwargs, out_ids))
     for rid in uploads:
         stream.record(("free", rid))
+    for target, m in reshaped:
+        set_metadata(target, m.shape, m.stride(), m.storage_offset())
     if not is_sequence:
         return results[0]
     return type(out_meta)(results)
+
+
+def _encode_storage(storage: Any, stream: OpStream) -> StorageOf:
+    """A storage argument (`set_`): a remote tensor's, or bytes loaded for the device."""
+    owner = _storage_owners.get(storage._cdata)
+    tensor = owner() if owner is not None else None
+    if tensor is not None and torch.Tensor.untyped_storage(tensor)._cdata == storage._cdata:
+        return StorageOf(Ref(tensor._rid))
+    loaded = serialization.loaded.get(storage.data_ptr()) if storage.device.type == DEVICE_TYPE else None
+    if loaded is not None:  # torch.load onto the device: the bytes go up once per storage
+        if loaded.rid is None or loaded.stream is not stream:
+            loaded.rid, loaded.stream = new_id(), stream
+            stream.record(("put", loaded.rid, torch.empty(0, dtype=torch.uint8).set_(loaded.cpu)))
+        return StorageOf(Ref(loaded.rid))
+    raise RuntimeError(f"set_: this {storage.device} storage is not the storage of a remote tensor; use a remote tensor's "
+                       "untyped_storage(), or copy the values to the device first")
 
 
 def _argument(alias: Any, args: tuple, kwargs: dict) -> Any:
@@ -204,6 +279,8 @@ def _signature(a: Any) -> Any:
         return (a.dtype, tuple(a.shape), tuple(a.stride()), a.storage_offset(), isinstance(a, RemoteTensor))
     if isinstance(a, list):
         return tuple(_signature(x) for x in a)
+    if isinstance(a, torch.UntypedStorage):
+        return ("storage", a.nbytes())
     return a
 
 
@@ -213,6 +290,8 @@ def _to_meta(a: Any) -> Any:
             if a.storage_offset() else torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
     if _is_remote_device(a):
         return torch.device("meta")
+    if isinstance(a, torch.UntypedStorage):
+        return torch.UntypedStorage(a.nbytes(), device="meta")
     return a
 
 
