@@ -34,6 +34,22 @@ def stream_for(index: int | None) -> Any:
     return stream
 
 
+def _index(device: Any) -> int:
+    import torch
+
+    if isinstance(device, int):
+        return device
+    return torch.device(device).index or 0
+
+
+def _index(device: Any) -> int:
+    import torch
+
+    if isinstance(device, int):
+        return device
+    return torch.device(device).index or 0
+
+
 def device_count() -> int:
     """Remote GPUs of the connected server; a server without GPUs offers its CPU as device 0."""
     from .. import cluster
@@ -91,6 +107,51 @@ class _DeviceModule:
     manual_seed_all = manual_seed
 
     @staticmethod
+    def get_rng_state(device: Any = "remote_accelerator") -> Any:
+        """The server device's generator state, as a CPU uint8 tensor (one round trip)."""
+        import torch
+
+        from .stream import new_id
+
+        stream = stream_for(_index(device))
+        rid = new_id()
+        stream.record(("rng_get", rid))
+        try:
+            return stream.fetch(rid)
+        finally:
+            stream.free(rid)
+
+    @staticmethod
+    def set_rng_state(new_state: Any, device: Any = "remote_accelerator") -> None:
+        """Restore a state from get_rng_state (recorded; applied before the next ops run)."""
+        from .ops import HostTensor
+
+        stream_for(_index(device)).record(("rng_set", HostTensor(new_state)))
+
+    @staticmethod
+    def get_rng_state_all() -> list[Any]:
+        return [_DeviceModule.get_rng_state(i) for i in range(device_count())]
+
+    @staticmethod
+    def set_rng_state_all(new_states: Any) -> None:
+        for i, state in enumerate(new_states):
+            _DeviceModule.set_rng_state(state, i)
+
+    @staticmethod
+    def seed() -> None:
+        import torch
+
+        _DeviceModule.manual_seed(torch.seed())
+
+    seed_all = seed
+
+    @staticmethod
+    def initial_seed() -> int:
+        import torch
+
+        return torch.initial_seed()
+
+    @staticmethod
     def stats() -> dict[str, int]:
         """Round trips and ops sent so far, per device index (for benchmarks and curiosity)."""
         return {
@@ -105,9 +166,10 @@ def _factory_kernels(lib: Any) -> None:
     from .ops import RemoteDevice, encode_value
     from .tensor import RemoteTensor
 
-    def make(name: str):  # noqa: ANN202
+    def make(name: str, runs: str | None = None):  # noqa: ANN202
         packet, overload = name.split(".")
         op = getattr(getattr(torch.ops.aten, packet), overload)
+        recorded = str(op) if runs is None else runs
 
         def kernel(*args: Any, **kwargs: Any) -> Any:
             device = kwargs.get("device")
@@ -117,7 +179,8 @@ def _factory_kernels(lib: Any) -> None:
             r = RemoteTensor(out.shape, out.stride(), out.storage_offset(), out.dtype, stream)
             enc_kwargs = {k: encode_value(v) for k, v in kwargs.items()}
             enc_kwargs["device"] = RemoteDevice()
-            stream.record(("op", str(op), tuple(encode_value(a) for a in args), enc_kwargs, [r._rid]))
+            expect = ((tuple(out.shape), tuple(out.stride()), out.storage_offset(), out.dtype),)
+            stream.record(("op", recorded, tuple(encode_value(a) for a in args), enc_kwargs, [r._rid], expect))
             return r
 
         return kernel
@@ -136,6 +199,8 @@ def _factory_kernels(lib: Any) -> None:
             dispatch(torch.ops.aten.resize_.default, (dst, list(src.shape)), {})
         return dispatch(torch.ops.aten.copy_.default, (dst, src), {})
 
+    # Autograd's zeros that carry no memory (ZeroTensor): plain zeros on the server.
+    lib.impl("_efficientzerotensor", make("_efficientzerotensor.default", "aten.zeros.default"), "PrivateUse1")
     lib.impl("_copy_from", copy_from, "PrivateUse1")
     lib.impl("_copy_from_and_resize", copy_from_and_resize, "PrivateUse1")
 

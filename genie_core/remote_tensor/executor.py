@@ -3,11 +3,12 @@ keeps the resulting tensors, by id, until the client frees them."""
 
 from __future__ import annotations
 
+import importlib
 import pickle
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import LimitExceeded, size_text
 from ..serialize import serialize_namespace
@@ -20,6 +21,35 @@ class _Failed:
     def __init__(self, op: str, error: BaseException) -> None:
         self.op = op
         self.error = error
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    """Shape, dtype, and the strides and offset that matter (not those of size-1 dims or empty tensors)."""
+    if t.numel() == 0:
+        return tuple(t.shape), t.dtype
+    return tuple(t.shape), t.dtype, tuple(s for n, s in zip(t.shape, t.stride()) if n > 1), t.storage_offset()
+
+
+def _agree(name: str, value: torch.Tensor, want: tuple, inputs: Any) -> torch.Tensor:
+    """The output the client expects (shape, strides, offset, dtype from the op's meta kernel).
+    Values laid out differently in a fresh tensor are copied into the expected layout; a different
+    shape or dtype (or layout of a view) fails the op: guessing would give wrong results later."""
+    shape, stride, offset, dtype = want
+    if value.dtype == dtype and tuple(value.shape) == shape and tuple(value.stride()) == stride and value.storage_offset() == offset:
+        return value
+    expected = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+    if offset:
+        expected = expected.as_strided(shape, stride, offset)
+    if _layout(value) == _layout(expected):
+        return value
+    storages = {t.untyped_storage().data_ptr() for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)}
+    if value.dtype == dtype and tuple(value.shape) == shape and not offset and value.untyped_storage().data_ptr() not in storages:
+        return torch.empty_strided(shape, stride, dtype=dtype, device=value.device).copy_(value)
+    raise RuntimeError(
+        f"{name} gave a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)} (strides {value.stride()}) "
+        f"on the server where its meta kernel promised {str(dtype).removeprefix('torch.')} {shape} (strides {stride}): "
+        "this op is not supported on remote_accelerator for these arguments"
+    )
 
 
 class HeldTensors(dict):
@@ -65,6 +95,7 @@ class TensorExecutor:
         self.store = HeldTensors()
         self.max_tensors, self.max_bytes = max_tensors, max_bytes
         self.ops_run = 0
+        self._ops: dict[str, Any] = {}
 
     @property
     def bytes_held(self) -> int:
@@ -107,7 +138,7 @@ class TensorExecutor:
                 self.store.pop(record[1], None)
                 continue
             if failure is not None:  # skip the rest, poisoning what they would have made
-                if kind == "op":
+                if kind == "op" and not isinstance(record[4], range):  # (a range: a list op's ids, never named unless described)
                     for rid in record[4]:
                         if rid is not None:
                             self.store[rid] = _Failed(failure["op"], failure["error"])
@@ -118,6 +149,16 @@ class TensorExecutor:
                     self._check_limits("a tensor sent from here")
                 elif kind == "seed":
                     torch.manual_seed(record[1])
+                elif kind == "rng_get":
+                    state = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
+                    self.store[record[1]] = state
+                elif kind == "rng_set":
+                    if self.device.type == "cuda":
+                        torch.cuda.set_rng_state(record[1], self.device)
+                    else:
+                        torch.set_rng_state(record[1])
+                elif kind == "import":  # the module that defines a custom op used here (torch.library)
+                    importlib.import_module(record[1])
                 elif kind == "op":
                     out = self._run_op(record)
                     self._check_limits(f"remote op {record[1]}")
@@ -127,7 +168,7 @@ class TensorExecutor:
                 failure = {"op": record[1] if kind == "op" else kind, "index": index, "error": exc}
                 if kind == "put":
                     self.store[record[1]] = _Failed("put", exc)
-                if kind == "op":
+                if kind == "op" and not isinstance(record[4], range):
                     for rid in record[4]:
                         if rid is not None:
                             self.store[rid] = _Failed(record[1], exc)
@@ -149,14 +190,25 @@ class TensorExecutor:
         return content, buffers
 
     def _run_op(self, record: tuple) -> Any:
-        _, name, args, kwargs, out_ids = record
-        namespace, op, overload = name.split(".")
-        func = getattr(getattr(getattr(torch.ops, namespace), op), overload)
-        out = func(*tree_map(self._resolve, args), **tree_map(self._resolve, kwargs))
+        name, args, kwargs, out_ids = record[1:5]
+        expect = record[5] if len(record) > 5 else None
+        func = self._ops.get(name)
+        if func is None:
+            namespace, op, overload = name.split(".")
+            func = self._ops[name] = getattr(getattr(getattr(torch.ops, namespace), op), overload)
+        args, kwargs = tree_map(self._resolve, args), tree_map(self._resolve, kwargs)
+        out = func(*args, **kwargs)
         outputs = list(out) if isinstance(out, (tuple, list)) else [out]
-        for rid, value in zip(out_ids, outputs):
-            if rid is not None:
-                self.store[rid] = value
+        for value in outputs:
+            if isinstance(value, torch.Tensor) and value.layout != torch.strided:
+                raise NotImplementedError(f"it made a {value.layout} tensor: sparse and other non-strided layouts are not "
+                                          "supported on remote_accelerator")
+        for i, (rid, value) in enumerate(zip(out_ids, outputs)):
+            if rid is None:
+                continue
+            if expect is not None and expect[i] is not None and isinstance(value, torch.Tensor):
+                value = _agree(name, value, expect[i], (args, kwargs))
+            self.store[rid] = value
         return out
 
     def _describe(self, out: Any, out_ids: list[int | None]) -> Any:

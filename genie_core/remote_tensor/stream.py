@@ -12,10 +12,18 @@ from ..errors import ConnectionLost, LimitExceeded, RemoteError
 from ..serialize import deserialize_namespace
 
 _ids = itertools.count(1)
+_BLOCK = 1 << 20
+_blocks = itertools.count(1 << 44, _BLOCK)  # far above any single id
 
 
 def new_id() -> int:
     return next(_ids)
+
+
+def new_ids() -> range:
+    """A block of ids for the outputs of an op that returns a list of unknown length."""
+    start = next(_blocks)
+    return range(start, start + _BLOCK)
 
 
 class OpStream:
@@ -27,6 +35,8 @@ class OpStream:
         self.round_trips = 0
         self.ops_sent = 0
         self.server_tensors = 0  # tensors the server held after the last flush
+        self.device_kind = "cuda" if (getattr(client, "node", None) or {}).get("gpus") else "cpu"
+        self.imported: set[str] = set()  # modules defining custom ops, imported on the server
 
     @property
     def alive(self) -> bool:

@@ -12,8 +12,8 @@ import torch
 from torch.utils._mode_utils import no_dispatch
 
 from . import serialization
-from .ops import Ref, RemoteDevice, StorageOf, encode_value
-from .stream import OpStream, new_id
+from .ops import HostTensor, Ref, RemoteDevice, StorageOf, encode_value
+from .stream import OpStream, new_id, new_ids
 
 aten = torch.ops.aten
 DEVICE_TYPE = "remote_accelerator"
@@ -179,7 +179,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:  # noqa: ANN001
 
     def upload(a: torch.Tensor) -> int:
         rid = new_id()
-        stream.record(("put", rid, a.detach().clone()))  # a snapshot: later local changes must not leak in
+        stream.record(("put", rid, HostTensor(a)))  # a snapshot: later local changes must not leak in
         uploads.append(rid)
         return rid
 
@@ -198,10 +198,12 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:  # noqa: ANN001
             return _encode_storage(a, stream)
         return encode_value(a)
 
-    outputs = _output_specs(func, flat, args, kwargs)
-    if outputs is None:
-        return _run_eagerly(func, stream, args, kwargs, encode, uploads)
-    out_meta, aliases = outputs
+    if func.namespace not in ("aten", "prims"):
+        _import_on_server(func, stream)
+    outputs = _output_specs(func, flat, args, kwargs, stream)
+    if outputs is None or type(outputs) is _Learn:
+        return _run_eagerly(func, stream, args, kwargs, encode, uploads, outputs)
+    out_meta, aliases, expect = outputs
     is_sequence = type(out_meta) in (tuple, list)
     metas = out_meta if is_sequence else (out_meta,)
     results: list[Any] = []
@@ -218,13 +220,17 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:  # noqa: ANN001
             out_ids.append(None)
         elif isinstance(m, torch.Tensor):
             r = RemoteTensor(m.shape, m.stride(), m.storage_offset(), m.dtype, stream)
+            if m.is_conj():  # lazy conjugation and negation, as on the server
+                torch._C._set_conj(r, True)
+            if m.is_neg():
+                torch._C._set_neg(r, True)
             results.append(r)
             out_ids.append(r._rid)
         else:
             results.append(m)
             out_ids.append(None)
     enc_args, enc_kwargs = _map(encode, args, kwargs)
-    stream.record(("op", str(func), enc_args, enc_kwargs, out_ids))
+    stream.record(("op", str(func), enc_args, enc_kwargs, out_ids, expect))
     for rid in uploads:
         stream.record(("free", rid))
     for target, m in reshaped:
@@ -244,7 +250,7 @@ def _encode_storage(storage: Any, stream: OpStream) -> StorageOf:
     if loaded is not None:  # torch.load onto the device: the bytes go up once per storage
         if loaded.rid is None or loaded.stream is not stream:
             loaded.rid, loaded.stream = new_id(), stream
-            stream.record(("put", loaded.rid, torch.empty(0, dtype=torch.uint8).set_(loaded.cpu)))
+            stream.record(("put", loaded.rid, HostTensor(torch.empty(0, dtype=torch.uint8).set_(loaded.cpu))))
         return StorageOf(Ref(loaded.rid))
     raise RuntimeError(f"set_: this {storage.device} storage is not the storage of a remote tensor; use a remote tensor's "
                        "untyped_storage(), or copy the values to the device first")
@@ -295,13 +301,53 @@ def _to_meta(a: Any) -> Any:
     return a
 
 
-def _output_specs(func, flat: list[Any], args: tuple, kwargs: dict) -> tuple[Any, dict[int, Any]] | None:  # noqa: ANN001
-    """Output shapes from the op's meta kernel (cached), or None when they depend on data."""
+def _expectations(out: Any) -> tuple:
+    """What the server must find in each output (shape, strides, offset, dtype): a meta kernel that
+    disagrees with the device's kernel then fails the op instead of giving a wrong result."""
+    outs = out if type(out) in (tuple, list) else (out,)
+    return tuple((tuple(m.shape), tuple(m.stride()), m.storage_offset(), m.dtype) if isinstance(m, torch.Tensor) else None for m in outs)
+
+
+class _Learn(tuple):
+    """The meta-cache key of an op whose outputs' metadata must come from the device (one round trip
+    per new signature; see _DEVICE_DEPENDENT)."""
+
+
+# Ops whose outputs' metadata differs between devices (PyTorch's meta kernels follow CUDA): the
+# CPU kernels give reduced-precision statistics the input's dtype, and empty statistics or
+# offset2bag in some modes. The first call with a signature runs eagerly and its outputs' shapes
+# and dtypes, as the server's device made them, are cached for later calls.
+_DEVICE_DEPENDENT = {
+    aten.native_layer_norm.default, aten.native_batch_norm.default, aten._native_batch_norm_legit.default,
+    aten._native_batch_norm_legit.no_stats, aten._native_batch_norm_legit_no_training.default,
+    aten._batch_norm_with_update.default, aten._batch_norm_no_update.default, aten._embedding_bag.default,
+    aten._embedding_bag_forward_only.default,
+}
+
+
+def _import_on_server(func, stream: OpStream) -> None:  # noqa: ANN001
+    """A custom op (torch.library.custom_op) exists on the server once its module is imported there."""
+    from torch._library.custom_ops import OPDEFS
+
+    opdef = OPDEFS.get(func._schema.name)
+    module = getattr(getattr(opdef, "_init_fn", None), "__module__", None)
+    if module and module != "__main__" and module not in stream.imported:
+        stream.imported.add(module)
+        stream.record(("import", module))
+
+
+def _output_specs(func, flat: list[Any], args: tuple, kwargs: dict, stream: OpStream) -> Any:  # noqa: ANN001
+    """Output shapes from the op's meta kernel (cached), None when they depend on data, or a
+    _Learn key when the device must say (see _DEVICE_DEPENDENT)."""
     try:
         key = (func, tuple(_signature(a) for a in flat), _shape_of(args, kwargs))
+        if func in _DEVICE_DEPENDENT:
+            key = _Learn((*key, stream.device_kind))
         cached = _meta_cache.get(key)
     except TypeError:  # something unhashable in the arguments: no caching
         key, cached = None, None
+    if cached is None and isinstance(key, _Learn):
+        return key
     if cached is None:
         margs, mkwargs = _map(_to_meta, args, kwargs)
         try:
@@ -312,7 +358,9 @@ def _output_specs(func, flat: list[Any], args: tuple, kwargs: dict) -> tuple[Any
             if "meta" in str(exc).lower() and ("cannot" in str(exc).lower() or "not implemented" in str(exc).lower()):
                 return None
             raise  # a real error (shapes, dtypes): raised here, at the op, as PyTorch would
-        cached = (out, _aliases(func))
+        if any(isinstance(m, torch.Tensor) and m.layout != torch.strided for m in (out if type(out) in (tuple, list) else (out,))):
+            raise NotImplementedError(f"{func}: sparse and other non-strided layouts are not supported on remote_accelerator")
+        cached = (out, _aliases(func), _expectations(out))
         if key is not None:
             if len(_meta_cache) > 50_000:
                 _meta_cache.clear()
@@ -320,11 +368,12 @@ def _output_specs(func, flat: list[Any], args: tuple, kwargs: dict) -> tuple[Any
     return cached
 
 
-def _run_eagerly(func, stream: OpStream, args: tuple, kwargs: dict, encode, uploads: list[int]) -> Any:  # noqa: ANN001
-    """Ops whose output shape depends on the data (nonzero, masked_select, unique, ...): one round trip."""
+def _run_eagerly(func, stream: OpStream, args: tuple, kwargs: dict, encode, uploads: list[int], learn: Any = None) -> Any:  # noqa: ANN001
+    """Ops whose output shape depends on the data (nonzero, masked_select, unique, ...), or on the
+    device (`learn`, a meta-cache key to fill): one round trip."""
     returns = func._schema.returns
-    count = 16 if any("[]" in str(r.type) for r in returns) else len(returns)
-    out_ids = [new_id() for _ in range(count)]
+    is_list = any(isinstance(r.type, torch.ListType) for r in returns)
+    out_ids: Any = new_ids() if is_list else [new_id() for _ in returns]
     enc_args, enc_kwargs = _map(encode, args, kwargs)
     stream.record(("op", str(func), enc_args, enc_kwargs, out_ids))
     described = stream.flush(eager=True)["eager"]
@@ -336,10 +385,11 @@ def _run_eagerly(func, stream: OpStream, args: tuple, kwargs: dict, encode, uplo
             results.append(item["value"])
         else:
             results.append(RemoteTensor(item["shape"], item["stride"], item["offset"], getattr(torch, item["dtype"]), stream, rid=item["id"]))
-    used = {item.get("id") for item in described["outputs"]}
-    for rid in out_ids:
-        if rid not in used:
-            stream.record(("free", rid))
+    if learn is not None and not _aliases(func):
+        metas = [torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device="meta").as_strided(r.shape, r.stride(), r.storage_offset())
+                 if isinstance(r, torch.Tensor) else r for r in results]
+        out = (metas if is_list else tuple(metas)) if described["tuple"] else metas[0]
+        _meta_cache[learn] = (out, {}, _expectations(out))
     if described["tuple"]:
-        return tuple(results) if not any("[]" in str(r.type) for r in returns) else results
+        return results if is_list else tuple(results)
     return results[0]
