@@ -121,6 +121,25 @@ def test_training_steps_match_cpu(remote, make_opt):
     assert int(model.bn.num_batches_tracked) == 3
 
 
+def test_to_keeps_parameters_tied_and_optimizers_working(remote):
+    torch.manual_seed(4)
+    local = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 10, bias=False))
+    local[1].weight = local[0].weight  # tied, as language models tie input and output embeddings
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 10, bias=False))
+    model[1].weight = model[0].weight
+    model.load_state_dict(local.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)  # made before .to(), as CUDA allows
+    weight = model[0].weight
+    model.to(DEV)
+    assert model[0].weight is weight and model[1].weight is weight and weight.device == torch.device(DEV)
+    opt_local = torch.optim.SGD(local.parameters(), lr=0.5)
+    idx = torch.tensor([[1, 2, 3]])
+    for m, o, dev in ((local, opt_local, "cpu"), (model, opt, DEV)):
+        nn.functional.cross_entropy(m(idx.to(dev)).flatten(0, 1), idx.flatten().to(dev)).backward()
+        o.step()
+    assert torch.equal(model[1].weight.cpu(), local[1].weight)
+
+
 def test_views_and_in_place_ops(remote):
     base = torch.arange(12.0).reshape(3, 4)
     x = base.clone().to(DEV)

@@ -199,6 +199,19 @@ def _factory_kernels(lib: Any) -> None:
             dispatch(torch.ops.aten.resize_.default, (dst, list(src.shape)), {})
         return dispatch(torch.ops.aten.copy_.default, (dst, src), {})
 
+    # Ops with both device kernels and a generic decomposition (CompositeImplicitAutograd): a device
+    # without a kernel of its own gets the decomposition, which rounds differently from the server's
+    # kernel. A PrivateUse1 kernel (reached only below Python dispatch) makes them arrive whole.
+    def whole(op: Any) -> Any:
+        def kernel(*args: Any, **kwargs: Any) -> Any:
+            from .tensor import dispatch
+
+            return dispatch(op, args, kwargs)
+
+        return kernel
+
+    lib.impl("silu_backward", whole(torch.ops.aten.silu_backward.default), "PrivateUse1")  # (mish_backward has no meta kernel)
+
     # Autograd's zeros that carry no memory (ZeroTensor): plain zeros on the server.
     lib.impl("_efficientzerotensor", make("_efficientzerotensor.default", "aten.zeros.default"), "PrivateUse1")
     lib.impl("_copy_from", copy_from, "PrivateUse1")
@@ -231,9 +244,10 @@ def register() -> None:
         from . import serialization
 
         serialization.register()
-        from . import autocast
+        from . import attention, autocast
 
         autocast.register()
+        attention.register()
         _registered = True
 
 

@@ -52,6 +52,18 @@ def _agree(name: str, value: torch.Tensor, want: tuple, inputs: Any) -> torch.Te
     )
 
 
+def _histc(x: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0) -> torch.Tensor:  # noqa: A002
+    """CUDA counts integer tensors, the CPU kernel refuses them (model code written for "not CPU"
+    relies on it): counted in float64, exact below 2**53, returned in the input's dtype."""
+    if x.is_floating_point():
+        return torch.ops.aten.histc.default(x, bins, min, max)
+    return torch.ops.aten.histc.default(x.double(), bins, min, max).to(x.dtype)
+
+
+# Ops a CUDA device runs that a CPU server's kernels refuse, done there the way CUDA would.
+_CPU_SHIMS = {"aten.histc.default": _histc}
+
+
 class HeldTensors(dict):
     """id -> tensor, counting the bytes of the distinct storages held (views share their base's)."""
 
@@ -138,7 +150,7 @@ class TensorExecutor:
                 self.store.pop(record[1], None)
                 continue
             if failure is not None:  # skip the rest, poisoning what they would have made
-                if kind == "op" and not isinstance(record[4], range):  # (a range: a list op's ids, never named unless described)
+                if kind in ("op", "call") and not isinstance(record[4], range):  # (a range: a list op's ids, never named unless described)
                     for rid in record[4]:
                         if rid is not None:
                             self.store[rid] = _Failed(failure["op"], failure["error"])
@@ -149,6 +161,9 @@ class TensorExecutor:
                     self._check_limits("a tensor sent from here")
                 elif kind == "seed":
                     torch.manual_seed(record[1])
+                elif kind == "call":
+                    self._run_call(record)
+                    self._check_limits(f"remote call {record[1]}")
                 elif kind == "rng_get":
                     state = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
                     self.store[record[1]] = state
@@ -165,10 +180,10 @@ class TensorExecutor:
                     if request.get("eager_last") and index == len(records) - 1:
                         eager = self._describe(out, record[4])
             except Exception as exc:
-                failure = {"op": record[1] if kind == "op" else kind, "index": index, "error": exc}
+                failure = {"op": record[1] if kind in ("op", "call") else kind, "index": index, "error": exc}
                 if kind == "put":
                     self.store[record[1]] = _Failed("put", exc)
-                if kind == "op" and not isinstance(record[4], range):
+                if kind in ("op", "call") and not isinstance(record[4], range):
                     for rid in record[4]:
                         if rid is not None:
                             self.store[rid] = _Failed(record[1], exc)
@@ -195,7 +210,10 @@ class TensorExecutor:
         func = self._ops.get(name)
         if func is None:
             namespace, op, overload = name.split(".")
-            func = self._ops[name] = getattr(getattr(getattr(torch.ops, namespace), op), overload)
+            func = getattr(getattr(getattr(torch.ops, namespace), op), overload)
+            if self.device.type == "cpu":
+                func = _CPU_SHIMS.get(name, func)
+            self._ops[name] = func
         args, kwargs = tree_map(self._resolve, args), tree_map(self._resolve, kwargs)
         out = func(*args, **kwargs)
         outputs = list(out) if isinstance(out, (tuple, list)) else [out]
@@ -210,6 +228,16 @@ class TensorExecutor:
                 value = _agree(name, value, expect[i], (args, kwargs))
             self.store[rid] = value
         return out
+
+    def _run_call(self, record: tuple) -> None:
+        from . import attention
+
+        _, name, args, kwargs, out_ids, expect = record
+        args, kwargs = tree_map(self._resolve, args), tree_map(self._resolve, kwargs)
+        outs = attention.run(name, args, kwargs, self.store)
+        for i, (rid, value) in enumerate(zip(out_ids, outs)):
+            if rid is not None:
+                self.store[rid] = _agree(name, value, expect[i], (args, kwargs))
 
     def _describe(self, out: Any, out_ids: list[int | None]) -> Any:
         """Shapes and plain values of an op run eagerly (its output shape depended on data)."""

@@ -116,5 +116,6 @@ def encode_value(value: Any) -> Any:
 #   ("put", id, HostTensor)               a CPU tensor uploaded by the client (its bytes travel out of band)
 #   ("free", id)                          the client dropped its last reference
 #   ("seed", value)                       torch.manual_seed on the worker
+#   ("call", name, args, kwargs, out_ids, expect)   one of the server's own functions (attention.py)
 #   ("rng_get", id) / ("rng_set", HostTensor)   the device generator's state (fork_rng, checkpointing)
 #   ("import", module)                    import the module defining a custom op (torch.library) before using it

@@ -30,6 +30,19 @@ _alias_cache: dict[Any, list[tuple[int, Any]]] = {}
 _storage_owners: dict[int, Any] = {}
 
 
+class _Handle:
+    """Frees the server's tensor when the last local reference goes. It lives in the tensor's
+    __dict__ (no weakref on the tensor), so `torch.utils.swap_tensors` carries it along."""
+
+    __slots__ = ("rid", "stream", "__weakref__")
+
+    def __init__(self, stream: OpStream, rid: int) -> None:
+        self.rid, self.stream = rid, stream
+
+    def __del__(self) -> None:
+        self.stream.free(self.rid)
+
+
 class RemoteTensor(torch.Tensor):
     _rid: int
     _stream: OpStream
@@ -42,10 +55,23 @@ class RemoteTensor(torch.Tensor):
         )
         r._rid = new_id() if rid is None else rid
         r._stream = stream
-        weakref.finalize(r, stream.free, r._rid)
+        r._handle = _Handle(stream, r._rid)
         return r
 
     __torch_function__ = torch._C._disabled_torch_function_impl
+
+    # A "traceable wrapper subclass" (with no inner tensors): nn.Module.to() then swaps each
+    # parameter's contents in place (torch.utils.swap_tensors) instead of making new Parameter
+    # objects, so tied weights stay tied and optimizers made before .to() keep working, as on CUDA.
+    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        return [], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, ctx: Any, outer_size: Any, outer_stride: Any) -> Any:
+        """Only torch.compile asks: the frame then runs eagerly (every op recorded as usual)."""
+        from torch._dynamo.exc import SkipFrame
+
+        raise SkipFrame("remote_accelerator tensors run eagerly under torch.compile")
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         text = repr(self.detach().cpu())
@@ -65,7 +91,9 @@ class RemoteTensor(torch.Tensor):
     def untyped_storage(self) -> Any:  # type: ignore[override]
         """The placeholder storage; remembered so that `t.set_(x.untyped_storage(), ...)` can name x."""
         storage = super().untyped_storage()
-        _storage_owners[storage._cdata] = weakref.ref(self)
+        handle = self.__dict__.get("_handle")
+        if handle is not None:
+            _storage_owners[storage._cdata] = weakref.ref(handle)
         return storage
 
     def __reduce_ex__(self, proto: int) -> Any:
@@ -174,30 +202,8 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:  # noqa: ANN001
         if not isinstance(dst, RemoteTensor):  # remote -> local
             return dst.copy_(stream.fetch(src._rid))
 
-    # Local (CPU) tensors in the arguments travel with the op: uploaded once, by value.
     uploads: list[int] = []
-
-    def upload(a: torch.Tensor) -> int:
-        rid = new_id()
-        stream.record(("put", rid, HostTensor(a)))  # a snapshot: later local changes must not leak in
-        uploads.append(rid)
-        return rid
-
-    def encode(a: Any) -> Any:
-        if isinstance(a, RemoteTensor):
-            return Ref(a._rid)
-        if isinstance(a, torch.Tensor):
-            if a.device.type == "meta":
-                raise RuntimeError("meta tensors cannot be mixed with remote tensors")
-            return Ref(upload(a))
-        if _is_remote_device(a):
-            return RemoteDevice()
-        if isinstance(a, torch.Generator):
-            raise NotImplementedError("explicit torch.Generator objects are not supported on remote tensors; use torch.manual_seed")
-        if isinstance(a, torch.UntypedStorage):
-            return _encode_storage(a, stream)
-        return encode_value(a)
-
+    encode = _encoder(stream, uploads)
     if func.namespace not in ("aten", "prims"):
         _import_on_server(func, stream)
     outputs = _output_specs(func, flat, args, kwargs, stream)
@@ -240,12 +246,52 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:  # noqa: ANN001
     return type(out_meta)(results)
 
 
+def _encoder(stream: OpStream, uploads: list[int]) -> Any:
+    """Arguments as the worker reads them. Local (CPU) tensors travel with the op: uploaded once,
+    by value, their ids noted in `uploads` to be freed after it."""
+
+    def encode(a: Any) -> Any:
+        if isinstance(a, RemoteTensor):
+            return Ref(a._rid)
+        if isinstance(a, torch.Tensor):
+            if a.device.type == "meta":
+                raise RuntimeError("meta tensors cannot be mixed with remote tensors")
+            rid = new_id()
+            stream.record(("put", rid, HostTensor(a)))  # a snapshot: later local changes must not leak in
+            uploads.append(rid)
+            return Ref(rid)
+        if _is_remote_device(a):
+            return RemoteDevice()
+        if isinstance(a, torch.Generator):
+            raise NotImplementedError("explicit torch.Generator objects are not supported on remote tensors; use torch.manual_seed")
+        if isinstance(a, torch.UntypedStorage):
+            return _encode_storage(a, stream)
+        return encode_value(a)
+
+    return encode
+
+
+def record_call(name: str, args: tuple, kwargs: dict, expected: list[Any]) -> tuple[list[Any], OpStream]:
+    """Record a call of one of the server's own functions (see attention.py); its outputs are
+    remote tensors laid out like `expected` (meta tensors, or None where there is no output)."""
+    stream = _streams_of(_leaves(args, kwargs))
+    uploads: list[int] = []
+    outs: list[Any] = []
+    for m in expected:
+        outs.append(None if m is None else RemoteTensor(m.shape, m.stride(), m.storage_offset(), m.dtype, stream))
+    enc_args, enc_kwargs = _map(_encoder(stream, uploads), args, kwargs)
+    stream.record(("call", name, enc_args, enc_kwargs, [None if r is None else r._rid for r in outs], _expectations(expected)))
+    for rid in uploads:
+        stream.record(("free", rid))
+    return outs, stream
+
+
 def _encode_storage(storage: Any, stream: OpStream) -> StorageOf:
     """A storage argument (`set_`): a remote tensor's, or bytes loaded for the device."""
     owner = _storage_owners.get(storage._cdata)
-    tensor = owner() if owner is not None else None
-    if tensor is not None and torch.Tensor.untyped_storage(tensor)._cdata == storage._cdata:
-        return StorageOf(Ref(tensor._rid))
+    handle = owner() if owner is not None else None
+    if handle is not None:
+        return StorageOf(Ref(handle.rid))
     loaded = serialization.loaded.get(storage.data_ptr()) if storage.device.type == DEVICE_TYPE else None
     if loaded is not None:  # torch.load onto the device: the bytes go up once per storage
         if loaded.rid is None or loaded.stream is not stream:
@@ -313,15 +359,16 @@ class _Learn(tuple):
     per new signature; see _DEVICE_DEPENDENT)."""
 
 
-# Ops whose outputs' metadata differs between devices (PyTorch's meta kernels follow CUDA): the
-# CPU kernels give reduced-precision statistics the input's dtype, and empty statistics or
-# offset2bag in some modes. The first call with a signature runs eagerly and its outputs' shapes
-# and dtypes, as the server's device made them, are cached for later calls.
+# Ops whose outputs' metadata, or whether they run at all, differs between devices (PyTorch's meta
+# kernels follow CUDA): the CPU kernels give reduced-precision statistics the input's dtype, empty
+# statistics or offset2bag in some modes, and a float32 grouped_mm that CUDA refuses. The first
+# call with a signature runs eagerly and its outputs' shapes and dtypes, as the server's device
+# made them, are cached for later calls.
 _DEVICE_DEPENDENT = {
     aten.native_layer_norm.default, aten.native_batch_norm.default, aten._native_batch_norm_legit.default,
     aten._native_batch_norm_legit.no_stats, aten._native_batch_norm_legit_no_training.default,
     aten._batch_norm_with_update.default, aten._batch_norm_no_update.default, aten._embedding_bag.default,
-    aten._embedding_bag_forward_only.default,
+    aten._embedding_bag_forward_only.default, aten._grouped_mm.default,
 }
 
 
