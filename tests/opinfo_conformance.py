@@ -8,8 +8,9 @@ samples in each tested dtype on the CPU and on the device, compares them, and, f
 support autograd, compares float32 gradients with CPU autograd.
 
 What is sampled (kept small so the whole suite fits CI): the first `SAMPLES[dtype]` samples of
-`op.sample_inputs("cpu", dtype)` for float32, float16, bfloat16, int64 and bool (those the op
-supports on the CPU), and the first `GRAD_SAMPLES` float32 samples with requires_grad=True.
+`op.sample_inputs("cpu", dtype)` for float32, float16, bfloat16, int64, bool and complex64 (those
+the op supports on the CPU), each through the op and its in-place variant, and the first
+`GRAD_SAMPLES` float32 samples with requires_grad=True.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import warnings
 from typing import Any
 
 DEV = "remote_accelerator:0"
-SAMPLES = {"float32": 3, "float16": 1, "bfloat16": 1, "int64": 2, "bool": 1}
+SAMPLES = {"float32": 4, "float16": 1, "bfloat16": 1, "int64": 2, "bool": 1, "complex64": 1}
 GRAD_SAMPLES = 2
 OP_TIMEOUT_S = 90.0
 
@@ -201,21 +202,57 @@ def _RandomOps() -> Any:  # noqa: N802
 _random_mode_class: Any = None
 
 
-def _forward(op: Any, sample: Any, keep: list[bool] | None) -> tuple[bool, bool]:
+def _draws_random_numbers(op: Any, sample: Any) -> bool:
+    """Run once more under a mode that notes random ops (not for the reference values: some ops,
+    linalg.pinv of complex inputs among them, compute differently when a mode is active)."""
+    import torch
+
+    try:
+        with _RandomOps() as seen:
+            _call(op, type(sample)(sample.input.clone() if isinstance(sample.input, torch.Tensor) else sample.input,
+                                   args=sample.args, kwargs=sample.kwargs))
+    except Exception:
+        return False
+    return seen.random
+
+
+def _forward(op: Any, sample: Any, keep: list[bool] | None, check_random: bool) -> tuple[bool, bool]:
     """(matched bit for bit, is random). Raises _Skip, AssertionError (wrong) or another error."""
     import torch
 
     torch.manual_seed(1234)
     try:
-        with _RandomOps() as seen:
-            expected = _call(op, sample)
+        expected = _call(op, sample)
     except Exception as exc:
         raise _Skip(f"the CPU raises: {type(exc).__name__}") from exc
-    random = seen.random
+    random = check_random and _draws_random_numbers(op, sample)
     remote_sample = _on_device(sample, keep)
     torch.manual_seed(1234)
     actual = _call(op, remote_sample)
-    return _compare(_fetch(actual), expected, "output"), random
+    exact = _compare(_fetch(actual), expected, "output")
+    inplace = op.get_inplace()
+    if inplace is not None and isinstance(sample.input, torch.Tensor):
+        exact &= _forward_inplace(inplace, sample, keep)
+    return exact, random
+
+
+def _forward_inplace(inplace: Any, sample: Any, keep: list[bool] | None) -> bool:
+    """The in-place variant (squeeze_, transpose_, add_...): the returned tensor and the mutated input."""
+    import torch
+
+    local = type(sample)(sample.input.detach().clone(), args=sample.args, kwargs=sample.kwargs)
+    torch.manual_seed(1234)
+    try:
+        expected = _call(inplace, local)
+    except Exception:
+        return True  # the CPU refuses this sample in place (a dtype or shape it cannot hold)
+    remote = _on_device(type(sample)(sample.input.detach().clone(), args=sample.args, kwargs=sample.kwargs), keep)
+    torch.manual_seed(1234)
+    actual = _call(inplace, remote)
+    if isinstance(expected, torch.Tensor) and expected is local.input and actual is not remote.input:
+        raise AssertionError("the in-place variant did not return its input")
+    exact = _compare(_fetch(actual), expected, "in-place output")
+    return _compare(_fetch(remote.input), local.input, "in-place input") and exact
 
 
 def _grad_inputs(sample: Any) -> list[Any]:
@@ -293,7 +330,7 @@ def run_op(op: Any) -> dict[str, Any]:
             continue
         for sample, keep in samples:
             try:
-                exact, random = _forward(op, sample, keep)
+                exact, random = _forward(op, sample, keep, check_random=forward["samples"] == 0)
             except _Skip:
                 continue
             except AssertionError as exc:
@@ -479,3 +516,70 @@ if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--child":
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         child(sys.argv[2], sys.argv[3])
+
+
+def document(results: list[dict[str, Any]], seconds: float, server: str) -> str:
+    """The OpInfo part of docs/CONFORMANCE.md: rates, then every op that did not match, and why."""
+    import platform
+
+    import torch
+
+    r = rates(results)
+    f, b = r["forward"], r["backward"]
+    random_ops = [x for x in results if x.get("random") and not x.get("nondeterministic")]
+    random_match = sum(1 for x in random_ops if x.get("forward", {}).get("status") == "match")
+    lines = [
+        "## PyTorch OpInfo database",
+        "",
+        f"Measured by `tests/test_conformance_opinfo.py` ({len(results)} entries of `op_db`, torch {torch.__version__}, "
+        f"Python {platform.python_version()}, server device: {server}; {seconds:.0f} s with 2 client processes). Each op's first samples "
+        f"run on `remote_accelerator` and on the CPU: {', '.join(f'{n} {k}' for k, n in SAMPLES.items())} sample(s) per dtype "
+        "(the dtypes the op supports on the CPU; float32, float16, bfloat16, int64 and bool, plus complex64), each through the op "
+        f"and its in-place variant; gradients from the first {GRAD_SAMPLES} float32 samples with requires_grad=True, against CPU "
+        "autograd. Values must agree within `torch.testing.assert_close`'s default tolerance for the dtype (exactly, for integers "
+        "and bools), shapes and dtypes exactly, and each output's shape and dtype as the server holds it must be what the client "
+        "believes. Every op ran in a child process; a process or session that died counts as a crash of that op.",
+        "",
+        "| | ops tested | match | bit-exact | wrong | raise | crash | rate |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, part in (("forward", f), ("backward", b)):
+        c = part["counts"]
+        lines.append(f"| {name} | {part['tested']} | {c.get('match', 0)} | {part['exact']} | {c.get('wrong', 0)} | "
+                     f"{c.get('error', 0)} | {c.get('crash', 0)} | {100 * part['rate']:.1f}% |")
+    lines += [
+        "",
+        f"Not counted above: ops with nondeterministic output (uninitialized memory: {', '.join(sorted(x['op'] for x in results if x.get('nondeterministic')))}); "
+        f"random ops ({len(random_ops)}), which draw from the device's generator: seeded alike, on this CPU server {random_match} of "
+        "them give the CPU's values exactly; on a GPU server they cannot. Skipped: ops whose samples the CPU itself cannot run "
+        "in these dtypes (CUDA-only ops, and a few whose CPU kernels refuse every sample):",
+        "",
+    ]
+    for mode in ("forward", "backward"):
+        skipped = [x["op"] for x in results if outcome(x, mode)[0] == "skip"]
+        lines.append(f"- {mode}: {', '.join(skipped) if skipped else 'none'}")
+    lines += ["", "Ops that raise (each with its reason) or give wrong results:", ""]
+    failing = [(x["op"], mode, *outcome(x, mode)) for x in results for mode in ("forward", "backward")
+               if outcome(x, mode)[0] in ("wrong", "error", "crash")]
+    if not failing:
+        lines.append("- none")
+    for op, mode, status, why in failing:
+        lines.append(f"- `{op}` ({mode}, {status}): {why}")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def replace_section(path: Any, name: str, text: str) -> None:
+    """Put `text` between this section's markers in the file (made with a title if missing)."""
+    from pathlib import Path
+
+    path = Path(path)
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    old = path.read_text() if path.exists() else (
+        "# Conformance: remote_accelerator against eager CPU\n\nWritten by the conformance tests; do not edit by hand.\n")
+    block = f"{begin}\n{text.rstrip()}\n{end}"
+    if begin in old and end in old:
+        new = old[: old.index(begin)] + block + old[old.index(end) + len(end):]
+    else:
+        new = old.rstrip() + "\n\n" + block + "\n"
+    path.write_text(new)

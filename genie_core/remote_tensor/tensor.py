@@ -369,6 +369,7 @@ _DEVICE_DEPENDENT = {
     aten._native_batch_norm_legit.no_stats, aten._native_batch_norm_legit_no_training.default,
     aten._batch_norm_with_update.default, aten._batch_norm_no_update.default, aten._embedding_bag.default,
     aten._embedding_bag_forward_only.default, aten._grouped_mm.default,
+    aten.addbmm_.default,  # the CPU and CUDA kernels resize a (1,) self; the meta kernel refuses
 }
 
 
@@ -427,16 +428,22 @@ def _run_eagerly(func, stream: OpStream, args: tuple, kwargs: dict, encode, uplo
     for rid in uploads:
         stream.record(("free", rid))
     results = []
-    for item in described["outputs"]:
+    aliases = _aliases(func)
+    for position, item in enumerate(described["outputs"]):
         if "value" in item:
             results.append(item["value"])
+        elif position in aliases:  # in place: the result is the argument (its shape may have changed)
+            target = _argument(aliases[position], args, kwargs)
+            set_metadata(target, item["shape"], item["stride"], item["offset"])
+            stream.record(("free", item["id"]))
+            results.append(target)
         else:
             results.append(RemoteTensor(item["shape"], item["stride"], item["offset"], getattr(torch, item["dtype"]), stream, rid=item["id"]))
-    if learn is not None and not _aliases(func):
+    if learn is not None:
         metas = [torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device="meta").as_strided(r.shape, r.stride(), r.storage_offset())
                  if isinstance(r, torch.Tensor) else r for r in results]
         out = (metas if is_list else tuple(metas)) if described["tuple"] else metas[0]
-        _meta_cache[learn] = (out, {}, _expectations(out))
+        _meta_cache[learn] = (out, aliases, _expectations(out))
     if described["tuple"]:
         return results if is_list else tuple(results)
     return results[0]
