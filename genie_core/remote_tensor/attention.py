@@ -24,11 +24,28 @@ def _meta(t: Any) -> Any:
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
 
-def _like(query: Any, out: Any) -> Any:
-    """The CPU kernels lay their output out in the query's dimension order (a query that is a
-    transposed (batch, length, heads, dim) tensor gives an output laid out the same way)."""
-    order = sorted(range(query.dim()), key=lambda d: (-query.stride(d), d))
-    return torch.empty_permuted(out.shape, order, dtype=out.dtype, device="meta")
+_outputs: dict[Any, Any] = {}
+
+
+def _output(query: Any, key: Any, value: Any, mask: Any, dropout_p: float, is_causal: bool, scale: Any, gqa: bool) -> Any:
+    """The output's metadata (a meta tensor), cached by signature: PyTorch's meta path decomposes
+    the whole math attention, about 5 ms a call. Argument errors are raised here, as PyTorch would."""
+    sig = tuple((t.shape, t.stride(), t.dtype) if isinstance(t, torch.Tensor) else t for t in (query, key, value, mask))
+    k = (sig, dropout_p, is_causal, scale, gqa, query._stream.device_kind)
+    out = _outputs.get(k)
+    if out is None:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            _meta(query), _meta(key), _meta(value), attn_mask=_meta(mask), dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+            enable_gqa=gqa)
+        if query._stream.device_kind == "cpu" and out.dim() == query.dim():
+            # The CPU kernels lay the output out in the query's dimension order (a query that is a
+            # transposed (batch, length, heads, dim) tensor gives an output laid out the same way).
+            order = sorted(range(query.dim()), key=lambda d: (-query.stride(d), d))
+            out = torch.empty_permuted(out.shape, order, dtype=out.dtype, device="meta")
+        if len(_outputs) > 10_000:
+            _outputs.clear()
+        _outputs[k] = out
+    return out
 
 
 class _Graph:
@@ -46,11 +63,7 @@ class _ServerAttention(torch.autograd.Function):
         from .tensor import record_call
 
         needs = tuple(bool(n) for n in ctx.needs_input_grad[:4])
-        expected = torch.nn.functional.scaled_dot_product_attention(
-            _meta(query), _meta(key), _meta(value), attn_mask=_meta(mask), dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-            enable_gqa=gqa)
-        if query._stream.device_kind == "cpu" and expected.dim() == query.dim():
-            expected = _like(query, expected)
+        expected = _output(query, key, value, mask, dropout_p, is_causal, scale, gqa)
         gid = new_id() if any(needs) else None
         (out,), stream = record_call("sdpa", (query, key, value, mask), {
             "dropout_p": dropout_p, "is_causal": is_causal, "scale": scale, "enable_gqa": gqa, "graph": gid, "needs": needs,

@@ -153,9 +153,11 @@ class _DeviceModule:
 
     @staticmethod
     def stats() -> dict[str, int]:
-        """Round trips and ops sent so far, per device index (for benchmarks and curiosity)."""
+        """Per device index: round trips (batches waited for), messages (all batches sent), ops sent,
+        and the worker's time running them (for benchmarks and curiosity)."""
         return {
-            f"{s.index}": {"round_trips": s.round_trips, "ops_sent": s.ops_sent, "pending": s.pending(), "server_tensors": s.server_tensors}
+            f"{s.index}": {"round_trips": s.round_trips, "messages": s.messages, "ops_sent": s.ops_sent, "pending": s.pending(), "server_tensors": s.server_tensors,
+                           "server_seconds": round(s.server_seconds, 6)}
             for s in _streams.values() if s.alive
         }
 

@@ -27,14 +27,24 @@ def new_ids() -> range:
 
 
 class OpStream:
+    """Ops recorded for one remote device. They go to the server in batches of `SUBMIT_EVERY`
+    without waiting (the server runs them while more are recorded here) and in a final batch
+    when a value is needed, the one round trip that waits; a failure in any batch is raised
+    then, naming the op."""
+
+    SUBMIT_EVERY = 256
+
     def __init__(self, client: Any, index: int) -> None:
         self.client = client
         self.index = index  # remote_accelerator:index, the worker of GPU `index`
         self._records: list[tuple] = []
         self._lock = threading.Lock()
-        self.round_trips = 0
+        self._inflight: list[tuple[Any, int]] = []  # batches sent without waiting: (request, ops)
+        self.round_trips = 0  # batches waited for
+        self.messages = 0  # batches sent
         self.ops_sent = 0
         self.server_tensors = 0  # tensors the server held after the last flush
+        self.server_seconds = 0.0  # time the worker spent running what was sent
         self.device_kind = "cuda" if (getattr(client, "node", None) or {}).get("gpus") else "cpu"
         self.imported: set[str] = set()  # modules defining custom ops, imported on the server
 
@@ -45,6 +55,9 @@ class OpStream:
     def record(self, entry: tuple) -> None:
         with self._lock:
             self._records.append(entry)
+            full = len(self._records) >= self.SUBMIT_EVERY
+        if full:
+            self._submit()
 
     def free(self, rid: int) -> None:
         """Called when a remote tensor is garbage-collected here (any thread)."""
@@ -55,28 +68,51 @@ class OpStream:
     def pending(self) -> int:
         return len(self._records)
 
-    def flush(self, fetch: list[int] | None = None, *, eager: bool = False, sync: bool = False) -> dict[str, Any]:
-        """Send what was recorded (and fetch these ids); raise the first remote failure."""
+    def _send(self, request: dict[str, Any], n: int) -> Any:
         if not self.alive:
             raise ConnectionLost("this remote tensor belongs to a Genie session that has ended; run %genie_init and make it again")
-        with self._lock:
-            records, self._records = self._records, []
-        request = {"ops": records, "fetch": list(fetch or []), "eager_last": eager, "sync": sync}
         oob: list[Any] = []
         payload = pickle.dumps(request, protocol=5, buffer_callback=oob.append)
         from ..protocol import Message
 
-        reply = self.client._request(Message("tensor_ops", {"gpu": self.index, "n": len(records)}, [payload, *(b.raw() for b in oob)])).wait()
+        self.messages += 1
+        self.ops_sent += n
+        return self.client._request(Message("tensor_ops", {"gpu": self.index, "n": n}, [payload, *(b.raw() for b in oob)]))
+
+    def _submit(self) -> None:
+        """Send what was recorded; the reply is read at the next flush."""
+        with self._lock:
+            records, self._records = self._records, []
+        if records:
+            self._inflight.append((self._send({"ops": records, "fetch": [], "eager_last": False, "sync": False}, len(records)),
+                                   len(records)))
+
+    def flush(self, fetch: list[int] | None = None, *, eager: bool = False, sync: bool = False) -> dict[str, Any]:
+        """Send what was recorded (and fetch these ids), wait; raise the first remote failure."""
+        with self._lock:
+            records, self._records = self._records, []
+        request = self._send({"ops": records, "fetch": list(fetch or []), "eager_last": eager, "sync": sync}, len(records))
+        earlier, self._inflight = self._inflight, []
+        failure = None
+        for sent, n in earlier:  # answered before the last one: the worker runs batches in order
+            content = sent.wait().content
+            self.server_seconds += float(content.get("run_s", 0.0))
+            if failure is None and content.get("status") != "ok":
+                failure = (content, n)
+        reply = request.wait()
         self.round_trips += 1
-        self.ops_sent += len(records)
         content = reply.content
         self.server_tensors = int(content.get("stored", 0))
-        if content.get("status") == "error" and content.get("ename") == "LimitExceeded":
-            raise LimitExceeded(str(content.get("evalue")))
-        if content.get("status") != "ok":
+        self.server_seconds += float(content.get("run_s", 0.0))
+        if failure is None and content.get("status") != "ok":
+            failure = (content, len(records))
+        if failure is not None:
+            bad, n = failure
+            if bad.get("ename") == "LimitExceeded":
+                raise LimitExceeded(str(bad.get("evalue")))
             raise RemoteError(
-                content.get("ename", "Error"),
-                f"remote op {content.get('op')} (op {content.get('index', 0) + 1} of {len(records)} sent) failed: {content.get('evalue')}",
+                bad.get("ename", "Error"),
+                f"remote op {bad.get('op')} (op {bad.get('index', 0) + 1} of {n} sent together) failed: {bad.get('evalue')}",
             )
         if content.get("fetch"):
             content["values"] = deserialize_namespace(content["fetch"], reply.buffers, allow_pickle=False)  # tensors and numbers only
