@@ -346,6 +346,52 @@ def test_autocast_applies_the_server_devices_policy(remote, dtype):
         assert torch.equal(p.grad, q.grad.cpu()), name
 
 
+_BACKWARD_FAILURE = """
+import sys, torch, genie_core
+import genie_core.remote_tensor.tensor as T
+genie_core.init_sync(sys.argv[1], token=sys.argv[2], timeout=20)
+real = T.dispatch
+def failing(func, args, kwargs):  # stands for any op that fails while autograd runs
+    if func is torch.ops.aten.cos.default:
+        raise RuntimeError("no cos today")
+    return real(func, args, kwargs)
+T.dispatch = failing
+x = torch.randn(3).to("remote_accelerator:0").requires_grad_()
+x.sin().sum().backward()
+try:
+    x.grad.cpu()
+except RuntimeError as e:
+    print("raised:", e)
+T.dispatch = real
+y = torch.randn(3).to("remote_accelerator:0").requires_grad_()
+y.register_hook(lambda g: 1 / 0)
+(y * 2).sum().backward()
+try:
+    y.grad.cpu()
+except RuntimeError as e:
+    print("raised:", e)
+print("alive", torch.equal((y.detach() * 0).cpu(), torch.zeros(3)))
+genie_core.shutdown()
+"""
+
+
+def test_a_failure_during_backward_is_raised_later_not_fatal(remote, tmp_path):
+    """In PyTorch 2.13 an exception leaving an op of a Python device during backward ends the
+    process; the client keeps it and raises it at the next value needed (in a child process here,
+    so that a regression is a failed test, not a dead test run)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "backward_failure.py"
+    script.write_text(_BACKWARD_FAILURE)
+    done = subprocess.run([sys.executable, str(script), f"127.0.0.1:{remote.info.port}", remote.info.token],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "raised: aten.cos.default failed during backward: RuntimeError: no cos today" in done.stdout
+    assert "raised: the hook <lambda> failed during backward: ZeroDivisionError" in done.stdout
+    assert "alive True" in done.stdout
+
+
 def test_explicit_generators_are_refused_clearly(remote):
     with pytest.raises(NotImplementedError, match="Generator"):
         torch.randn(3, device=DEV, generator=torch.Generator())

@@ -115,6 +115,7 @@ def encode_value(value: Any) -> Any:
 #   ("op", name, args, kwargs, out_ids)   run torch.ops.<name>, store tensor outputs under out_ids
 #   ("put", id, HostTensor)               a CPU tensor uploaded by the client (its bytes travel out of band)
 #   ("free", id)                          the client dropped its last reference
+#   ("fail", ids, op, message)            outputs of an op that failed on the client during backward
 #   ("seed", value)                       torch.manual_seed on the worker
 #   ("call", name, args, kwargs, out_ids, expect)   one of the server's own functions (attention.py)
 #   ("rng_get", id) / ("rng_set", HostTensor)   the device generator's state (fork_rng, checkpointing)

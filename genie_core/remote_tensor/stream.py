@@ -37,6 +37,9 @@ class OpStream:
     def __init__(self, client: Any, index: int) -> None:
         self.client = client
         self.index = index  # remote_accelerator:index, the worker of GPU `index`
+        import torch
+
+        self.device = torch.device("remote_accelerator", index)
         self._records: list[tuple] = []
         self._lock = threading.Lock()
         self._inflight: list[tuple[Any, int]] = []  # batches sent without waiting: (request, ops)
@@ -47,6 +50,12 @@ class OpStream:
         self.server_seconds = 0.0  # time the worker spent running what was sent
         self.device_kind = "cuda" if (getattr(client, "node", None) or {}).get("gpus") else "cpu"
         self.imported: set[str] = set()  # modules defining custom ops, imported on the server
+        self._deferred: tuple[str, BaseException] | None = None
+
+    def defer(self, op: str, error: BaseException) -> None:
+        """An op failed where raising is impossible (during backward): raised at the next flush."""
+        if self._deferred is None:
+            self._deferred = (op, error)
 
     @property
     def alive(self) -> bool:
@@ -88,7 +97,8 @@ class OpStream:
                                    len(records)))
 
     def flush(self, fetch: list[int] | None = None, *, eager: bool = False, sync: bool = False) -> dict[str, Any]:
-        """Send what was recorded (and fetch these ids), wait; raise the first remote failure."""
+        """Send what was recorded (and fetch these ids), wait; raise the first failure: one kept
+        from backward (see defer), else the first the server reports."""
         with self._lock:
             records, self._records = self._records, []
         request = self._send({"ops": records, "fetch": list(fetch or []), "eager_last": eager, "sync": sync}, len(records))
@@ -106,6 +116,9 @@ class OpStream:
         self.server_seconds += float(content.get("run_s", 0.0))
         if failure is None and content.get("status") != "ok":
             failure = (content, len(records))
+        if self._deferred is not None:  # the batch's own failures follow from it
+            (op, error), self._deferred = self._deferred, None
+            raise RuntimeError(f"{op} failed during backward: {type(error).__name__}: {error}") from error
         if failure is not None:
             bad, n = failure
             if bad.get("ename") == "LimitExceeded":

@@ -50,12 +50,12 @@ class RemoteTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, shape, stride, offset, dtype, stream: OpStream, rid: int | None = None, requires_grad: bool = False):
         r = torch.Tensor._make_wrapper_subclass(
-            cls, shape, strides=stride, storage_offset=offset, dtype=dtype,
-            device=torch.device(DEVICE_TYPE, stream.index), requires_grad=requires_grad,
+            cls, shape, strides=stride, storage_offset=offset, dtype=dtype, device=stream.device, requires_grad=requires_grad,
         )
-        r._rid = new_id() if rid is None else rid
+        r._rid = rid = new_id() if rid is None else rid
+        r._ref = Ref(rid)  # how ops name it (one object, so a batch pickles it once)
         r._stream = stream
-        r._handle = _Handle(stream, r._rid)
+        r._handle = _Handle(stream, rid)
         return r
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -96,6 +96,22 @@ class RemoteTensor(torch.Tensor):
             _storage_owners[storage._cdata] = weakref.ref(handle)
         return storage
 
+    def register_hook(self, hook: Any) -> Any:  # type: ignore[override]
+        """As torch.Tensor's; a hook that raises during backward has its error raised at the next
+        value needed (see _failed_in_backward: raising there would end the process)."""
+        stream = self._stream
+
+        def guarded(grad: Any) -> Any:
+            try:
+                return hook(grad)
+            except Exception as exc:
+                if torch._C._current_graph_task_id() < 0:
+                    raise
+                stream.defer(f"the hook {getattr(hook, '__name__', hook)!s}", exc)
+                return None
+
+        return super().register_hook(guarded)
+
     def __reduce_ex__(self, proto: int) -> Any:
         """Pickled (and `torch.save`d) as its values on the CPU and its device, as PyTorch does for
         devices without host-visible storage: `torch.load` puts it back on the device, or where
@@ -121,7 +137,43 @@ class RemoteTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
-        return dispatch(func, args, kwargs or {})
+        if torch._C._current_graph_task_id() < 0:
+            return dispatch(func, args, kwargs or {})
+        try:
+            return dispatch(func, args, kwargs or {})
+        except Exception as exc:  # inside backward: see _failed_in_backward
+            return _failed_in_backward(func, args, kwargs or {}, exc)
+
+
+def _failed_in_backward(func, args: tuple, kwargs: dict, exc: Exception) -> Any:  # noqa: ANN001
+    """An op that failed while autograd ran backward. A Python exception leaving an op there ends
+    the process (PyTorch's Python device guard is called while the error is still set, in a
+    noexcept destructor), so the error is kept on the stream and raised at the next value needed,
+    naming the op, like a failure the server reports; the op's outputs are placeholders."""
+    remote = [a for a in _leaves(args, kwargs) if type(a) is RemoteTensor]
+    if not remote:
+        raise exc
+    remote[0]._stream.defer(str(func), exc)
+    try:
+        margs, mkwargs = _map(_to_meta, args, kwargs)
+        out = func(*margs, **mkwargs)
+    except Exception:  # shapes unknown: autograd then refuses the gradient (a C++ error, safe to raise)
+        out = tuple(torch.empty(0, device="meta") for _ in func._schema.returns)
+        out = out[0] if len(out) == 1 else out
+    stream = remote[0]._stream
+
+    failed: list[int] = []
+
+    def placeholder(m: Any) -> Any:
+        if not isinstance(m, torch.Tensor):
+            return m
+        r = RemoteTensor(m.shape, m.stride(), m.storage_offset(), m.dtype, stream)
+        failed.append(r._rid)
+        return r
+
+    result = type(out)(placeholder(m) for m in out) if type(out) in (tuple, list) else placeholder(out)
+    stream.record(("fail", failed, str(func), f"{type(exc).__name__}: {exc}"))  # later uses name this failure
+    return result
 
 
 def _streams_of(flat: list[Any]) -> OpStream:
@@ -160,11 +212,6 @@ def _leaves(args: tuple, kwargs: dict) -> list[Any]:
     return flat
 
 
-def _shape_of(args: tuple, kwargs: dict) -> tuple:
-    """The nesting of the arguments, for the meta cache key."""
-    return tuple(len(a) if type(a) in (list, tuple) else -1 for a in args), tuple(kwargs)
-
-
 def _map(fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     def one(a: Any) -> Any:
         if type(a) is list or type(a) is tuple:
@@ -186,32 +233,141 @@ def set_metadata(t: torch.Tensor, size: Any, stride: Any, offset: int) -> None:
             torch._C._set_meta_in_tls_dispatch_include(was)
 
 
+class _OpInfo:
+    """What dispatch needs to know of an op, worked out once."""
+
+    __slots__ = ("name", "aliases", "special", "foreign")
+
+    def __init__(self, func) -> None:  # noqa: ANN001
+        self.name = str(func)
+        self.aliases = _aliases(func)
+        self.special = func in (_LOCAL_SCALAR, _TO_COPY, _COPY)
+        self.foreign = func.namespace not in ("aten", "prims")
+
+
+_infos: dict[Any, _OpInfo] = {}
+
+
+def _sig(a: Any) -> Any:
+    """One argument in the meta-cache key (tensors by dtype, shape, strides, offset, and whether remote)."""
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.shape, a.stride(), a.storage_offset(), type(a) is RemoteTensor)
+    if isinstance(a, torch.UntypedStorage):
+        return ("storage", a.nbytes())
+    return a
+
+
+def _scan(args: tuple, kwargs: dict) -> tuple[OpStream | None, list[Any], bool]:
+    """One pass over the arguments: their stream, their meta-cache signature, and whether any is a
+    local tensor or storage (to be uploaded, or refused)."""
+    stream = None
+    sig: list[Any] = []
+    local = False
+    for a in (*args, *kwargs.values()):
+        kind = type(a)
+        if kind is RemoteTensor:
+            if stream is None:
+                stream = a._stream
+            elif a._stream is not stream:
+                _streams_of(_leaves(args, kwargs))  # raises, saying which devices or sessions
+            sig.append((a.dtype, a.shape, a.stride(), a.storage_offset(), True))
+        elif kind is list or kind is tuple:
+            inner = []
+            for x in a:
+                if type(x) is RemoteTensor:
+                    if stream is None:
+                        stream = x._stream
+                    elif x._stream is not stream:
+                        _streams_of(_leaves(args, kwargs))
+                elif isinstance(x, torch.Tensor):
+                    local = True
+                inner.append(_sig(x))
+            sig.append((kind, *inner))
+        else:
+            if isinstance(a, (torch.Tensor, torch.UntypedStorage)):
+                local = True
+            sig.append(_sig(a))
+    return stream, sig, local
+
+
 def dispatch(func, args: tuple, kwargs: dict) -> Any:  # noqa: ANN001
-    flat = _leaves(args, kwargs)
-    stream = _streams_of(flat)
+    info = _infos.get(func)
+    if info is None:
+        info = _infos[func] = _OpInfo(func)
+    stream, sig, local = _scan(args, kwargs)
+    if stream is None:
+        raise RuntimeError("no remote tensor among the arguments")
 
-    if func is _LOCAL_SCALAR:
-        return stream.fetch(args[0]._rid).item()
-    if func is _TO_COPY:
-        device = kwargs.get("device")
-        if device is not None and not _is_remote_device(device):
-            local = stream.fetch(args[0]._rid)
-            return func(local, **kwargs)
-    if func is _COPY:
-        dst, src = args[0], args[1]
-        if not isinstance(dst, RemoteTensor):  # remote -> local
-            return dst.copy_(stream.fetch(src._rid))
+    if info.special:
+        if func is _LOCAL_SCALAR:
+            return stream.fetch(args[0]._rid).item()
+        if func is _TO_COPY:
+            device = kwargs.get("device")
+            if device is not None and not _is_remote_device(device):
+                local_copy = stream.fetch(args[0]._rid)
+                return func(local_copy, **kwargs)
+        if func is _COPY:
+            dst, src = args[0], args[1]
+            if type(dst) is not RemoteTensor:  # remote -> local
+                return dst.copy_(stream.fetch(src._rid))
 
-    uploads: list[int] = []
-    encode = _encoder(stream, uploads)
-    if func.namespace not in ("aten", "prims"):
+    if info.foreign:
         _import_on_server(func, stream)
-    outputs = _output_specs(func, flat, args, kwargs, stream)
+    outputs = _output_specs(func, sig, args, kwargs, stream)
+    uploads: list[int] = []
     if outputs is None or type(outputs) is _Learn:
-        return _run_eagerly(func, stream, args, kwargs, encode, uploads, outputs)
-    out_meta, aliases, expect = outputs
-    is_sequence = type(out_meta) in (tuple, list)
-    metas = out_meta if is_sequence else (out_meta,)
+        return _run_eagerly(func, stream, args, kwargs, _encoder(stream, uploads), uploads, outputs)
+    out_meta, aliases, expect, plain = outputs
+    if plain:  # fresh outputs only, no conjugate or negative views: the common case, kept short
+        if type(out_meta) in (tuple, list):
+            results = [RemoteTensor(m.shape, m.stride(), m.storage_offset(), m.dtype, stream) if isinstance(m, torch.Tensor) else m
+                       for m in out_meta]
+            out_ids = [r._rid if type(r) is RemoteTensor else None for r in results]
+        elif isinstance(out_meta, torch.Tensor):
+            results = [RemoteTensor(out_meta.shape, out_meta.stride(), out_meta.storage_offset(), out_meta.dtype, stream)]
+            out_ids = [results[0]._rid]
+        else:  # no tensor out (a check, like _linalg_check_errors)
+            results, out_ids = [out_meta], [None]
+        reshaped: list[tuple[Any, Any]] = []
+    else:
+        results, out_ids, reshaped = _outputs(out_meta, aliases, args, kwargs, stream)
+    if local:
+        encode = _encoder(stream, uploads)
+        enc_args, enc_kwargs = _map(encode, args, kwargs)
+    else:
+        enc_args = tuple([_encode_remote(a) for a in args])
+        enc_kwargs = {k: _encode_remote(v) for k, v in kwargs.items()} if kwargs else kwargs
+    stream.record(("op", info.name, enc_args, enc_kwargs, out_ids, expect))
+    for rid in uploads:
+        stream.record(("free", rid))
+    for target, m in reshaped:
+        set_metadata(target, m.shape, m.stride(), m.storage_offset())
+    if type(out_meta) not in (tuple, list):
+        return results[0]
+    return type(out_meta)(results)
+
+
+def _encode_remote(a: Any) -> Any:
+    """An argument when no local tensor is among them: remote tensors by reference."""
+    kind = type(a)
+    if kind is RemoteTensor:
+        return a._ref
+    if kind is list or kind is tuple:
+        return kind([x._ref if type(x) is RemoteTensor else _encode_other(x) for x in a])
+    return _encode_other(a)
+
+
+def _encode_other(a: Any) -> Any:
+    if _is_remote_device(a):
+        return RemoteDevice()
+    if isinstance(a, torch.Generator):
+        raise NotImplementedError("explicit torch.Generator objects are not supported on remote tensors; use torch.manual_seed")
+    return encode_value(a)
+
+
+def _outputs(out_meta: Any, aliases: dict, args: tuple, kwargs: dict, stream: OpStream) -> tuple[list, list, list]:
+    """Results of an op with in-place/out= outputs or conjugate/negative views."""
+    metas = out_meta if type(out_meta) in (tuple, list) else (out_meta,)
     results: list[Any] = []
     out_ids: list[int | None] = []
     reshaped: list[tuple[Any, Any]] = []
@@ -235,15 +391,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:  # noqa: ANN001
         else:
             results.append(m)
             out_ids.append(None)
-    enc_args, enc_kwargs = _map(encode, args, kwargs)
-    stream.record(("op", str(func), enc_args, enc_kwargs, out_ids, expect))
-    for rid in uploads:
-        stream.record(("free", rid))
-    for target, m in reshaped:
-        set_metadata(target, m.shape, m.stride(), m.storage_offset())
-    if not is_sequence:
-        return results[0]
-    return type(out_meta)(results)
+    return results, out_ids, reshaped
 
 
 def _encoder(stream: OpStream, uploads: list[int]) -> Any:
@@ -252,7 +400,7 @@ def _encoder(stream: OpStream, uploads: list[int]) -> Any:
 
     def encode(a: Any) -> Any:
         if isinstance(a, RemoteTensor):
-            return Ref(a._rid)
+            return a._ref
         if isinstance(a, torch.Tensor):
             if a.device.type == "meta":
                 raise RuntimeError("meta tensors cannot be mixed with remote tensors")
@@ -326,16 +474,6 @@ def _aliases(func) -> dict[int, Any]:  # noqa: ANN001
     return found
 
 
-def _signature(a: Any) -> Any:
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, tuple(a.shape), tuple(a.stride()), a.storage_offset(), isinstance(a, RemoteTensor))
-    if isinstance(a, list):
-        return tuple(_signature(x) for x in a)
-    if isinstance(a, torch.UntypedStorage):
-        return ("storage", a.nbytes())
-    return a
-
-
 def _to_meta(a: Any) -> Any:
     if isinstance(a, torch.Tensor):
         return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta").as_strided(a.shape, a.stride(), a.storage_offset()) \
@@ -345,6 +483,12 @@ def _to_meta(a: Any) -> Any:
     if isinstance(a, torch.UntypedStorage):
         return torch.UntypedStorage(a.nbytes(), device="meta")
     return a
+
+
+def _plain(out: Any, func: Any) -> bool:
+    """Whether all outputs are fresh tensors (or plain values) without conjugate/negative bits."""
+    outs = out if type(out) in (tuple, list) else (out,)
+    return not _aliases(func) and not any(isinstance(m, torch.Tensor) and (m.is_conj() or m.is_neg()) for m in outs)
 
 
 def _expectations(out: Any) -> tuple:
@@ -384,11 +528,11 @@ def _import_on_server(func, stream: OpStream) -> None:  # noqa: ANN001
         stream.record(("import", module))
 
 
-def _output_specs(func, flat: list[Any], args: tuple, kwargs: dict, stream: OpStream) -> Any:  # noqa: ANN001
+def _output_specs(func, sig: list[Any], args: tuple, kwargs: dict, stream: OpStream) -> Any:  # noqa: ANN001
     """Output shapes from the op's meta kernel (cached), None when they depend on data, or a
     _Learn key when the device must say (see _DEVICE_DEPENDENT)."""
     try:
-        key = (func, tuple(_signature(a) for a in flat), _shape_of(args, kwargs))
+        key = (func, *sig, *kwargs)
         if func in _DEVICE_DEPENDENT:
             key = _Learn((*key, stream.device_kind))
         cached = _meta_cache.get(key)
@@ -408,7 +552,7 @@ def _output_specs(func, flat: list[Any], args: tuple, kwargs: dict, stream: OpSt
             raise  # a real error (shapes, dtypes): raised here, at the op, as PyTorch would
         if any(isinstance(m, torch.Tensor) and m.layout != torch.strided for m in (out if type(out) in (tuple, list) else (out,))):
             raise NotImplementedError(f"{func}: sparse and other non-strided layouts are not supported on remote_accelerator")
-        cached = (out, _aliases(func), _expectations(out))
+        cached = (out, _aliases(func), _expectations(out), _plain(out, func))
         if key is not None:
             if len(_meta_cache) > 50_000:
                 _meta_cache.clear()
@@ -443,7 +587,7 @@ def _run_eagerly(func, stream: OpStream, args: tuple, kwargs: dict, encode, uplo
         metas = [torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device="meta").as_strided(r.shape, r.stride(), r.storage_offset())
                  if isinstance(r, torch.Tensor) else r for r in results]
         out = (metas if is_list else tuple(metas)) if described["tuple"] else metas[0]
-        _meta_cache[learn] = (out, aliases, _expectations(out))
+        _meta_cache[learn] = (out, aliases, _expectations(out), _plain(out, func))
     if described["tuple"]:
         return results if is_list else tuple(results)
     return results[0]
