@@ -15,7 +15,10 @@ import cloudpickle
 
 
 def _is_tensor(obj: Any) -> bool:
-    return type(obj).__module__.startswith("torch") and type(obj).__name__ in ("Tensor", "Parameter")
+    """torch tensors, and remote_accelerator tensors (their values travel; they arrive as tensors)."""
+    kind = type(obj)
+    return (kind.__module__.startswith("torch") and kind.__name__ in ("Tensor", "Parameter")) or (
+        kind.__module__ == "genie_core.remote_tensor.tensor" and kind.__name__ == "RemoteTensor")
 
 
 def _is_ndarray(obj: Any) -> bool:

@@ -30,7 +30,7 @@ def remote(tmp_path_factory):
 
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore", module="transformers")
-    srv = start_server(tmp_path_factory.mktemp("models-server"))
+    srv = start_server(tmp_path_factory.mktemp("models-server"), "--gpus", "")  # a CPU server, even on a GPU machine
     genie_core.init_sync(f"127.0.0.1:{srv.info.port}", token=srv.info.token, timeout=20)
     yield srv
     genie_core.shutdown()

@@ -23,7 +23,7 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "CONFORMANCE.md"
 def test_opinfo_database_matches_the_cpu(tmp_path):
     from conftest import start_server
 
-    srv = start_server(tmp_path)
+    srv = start_server(tmp_path, "--gpus", "")  # a CPU server, even on a GPU machine
     try:
         start = time.perf_counter()
         results = conformance.run(f"127.0.0.1:{srv.info.port}", srv.info.token, workers=2)

@@ -21,7 +21,7 @@ DEV = "remote_accelerator:0"
 def remote(tmp_path_factory):
     from conftest import start_server
 
-    srv = start_server(tmp_path_factory.mktemp("tensor-server"))
+    srv = start_server(tmp_path_factory.mktemp("tensor-server"), "--gpus", "")  # a CPU server, even on a GPU machine
     genie_core.init_sync(f"127.0.0.1:{srv.info.port}", token=srv.info.token, timeout=20)
     yield srv
     genie_core.shutdown()
@@ -390,6 +390,16 @@ def test_a_failure_during_backward_is_raised_later_not_fatal(remote, tmp_path):
     assert "raised: aten.cos.default failed during backward: RuntimeError: no cos today" in done.stdout
     assert "raised: the hook <lambda> failed during backward: ZeroDivisionError" in done.stdout
     assert "alive True" in done.stdout
+
+
+def test_a_remote_tensor_pushed_to_or_pulled_from_the_server_travels_as_its_values(remote):
+    client = genie_core.get_cluster_state().client
+    x = torch.arange(6.0).reshape(2, 3).to(DEV)
+    client.push({"x": x})  # into the namespace of %%remote cells
+    assert client.execute("y = x * 2; assert type(x) is __import__('torch').Tensor").wait(30).content["status"] == "ok"
+    back = client.pull(["x", "y"])
+    assert type(back["x"]) is torch.Tensor and back["x"].device.type == "cpu"
+    assert torch.equal(back["x"], torch.arange(6.0).reshape(2, 3)) and torch.equal(back["y"], back["x"] * 2)
 
 
 def test_explicit_generators_are_refused_clearly(remote):

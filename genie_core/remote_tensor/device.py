@@ -109,7 +109,6 @@ class _DeviceModule:
     @staticmethod
     def get_rng_state(device: Any = "remote_accelerator") -> Any:
         """The server device's generator state, as a CPU uint8 tensor (one round trip)."""
-        import torch
 
         from .stream import new_id
 
