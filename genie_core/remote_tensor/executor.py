@@ -105,6 +105,13 @@ class HeldTensors(dict):
         return value
 
 
+def _note_time(timing: dict[str, list[float]], record: tuple, since: float) -> None:
+    name = record[1] if record[0] in ("op", "call") else record[0]
+    entry = timing.setdefault(name, [0.0, 0])
+    entry[0] += time.perf_counter() - since
+    entry[1] += 1
+
+
 _PLACEHOLDERS = frozenset({Ref, RemoteDevice, StorageOf, MemoryFormat})
 _NESTED = frozenset({tuple, list, dict})
 
@@ -175,8 +182,13 @@ class TensorExecutor:
         failure: dict[str, Any] | None = None
         eager: Any = None
         records = request["ops"]
+        timing: dict[str, list[float]] | None = {} if request.get("profile") else None  # op -> [seconds, calls]
         for index, record in enumerate(records):
             kind = record[0]
+            if timing is not None:
+                if index:
+                    _note_time(timing, records[index - 1], tick)
+                tick = time.perf_counter()
             if kind == "free":
                 self.store.pop(record[1], None)
                 continue
@@ -228,6 +240,10 @@ class TensorExecutor:
         if self.device.type == "cuda" and request.get("sync"):
             torch.cuda.synchronize()
         content: dict[str, Any] = {"status": "ok", "eager": eager, "stored": len(self.store), "run_s": time.perf_counter() - start}
+        if timing is not None:
+            if records:
+                _note_time(timing, records[-1], tick)
+            content["profile"] = timing
         if failure is not None:
             error = failure["error"]
             content = {"status": "error", "op": failure["op"], "index": failure["index"],

@@ -51,6 +51,7 @@ class OpStream:
         self.device_kind = "cuda" if (getattr(client, "node", None) or {}).get("gpus") else "cpu"
         self.imported: set[str] = set()  # modules defining custom ops, imported on the server
         self._deferred: tuple[str, BaseException] | None = None
+        self.profile: dict[str, list[float]] | None = None  # set to {} to have the worker time each op (benchmarks)
 
     def defer(self, op: str, error: BaseException) -> None:
         """An op failed where raising is impossible (during backward): raised at the next flush."""
@@ -78,6 +79,8 @@ class OpStream:
         return len(self._records)
 
     def _send(self, request: dict[str, Any], n: int) -> Any:
+        if self.profile is not None:
+            request["profile"] = True
         if not self.alive:
             raise ConnectionLost("this remote tensor belongs to a Genie session that has ended; run %genie_init and make it again")
         oob: list[Any] = []
@@ -106,14 +109,14 @@ class OpStream:
         failure = None
         for sent, n in earlier:  # answered before the last one: the worker runs batches in order
             content = sent.wait().content
-            self.server_seconds += float(content.get("run_s", 0.0))
+            self._account(content)
             if failure is None and content.get("status") != "ok":
                 failure = (content, n)
         reply = request.wait()
         self.round_trips += 1
         content = reply.content
         self.server_tensors = int(content.get("stored", 0))
-        self.server_seconds += float(content.get("run_s", 0.0))
+        self._account(content)
         if failure is None and content.get("status") != "ok":
             failure = (content, len(records))
         if self._deferred is not None:  # the batch's own failures follow from it
@@ -130,6 +133,14 @@ class OpStream:
         if content.get("fetch"):
             content["values"] = deserialize_namespace(content["fetch"], reply.buffers, allow_pickle=False)  # tensors and numbers only
         return content
+
+    def _account(self, content: dict[str, Any]) -> None:
+        self.server_seconds += float(content.get("run_s", 0.0))
+        if self.profile is not None:
+            for name, (seconds, calls) in (content.get("profile") or {}).items():
+                entry = self.profile.setdefault(name, [0.0, 0])
+                entry[0] += seconds
+                entry[1] += calls
 
     def fetch(self, rid: int) -> Any:
         return self.flush([rid])["values"][str(rid)]
