@@ -156,7 +156,7 @@ class _DeviceModule:
         and the worker's time running them (for benchmarks and curiosity)."""
         return {
             f"{s.index}": {"round_trips": s.round_trips, "messages": s.messages, "ops_sent": s.ops_sent, "pending": s.pending(), "server_tensors": s.server_tensors,
-                           "server_seconds": round(s.server_seconds, 6)}
+                           "server_seconds": round(s.server_seconds, 6), "wait_seconds": round(s.wait_seconds, 6)}
             for s in _streams.values() if s.alive
         }
 

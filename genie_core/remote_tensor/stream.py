@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import pickle
 import threading
+import time
 from typing import Any
 
 from ..errors import ConnectionLost, LimitExceeded, RemoteError
@@ -48,6 +49,7 @@ class OpStream:
         self.ops_sent = 0
         self.server_tensors = 0  # tensors the server held after the last flush
         self.server_seconds = 0.0  # time the worker spent running what was sent
+        self.wait_seconds = 0.0  # time spent here waiting for the last batch of each flush
         self.device_kind = "cuda" if (getattr(client, "node", None) or {}).get("gpus") else "cpu"
         self.imported: set[str] = set()  # modules defining custom ops, imported on the server
         self._deferred: tuple[str, BaseException] | None = None
@@ -112,7 +114,9 @@ class OpStream:
             self._account(content)
             if failure is None and content.get("status") != "ok":
                 failure = (content, n)
+        waited = time.perf_counter()
         reply = request.wait()
+        self.wait_seconds += time.perf_counter() - waited
         self.round_trips += 1
         content = reply.content
         self.server_tensors = int(content.get("stored", 0))
