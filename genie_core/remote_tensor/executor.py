@@ -37,7 +37,10 @@ def _agree(name: str, value: torch.Tensor, want: tuple, inputs: Any) -> torch.Te
     Values laid out differently in a fresh tensor are copied into the expected layout; a different
     shape or dtype (or layout of a view) fails the op: guessing would give wrong results later."""
     shape, stride, offset, dtype = want
-    if value.dtype == dtype and tuple(value.shape) == shape and tuple(value.stride()) == stride and value.storage_offset() == offset:
+    if value.layout != torch.strided:
+        raise NotImplementedError(f"it made a {value.layout} tensor: sparse and other non-strided layouts are not "
+                                  "supported on remote_accelerator")
+    if value.dtype == dtype and value.shape == shape and value.stride() == stride and value.storage_offset() == offset:
         return value
     expected = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
     if offset:
@@ -105,6 +108,12 @@ class HeldTensors(dict):
         return value
 
 
+class UncountedTensors(dict):
+    """id -> tensor, when no byte limit needs the count (it costs a storage lookup per tensor)."""
+
+    bytes_held = 0
+
+
 def _note_time(timing: dict[str, list[float]], record: tuple, since: float) -> None:
     name = record[1] if record[0] in ("op", "call") else record[0]
     entry = timing.setdefault(name, [0.0, 0])
@@ -119,7 +128,7 @@ _NESTED = frozenset({tuple, list, dict})
 class TensorExecutor:
     def __init__(self, max_tensors: int = 1_000_000, max_bytes: int | None = None) -> None:
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        self.store = HeldTensors()
+        self.store: dict[int, Any] = HeldTensors() if max_bytes is not None else UncountedTensors()
         self.max_tensors, self.max_bytes = max_tensors, max_bytes
         self.ops_run = 0
         self._ops: dict[str, Any] = {}
@@ -143,12 +152,23 @@ class TensorExecutor:
         placeholders replaced; much faster than a general tree map, and this runs for every op."""
         kind = type(values)
         if kind is tuple or kind is list:
-            return kind([self._resolve_all(v) if type(v) in _NESTED else self._resolve(v) if type(v) in _PLACEHOLDERS else v
-                         for v in values])
+            return kind([self._one(v) for v in values])
         if kind is dict:
-            return {k: self._resolve_all(v) if type(v) in _NESTED else self._resolve(v) if type(v) in _PLACEHOLDERS else v
-                    for k, v in values.items()}
-        return self._resolve(values) if kind in _PLACEHOLDERS else values
+            return {k: self._one(v) for k, v in values.items()} if values else values
+        return self._one(values)
+
+    def _one(self, v: Any) -> Any:
+        kind = type(v)
+        if kind is Ref:
+            t = self.store.get(v.id)
+            if t is None or type(t) is _Failed:
+                return self._resolve(v)  # raises, saying why
+            return t
+        if kind in _NESTED:
+            return self._resolve_all(v)
+        if kind in _PLACEHOLDERS:
+            return self._resolve(v)
+        return v
 
     def _resolve(self, value: Any) -> Any:
         if isinstance(value, Ref):
@@ -267,18 +287,22 @@ class TensorExecutor:
             if self.device.type == "cpu":
                 func = _CPU_SHIMS.get(name, func)
             self._ops[name] = func
-        args, kwargs = self._resolve_all(args), self._resolve_all(kwargs)
-        out = func(*args, **kwargs)
+        args = self._resolve_all(args)
+        out = func(*args, **self._resolve_all(kwargs)) if kwargs else func(*args)
+        if type(out) is torch.Tensor and len(out_ids) == 1:  # the common case: one tensor out
+            rid = out_ids[0]
+            if rid is not None:
+                self.store[rid] = out if expect is None or expect[0] is None else _agree(name, out, expect[0], (args, kwargs))
+            return out
         outputs = list(out) if isinstance(out, (tuple, list)) else [out]
-        for value in outputs:
-            if isinstance(value, torch.Tensor) and value.layout != torch.strided:
-                raise NotImplementedError(f"it made a {value.layout} tensor: sparse and other non-strided layouts are not "
-                                          "supported on remote_accelerator")
         for i, (rid, value) in enumerate(zip(out_ids, outputs)):
             if rid is None:
                 continue
             if expect is not None and expect[i] is not None and isinstance(value, torch.Tensor):
                 value = _agree(name, value, expect[i], (args, kwargs))
+            elif isinstance(value, torch.Tensor) and value.layout != torch.strided:
+                raise NotImplementedError(f"it made a {value.layout} tensor: sparse and other non-strided layouts are not "
+                                          "supported on remote_accelerator")
             self.store[rid] = value
         return out
 
@@ -297,6 +321,9 @@ class TensorExecutor:
         outputs = list(out) if isinstance(out, (tuple, list)) else [out]
         described = []
         for rid, value in zip(out_ids, outputs):
+            if isinstance(value, torch.Tensor) and value.layout != torch.strided:
+                raise NotImplementedError(f"it made a {value.layout} tensor: sparse and other non-strided layouts are not "
+                                          "supported on remote_accelerator")
             if isinstance(value, torch.Tensor):
                 described.append({"id": rid, "shape": list(value.shape), "stride": list(value.stride()),
                                   "offset": value.storage_offset(), "dtype": str(value.dtype).removeprefix("torch.")})
