@@ -236,16 +236,14 @@ def set_metadata(t: torch.Tensor, size: Any, stride: Any, offset: int) -> None:
 class _OpInfo:
     """What dispatch needs to know of an op, worked out once."""
 
-    __slots__ = ("name", "aliases", "special", "foreign")
+    __slots__ = ("name", "aliases", "special", "foreign", "learn")
 
     def __init__(self, func) -> None:  # noqa: ANN001
         self.name = str(func)
+        self.learn = func in _DEVICE_DEPENDENT
         self.aliases = _aliases(func)
         self.special = func in (_LOCAL_SCALAR, _TO_COPY, _COPY)
         self.foreign = func.namespace not in ("aten", "prims")
-
-
-_infos: dict[Any, _OpInfo] = {}
 
 
 def _sig(a: Any) -> Any:
@@ -291,9 +289,9 @@ def _scan(args: tuple, kwargs: dict) -> tuple[OpStream | None, list[Any], bool]:
 
 
 def dispatch(func, args: tuple, kwargs: dict) -> Any:  # noqa: ANN001
-    info = _infos.get(func)
+    info = func.__dict__.get("_genie")  # (not a dict keyed by the op: its __hash__ is Python code)
     if info is None:
-        info = _infos[func] = _OpInfo(func)
+        info = func._genie = _OpInfo(func)
     stream, sig, local = _scan(args, kwargs)
     if stream is None:
         raise RuntimeError("no remote tensor among the arguments")
@@ -313,7 +311,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:  # noqa: ANN001
 
     if info.foreign:
         _import_on_server(func, stream)
-    outputs = _output_specs(func, sig, args, kwargs, stream)
+    outputs = _output_specs(func, sig, args, kwargs, stream, info)
     uploads: list[int] = []
     if outputs is None or type(outputs) is _Learn:
         return _run_eagerly(func, stream, args, kwargs, _encoder(stream, uploads), uploads, outputs)
@@ -528,12 +526,12 @@ def _import_on_server(func, stream: OpStream) -> None:  # noqa: ANN001
         stream.record(("import", module))
 
 
-def _output_specs(func, sig: list[Any], args: tuple, kwargs: dict, stream: OpStream) -> Any:  # noqa: ANN001
+def _output_specs(func, sig: list[Any], args: tuple, kwargs: dict, stream: OpStream, info: Any = None) -> Any:  # noqa: ANN001
     """Output shapes from the op's meta kernel (cached), None when they depend on data, or a
     _Learn key when the device must say (see _DEVICE_DEPENDENT)."""
     try:
-        key = (func, *sig, *kwargs)
-        if func in _DEVICE_DEPENDENT:
+        key = (info if info is not None else func, *sig, *kwargs)
+        if (info.learn if info is not None else func in _DEVICE_DEPENDENT):
             key = _Learn((*key, stream.device_kind))
         cached = _meta_cache.get(key)
     except TypeError:  # something unhashable in the arguments: no caching
