@@ -4,6 +4,7 @@ value is needed: one round trip per materialization, however many ops were recor
 from __future__ import annotations
 
 import itertools
+import os
 import pickle
 import threading
 import time
@@ -28,12 +29,13 @@ def new_ids() -> range:
 
 
 class OpStream:
-    """Ops recorded for one remote device. They go to the server in batches of `SUBMIT_EVERY`
-    without waiting (the server runs them while more are recorded here) and in a final batch
-    when a value is needed, the one round trip that waits; a failure in any batch is raised
-    then, naming the op."""
+    """Ops recorded for one remote device. They go to the server in a batch when a value is
+    needed, the one round trip that waits; with a server on another machine (or this one, when it
+    has cores to spare) also every `SUBMIT_EVERY` ops without waiting, so that the server runs
+    them while more are recorded here. A failure in any batch is raised at the wait, naming the op."""
 
     SUBMIT_EVERY = 256
+    SPARE_CORES = 4  # a server on this host runs alongside the notebook from this many cores up
 
     def __init__(self, client: Any, index: int) -> None:
         self.client = client
@@ -52,6 +54,11 @@ class OpStream:
         self.wait_seconds = 0.0  # time spent here waiting for the last batch of each flush
         self.device_kind = "cuda" if (getattr(client, "node", None) or {}).get("gpus") else "cpu"
         self.imported: set[str] = set()  # modules defining custom ops, imported on the server
+        # On a small machine the server and this kernel share the cores: overlapping them costs more
+        # than it saves (benchmarks/llm.py measures both).
+        from ..config import is_loopback
+
+        self.pipelined = not is_loopback(str(getattr(client, "host", "127.0.0.1"))) or (os.cpu_count() or 1) >= self.SPARE_CORES
         self._deferred: tuple[str, BaseException] | None = None
         self.profile: dict[str, list[float]] | None = None  # set to {} to have the worker time each op (benchmarks)
 
@@ -67,7 +74,7 @@ class OpStream:
     def record(self, entry: tuple) -> None:
         with self._lock:
             self._records.append(entry)
-            full = len(self._records) >= self.SUBMIT_EVERY
+            full = self.pipelined and len(self._records) >= self.SUBMIT_EVERY
         if full:
             self._submit()
 
