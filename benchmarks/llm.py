@@ -95,7 +95,7 @@ def run(quick: bool = False) -> dict:
     transformers.logging.set_verbosity_error()
     config = (dict(n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=256) if quick
               else dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024))
-    new_tokens, rounds = (8, 2) if quick else (64, 5)
+    new_tokens, rounds = (8, 1) if quick else (64, 5)
     proc, info = _servers.start()
     genie_core.init_sync(f"{info.ip}:{info.port}", token=info.token, timeout=30)
     client = genie_core.get_cluster_state().client
@@ -153,7 +153,7 @@ def run(quick: bool = False) -> dict:
         step()
         _on_server(client, _STEP.format(ids=batch.tolist()))
         step_remote, step_anchor, step_counts = [], [], []
-        for _ in range(max(2, rounds - 2)):
+        for _ in range(max(1, rounds - 2)):
             seconds, delta = step()
             step_remote.append(seconds)
             step_counts.append(delta)
