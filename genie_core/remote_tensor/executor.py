@@ -203,6 +203,7 @@ class TensorExecutor:
         eager: Any = None
         records = request["ops"]
         timing: dict[str, list[float]] | None = {} if request.get("profile") else None  # op -> [seconds, calls]
+        tick = start
         for index, record in enumerate(records):
             kind = record[0]
             if timing is not None:
