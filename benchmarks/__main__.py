@@ -13,7 +13,7 @@ from pathlib import Path
 import genie_core
 
 ALL = ["monitor_overhead", "remote_tensors", "bulk_transfer", "cell_roundtrip", "connect_time", "failure_detection", "concurrency",
-       "message_signing", "soak"]
+       "message_signing", "llm", "soak"]
 
 
 def machine() -> dict:

@@ -15,7 +15,10 @@ import cloudpickle
 
 
 def _is_tensor(obj: Any) -> bool:
-    return type(obj).__module__.startswith("torch") and type(obj).__name__ in ("Tensor", "Parameter")
+    """torch tensors, and remote_accelerator tensors (their values travel; they arrive as tensors)."""
+    kind = type(obj)
+    return (kind.__module__.startswith("torch") and kind.__name__ in ("Tensor", "Parameter")) or (
+        kind.__module__ == "genie_core.remote_tensor.tensor" and kind.__name__ == "RemoteTensor")
 
 
 def _is_ndarray(obj: Any) -> bool:
@@ -29,7 +32,10 @@ def serialize(obj: Any) -> tuple[dict[str, Any], list[Any]]:
         t = obj.detach()
         if t.device.type != "cpu":
             t = t.cpu()
+        t = t.resolve_conj().resolve_neg()
         flat = t.contiguous().reshape(-1)
+        if flat.numel() and flat.stride(0) != 1:  # size-1 dims with odd strides (an expanded scalar)
+            flat = torch.empty(flat.shape, dtype=flat.dtype).copy_(flat)
         data = flat.view(torch.uint8).numpy() if flat.numel() else b""
         meta = {
             "kind": "tensor",
@@ -70,7 +76,10 @@ def deserialize(meta: dict[str, Any], buffers: list[Any], device: str | None = N
         else:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # zmq frames are read-only views; we own them now
-                t = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
+                t = torch.frombuffer(buf, dtype=torch.uint8)
+                if t.data_ptr() % 16:  # complex128 kernels need 16-byte aligned memory: misaligned, they crash
+                    t = t.clone()
+                t = t.view(dtype).reshape(shape)
         if device:
             t = t.to(device)
         if meta.get("requires_grad"):

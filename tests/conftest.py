@@ -16,6 +16,19 @@ from genie_core.config import ConnectionInfo
 from genie_core.local_server import start_server_process, stop_process
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`@pytest.mark.gpu` tests need a CUDA GPU here (the server they start then computes on it)."""
+    gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_tests:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in gpu_tests:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_runtime_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ["GENIE_RUNTIME_DIR"] = str(tmp_path_factory.mktemp("genie-runtime"))

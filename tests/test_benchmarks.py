@@ -2,9 +2,12 @@
 
 import json
 
+import pytest
+
 from benchmarks.__main__ import ALL, main
 
 
+@pytest.mark.timeout(300)  # nine benchmarks, a small LLM among them, on two shared cores
 def test_benchmarks_run_in_quick_mode(tmp_path):
     assert main(["--quick", "--out", str(tmp_path), *ALL]) == 0
     results = json.loads((tmp_path / "results.json").read_text())

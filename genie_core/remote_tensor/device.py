@@ -34,6 +34,22 @@ def stream_for(index: int | None) -> Any:
     return stream
 
 
+def _index(device: Any) -> int:
+    import torch
+
+    if isinstance(device, int):
+        return device
+    return torch.device(device).index or 0
+
+
+def _index(device: Any) -> int:
+    import torch
+
+    if isinstance(device, int):
+        return device
+    return torch.device(device).index or 0
+
+
 def device_count() -> int:
     """Remote GPUs of the connected server; a server without GPUs offers its CPU as device 0."""
     from .. import cluster
@@ -69,11 +85,10 @@ class _DeviceModule:
 
     @staticmethod
     def get_amp_supported_dtype() -> list[Any]:
-        """torch.autocast asks this first: refuse clearly rather than run without the casts asked for."""
-        raise NotImplementedError(
-            "torch.autocast is not supported on remote_accelerator devices yet; cast explicitly instead "
-            "(model.to(torch.bfloat16), x.to(torch.bfloat16)), or use autocast inside a %%remote cell"
-        )
+        """torch.autocast asks this first (see autocast.py)."""
+        from .autocast import supported_dtypes
+
+        return supported_dtypes()
 
     @staticmethod
     def synchronize(device: Any = None) -> None:
@@ -92,10 +107,56 @@ class _DeviceModule:
     manual_seed_all = manual_seed
 
     @staticmethod
+    def get_rng_state(device: Any = "remote_accelerator") -> Any:
+        """The server device's generator state, as a CPU uint8 tensor (one round trip)."""
+
+        from .stream import new_id
+
+        stream = stream_for(_index(device))
+        rid = new_id()
+        stream.record(("rng_get", rid))
+        try:
+            return stream.fetch(rid)
+        finally:
+            stream.free(rid)
+
+    @staticmethod
+    def set_rng_state(new_state: Any, device: Any = "remote_accelerator") -> None:
+        """Restore a state from get_rng_state (recorded; applied before the next ops run)."""
+        from .ops import HostTensor
+
+        stream_for(_index(device)).record(("rng_set", HostTensor(new_state)))
+
+    @staticmethod
+    def get_rng_state_all() -> list[Any]:
+        return [_DeviceModule.get_rng_state(i) for i in range(device_count())]
+
+    @staticmethod
+    def set_rng_state_all(new_states: Any) -> None:
+        for i, state in enumerate(new_states):
+            _DeviceModule.set_rng_state(state, i)
+
+    @staticmethod
+    def seed() -> None:
+        import torch
+
+        _DeviceModule.manual_seed(torch.seed())
+
+    seed_all = seed
+
+    @staticmethod
+    def initial_seed() -> int:
+        import torch
+
+        return torch.initial_seed()
+
+    @staticmethod
     def stats() -> dict[str, int]:
-        """Round trips and ops sent so far, per device index (for benchmarks and curiosity)."""
+        """Per device index: round trips (batches waited for), messages (all batches sent), ops sent,
+        and the worker's time running them (for benchmarks and curiosity)."""
         return {
-            f"{s.index}": {"round_trips": s.round_trips, "ops_sent": s.ops_sent, "pending": s.pending(), "server_tensors": s.server_tensors}
+            f"{s.index}": {"round_trips": s.round_trips, "messages": s.messages, "ops_sent": s.ops_sent, "pending": s.pending(), "server_tensors": s.server_tensors,
+                           "server_seconds": round(s.server_seconds, 6), "wait_seconds": round(s.wait_seconds, 6)}
             for s in _streams.values() if s.alive
         }
 
@@ -106,9 +167,10 @@ def _factory_kernels(lib: Any) -> None:
     from .ops import RemoteDevice, encode_value
     from .tensor import RemoteTensor
 
-    def make(name: str):  # noqa: ANN202
+    def make(name: str, runs: str | None = None):  # noqa: ANN202
         packet, overload = name.split(".")
         op = getattr(getattr(torch.ops.aten, packet), overload)
+        recorded = str(op) if runs is None else runs
 
         def kernel(*args: Any, **kwargs: Any) -> Any:
             device = kwargs.get("device")
@@ -118,10 +180,43 @@ def _factory_kernels(lib: Any) -> None:
             r = RemoteTensor(out.shape, out.stride(), out.storage_offset(), out.dtype, stream)
             enc_kwargs = {k: encode_value(v) for k, v in kwargs.items()}
             enc_kwargs["device"] = RemoteDevice()
-            stream.record(("op", str(op), tuple(encode_value(a) for a in args), enc_kwargs, [r._rid]))
+            expect = ((tuple(out.shape), tuple(out.stride()), out.storage_offset(), out.dtype),)
+            stream.record(("op", recorded, tuple(encode_value(a) for a in args), enc_kwargs, [r._rid], expect))
             return r
 
         return kernel
+
+    def copy_from(src: Any, dst: Any, non_blocking: bool = False) -> Any:
+        """CPU -> remote, remote -> remote and remote -> CPU copies reached below Python dispatch
+        (`torch.tensor(data, device=...)` and `.to()` make an empty remote tensor, then copy)."""
+        from .tensor import dispatch
+
+        return dispatch(torch.ops.aten.copy_.default, (dst, src), {"non_blocking": non_blocking})
+
+    def copy_from_and_resize(src: Any, dst: Any) -> Any:
+        from .tensor import dispatch
+
+        if tuple(dst.shape) != tuple(src.shape):
+            dispatch(torch.ops.aten.resize_.default, (dst, list(src.shape)), {})
+        return dispatch(torch.ops.aten.copy_.default, (dst, src), {})
+
+    # Ops with both device kernels and a generic decomposition (CompositeImplicitAutograd): a device
+    # without a kernel of its own gets the decomposition, which rounds differently from the server's
+    # kernel. A PrivateUse1 kernel (reached only below Python dispatch) makes them arrive whole.
+    def whole(op: Any) -> Any:
+        def kernel(*args: Any, **kwargs: Any) -> Any:
+            from .tensor import dispatch
+
+            return dispatch(op, args, kwargs)
+
+        return kernel
+
+    lib.impl("silu_backward", whole(torch.ops.aten.silu_backward.default), "PrivateUse1")  # (mish_backward has no meta kernel)
+
+    # Autograd's zeros that carry no memory (ZeroTensor): plain zeros on the server.
+    lib.impl("_efficientzerotensor", make("_efficientzerotensor.default", "aten.zeros.default"), "PrivateUse1")
+    lib.impl("_copy_from", copy_from, "PrivateUse1")
+    lib.impl("_copy_from_and_resize", copy_from_and_resize, "PrivateUse1")
 
     for name in (
         "empty.memory_format", "empty_strided.default", "arange.start_step", "arange.start", "arange.default", "eye.default", "eye.m",
@@ -147,6 +242,13 @@ def register() -> None:
         _setup_privateuseone_for_python_backend(DEVICE_TYPE, backend_module=_DeviceModule())
         _lib = torch.library.Library("aten", "IMPL")
         _factory_kernels(_lib)
+        from . import serialization
+
+        serialization.register()
+        from . import attention, autocast
+
+        autocast.register()
+        attention.register()
         _registered = True
 
 

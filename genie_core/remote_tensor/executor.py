@@ -3,15 +3,18 @@ keeps the resulting tensors, by id, until the client frees them."""
 
 from __future__ import annotations
 
+import gc
+import importlib
 import pickle
+import time
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten
 
 from ..errors import LimitExceeded, size_text
 from ..serialize import serialize_namespace
-from .ops import MemoryFormat, Ref, RemoteDevice
+from .ops import MemoryFormat, Ref, RemoteDevice, StorageOf
 
 
 class _Failed:
@@ -20,6 +23,50 @@ class _Failed:
     def __init__(self, op: str, error: BaseException) -> None:
         self.op = op
         self.error = error
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    """Shape, dtype, and the strides and offset that matter (not those of size-1 dims or empty tensors)."""
+    if t.numel() == 0:
+        return tuple(t.shape), t.dtype
+    return tuple(t.shape), t.dtype, tuple(s for n, s in zip(t.shape, t.stride()) if n > 1), t.storage_offset()
+
+
+def _agree(name: str, value: torch.Tensor, want: tuple, inputs: Any) -> torch.Tensor:
+    """The output the client expects (shape, strides, offset, dtype from the op's meta kernel).
+    Values laid out differently in a fresh tensor are copied into the expected layout; a different
+    shape or dtype (or layout of a view) fails the op: guessing would give wrong results later."""
+    shape, stride, offset, dtype = want
+    if value.layout != torch.strided:
+        raise NotImplementedError(f"it made a {value.layout} tensor: sparse and other non-strided layouts are not "
+                                  "supported on remote_accelerator")
+    if value.dtype == dtype and value.shape == shape and value.stride() == stride and value.storage_offset() == offset:
+        return value
+    expected = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+    if offset:
+        expected = expected.as_strided(shape, stride, offset)
+    if _layout(value) == _layout(expected):
+        return value
+    storages = {t.untyped_storage().data_ptr() for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)}
+    if value.dtype == dtype and tuple(value.shape) == shape and not offset and value.untyped_storage().data_ptr() not in storages:
+        return torch.empty_strided(shape, stride, dtype=dtype, device=value.device).copy_(value)
+    raise RuntimeError(
+        f"{name} gave a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)} (strides {value.stride()}) "
+        f"on the server where its meta kernel promised {str(dtype).removeprefix('torch.')} {shape} (strides {stride}): "
+        "this op is not supported on remote_accelerator for these arguments"
+    )
+
+
+def _histc(x: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0) -> torch.Tensor:  # noqa: A002
+    """CUDA counts integer tensors, the CPU kernel refuses them (model code written for "not CPU"
+    relies on it): counted in float64, exact below 2**53, returned in the input's dtype."""
+    if x.is_floating_point():
+        return torch.ops.aten.histc.default(x, bins, min, max)
+    return torch.ops.aten.histc.default(x.double(), bins, min, max).to(x.dtype)
+
+
+# Ops a CUDA device runs that a CPU server's kernels refuse, done there the way CUDA would.
+_CPU_SHIMS = {"aten.histc.default": _histc}
 
 
 class HeldTensors(dict):
@@ -31,14 +78,16 @@ class HeldTensors(dict):
         self._storages: dict[tuple[str, int], list[int]] = {}  # (device, address) -> [bytes, users]
 
     @staticmethod
-    def _key(value: Any) -> tuple[tuple[str, int], int] | None:
-        if not isinstance(value, torch.Tensor) or value.device.type == "meta":
+    def _key(value: Any) -> tuple[tuple[bool, int], int] | None:
+        if not isinstance(value, torch.Tensor):
             return None
         storage = value.untyped_storage()
-        return ((str(value.device), storage.data_ptr()), storage.nbytes()) if storage.data_ptr() else None
+        address = storage.data_ptr()  # 0 for meta tensors and empty storages
+        return ((value.is_cuda, address), storage.nbytes()) if address else None
 
     def __setitem__(self, rid: int, value: Any) -> None:
-        self.pop(rid, None)
+        if rid in self:
+            self.pop(rid, None)
         super().__setitem__(rid, value)
         found = self._key(value)
         if found is not None:
@@ -59,12 +108,31 @@ class HeldTensors(dict):
         return value
 
 
+class UncountedTensors(dict):
+    """id -> tensor, when no byte limit needs the count (it costs a storage lookup per tensor)."""
+
+    bytes_held = 0
+
+
+def _note_time(timing: dict[str, list[float]], record: tuple, since: float) -> None:
+    name = record[1] if record[0] in ("op", "call") else record[0]
+    entry = timing.setdefault(name, [0.0, 0])
+    entry[0] += time.perf_counter() - since
+    entry[1] += 1
+
+
+_PLACEHOLDERS = frozenset({Ref, RemoteDevice, StorageOf, MemoryFormat})
+_NESTED = frozenset({tuple, list, dict})
+
+
 class TensorExecutor:
     def __init__(self, max_tensors: int = 1_000_000, max_bytes: int | None = None) -> None:
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        self.store = HeldTensors()
+        self.store: dict[int, Any] = HeldTensors() if max_bytes is not None else UncountedTensors()
         self.max_tensors, self.max_bytes = max_tensors, max_bytes
         self.ops_run = 0
+        self._ops: dict[str, Any] = {}
+        gc.freeze()  # what this worker imported lives as long as it does: keep it out of every collection
 
     @property
     def bytes_held(self) -> int:
@@ -79,6 +147,29 @@ class TensorExecutor:
             raise LimitExceeded(f"{made} would make this session hold {size_text(self.store.bytes_held)} in remote tensors; the server "
                                 f"allows {size_text(self.max_bytes)} (--max-session-bytes): free some (del)")
 
+    def _resolve_all(self, values: Any) -> Any:
+        """Arguments as recorded (tuples and lists one level deep, a kwargs dict) with their
+        placeholders replaced; much faster than a general tree map, and this runs for every op."""
+        kind = type(values)
+        if kind is tuple or kind is list:
+            return kind([self._one(v) for v in values])
+        if kind is dict:
+            return {k: self._one(v) for k, v in values.items()} if values else values
+        return self._one(values)
+
+    def _one(self, v: Any) -> Any:
+        kind = type(v)
+        if kind is Ref:
+            t = self.store.get(v.id)
+            if t is None or type(t) is _Failed:
+                return self._resolve(v)  # raises, saying why
+            return t
+        if kind in _NESTED:
+            return self._resolve_all(v)
+        if kind in _PLACEHOLDERS:
+            return self._resolve(v)
+        return v
+
     def _resolve(self, value: Any) -> Any:
         if isinstance(value, Ref):
             t = self.store.get(value.id)
@@ -89,23 +180,45 @@ class TensorExecutor:
             return t
         if isinstance(value, RemoteDevice):
             return self.device
+        if isinstance(value, StorageOf):
+            return self._resolve(value.ref).untyped_storage()
         if isinstance(value, MemoryFormat):
             return getattr(torch, value.name)
         return value
 
     def run(self, frames: list[Any]) -> tuple[dict[str, Any], list[Any]]:
         """frames: [pickled request, out-of-band buffers...]. Returns the reply content and buffers."""
+        start = time.perf_counter()
+        collecting = gc.isenabled()
+        gc.disable()  # thousands of small objects per batch: no cycle collection pauses in the middle
+        try:
+            return self._run(frames, start)
+        finally:
+            if collecting:
+                gc.enable()
+
+    def _run(self, frames: list[Any], start: float) -> tuple[dict[str, Any], list[Any]]:
         request = pickle.loads(frames[0], buffers=frames[1:])
         failure: dict[str, Any] | None = None
         eager: Any = None
         records = request["ops"]
+        timing: dict[str, list[float]] | None = {} if request.get("profile") else None  # op -> [seconds, calls]
+        tick = start
         for index, record in enumerate(records):
             kind = record[0]
+            if timing is not None:
+                if index:
+                    _note_time(timing, records[index - 1], tick)
+                tick = time.perf_counter()
             if kind == "free":
                 self.store.pop(record[1], None)
                 continue
+            if kind == "fail":  # outputs of an op that failed on the client during backward
+                for rid in record[1]:
+                    self.store[rid] = _Failed(record[2], RuntimeError(record[3]))
+                continue
             if failure is not None:  # skip the rest, poisoning what they would have made
-                if kind == "op":
+                if kind in ("op", "call") and not isinstance(record[4], range):  # (a range: a list op's ids, never named unless described)
                     for rid in record[4]:
                         if rid is not None:
                             self.store[rid] = _Failed(failure["op"], failure["error"])
@@ -114,25 +227,44 @@ class TensorExecutor:
                 if kind == "put":
                     self.store[record[1]] = record[2].to(self.device)
                     self._check_limits("a tensor sent from here")
-                elif kind == "seed":
-                    torch.manual_seed(record[1])
+                elif kind == "seed":  # (torch.manual_seed also visits every other device type: milliseconds)
+                    torch.default_generator.manual_seed(record[1])
+                    if self.device.type == "cuda":
+                        torch.cuda.manual_seed(record[1])
+                elif kind == "call":
+                    self._run_call(record)
+                    self._check_limits(f"remote call {record[1]}")
+                elif kind == "rng_get":
+                    state = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
+                    self.store[record[1]] = state
+                elif kind == "rng_set":
+                    if self.device.type == "cuda":
+                        torch.cuda.set_rng_state(record[1], self.device)
+                    else:
+                        torch.set_rng_state(record[1])
+                elif kind == "import":  # the module that defines a custom op used here (torch.library)
+                    importlib.import_module(record[1])
                 elif kind == "op":
                     out = self._run_op(record)
                     self._check_limits(f"remote op {record[1]}")
                     if request.get("eager_last") and index == len(records) - 1:
                         eager = self._describe(out, record[4])
             except Exception as exc:
-                failure = {"op": record[1] if kind == "op" else kind, "index": index, "error": exc}
+                failure = {"op": record[1] if kind in ("op", "call") else kind, "index": index, "error": exc}
                 if kind == "put":
                     self.store[record[1]] = _Failed("put", exc)
-                if kind == "op":
+                if kind in ("op", "call") and not isinstance(record[4], range):
                     for rid in record[4]:
                         if rid is not None:
                             self.store[rid] = _Failed(record[1], exc)
             self.ops_run += 1
         if self.device.type == "cuda" and request.get("sync"):
             torch.cuda.synchronize()
-        content: dict[str, Any] = {"status": "ok", "eager": eager, "stored": len(self.store)}
+        content: dict[str, Any] = {"status": "ok", "eager": eager, "stored": len(self.store), "run_s": time.perf_counter() - start}
+        if timing is not None:
+            if records:
+                _note_time(timing, records[-1], tick)
+            content["profile"] = timing
         if failure is not None:
             error = failure["error"]
             content = {"status": "error", "op": failure["op"], "index": failure["index"],
@@ -147,21 +279,52 @@ class TensorExecutor:
         return content, buffers
 
     def _run_op(self, record: tuple) -> Any:
-        _, name, args, kwargs, out_ids = record
-        namespace, op, overload = name.split(".")
-        func = getattr(getattr(getattr(torch.ops, namespace), op), overload)
-        out = func(*tree_map(self._resolve, args), **tree_map(self._resolve, kwargs))
-        outputs = list(out) if isinstance(out, (tuple, list)) else [out]
-        for rid, value in zip(out_ids, outputs):
+        name, args, kwargs, out_ids = record[1:5]
+        expect = record[5] if len(record) > 5 else None
+        func = self._ops.get(name)
+        if func is None:
+            namespace, op, overload = name.split(".")
+            func = getattr(getattr(getattr(torch.ops, namespace), op), overload)
+            if self.device.type == "cpu":
+                func = _CPU_SHIMS.get(name, func)
+            self._ops[name] = func
+        args = self._resolve_all(args)
+        out = func(*args, **self._resolve_all(kwargs)) if kwargs else func(*args)
+        if type(out) is torch.Tensor and len(out_ids) == 1:  # the common case: one tensor out
+            rid = out_ids[0]
             if rid is not None:
-                self.store[rid] = value
+                self.store[rid] = out if expect is None or expect[0] is None else _agree(name, out, expect[0], (args, kwargs))
+            return out
+        outputs = list(out) if isinstance(out, (tuple, list)) else [out]
+        for i, (rid, value) in enumerate(zip(out_ids, outputs)):
+            if rid is None:
+                continue
+            if expect is not None and expect[i] is not None and isinstance(value, torch.Tensor):
+                value = _agree(name, value, expect[i], (args, kwargs))
+            elif isinstance(value, torch.Tensor) and value.layout != torch.strided:
+                raise NotImplementedError(f"it made a {value.layout} tensor: sparse and other non-strided layouts are not "
+                                          "supported on remote_accelerator")
+            self.store[rid] = value
         return out
+
+    def _run_call(self, record: tuple) -> None:
+        from . import attention
+
+        _, name, args, kwargs, out_ids, expect = record
+        args, kwargs = self._resolve_all(args), self._resolve_all(kwargs)
+        outs = attention.run(name, args, kwargs, self.store)
+        for i, (rid, value) in enumerate(zip(out_ids, outs)):
+            if rid is not None:
+                self.store[rid] = _agree(name, value, expect[i], (args, kwargs))
 
     def _describe(self, out: Any, out_ids: list[int | None]) -> Any:
         """Shapes and plain values of an op run eagerly (its output shape depended on data)."""
         outputs = list(out) if isinstance(out, (tuple, list)) else [out]
         described = []
         for rid, value in zip(out_ids, outputs):
+            if isinstance(value, torch.Tensor) and value.layout != torch.strided:
+                raise NotImplementedError(f"it made a {value.layout} tensor: sparse and other non-strided layouts are not "
+                                          "supported on remote_accelerator")
             if isinstance(value, torch.Tensor):
                 described.append({"id": rid, "shape": list(value.shape), "stride": list(value.stride()),
                                   "offset": value.storage_offset(), "dtype": str(value.dtype).removeprefix("torch.")})

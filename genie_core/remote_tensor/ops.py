@@ -30,6 +30,18 @@ class RemoteDevice:
         return (RemoteDevice, ())
 
 
+class StorageOf:
+    """A remote tensor's storage inside an op's arguments (`set_`)."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, ref: Ref) -> None:
+        self.ref = ref
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (StorageOf, (self.ref,))
+
+
 class MemoryFormat:
     """`torch.preserve_format` and friends: they pickle by a name that pickle looks up by scanning
     sys.modules, which can land on the notebook's `__main__`; send the plain name instead."""
@@ -43,6 +55,53 @@ class MemoryFormat:
         return (MemoryFormat, (self.name,))
 
 
+class HostTensor:
+    """A CPU tensor sent with the ops: its bytes travel out of band (pickle protocol 5), in the
+    tensor's own memory order, and become a tensor again when unpickled (strides kept)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: Any) -> None:
+        import torch
+
+        t = tensor.detach().resolve_conj().resolve_neg()
+        if t.layout != torch.strided:
+            raise NotImplementedError(f"{t.layout} tensors are not supported on remote_accelerator; convert with .to_dense() first")
+        if t.is_quantized:
+            raise NotImplementedError("quantized tensors are not supported on remote_accelerator")
+        self.tensor = t.clone()  # a snapshot (later local changes must not leak in); dense, offset 0
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        import pickle
+
+        t = self.tensor
+        data = t.untyped_storage()
+        raw = memoryview(torch_bytes(t)) if data.nbytes() else b""
+        return (_rebuild_host_tensor, (str(t.dtype).removeprefix("torch."), tuple(t.shape), t.stride(), pickle.PickleBuffer(raw)))
+
+
+def torch_bytes(t: Any) -> Any:
+    """The bytes of a dense tensor's storage, as a numpy uint8 array (no copy)."""
+    import torch
+
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy()
+
+
+def _rebuild_host_tensor(dtype: str, shape: tuple, stride: tuple, raw: Any) -> Any:
+    import warnings
+
+    import torch
+
+    if not len(memoryview(raw)):
+        return torch.empty_strided(shape, stride, dtype=getattr(torch, dtype))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only message frames: ours now
+        flat = torch.frombuffer(raw, dtype=torch.uint8)
+    if flat.data_ptr() % 16:  # complex128 kernels need aligned memory
+        flat = flat.clone()
+    return flat.view(getattr(torch, dtype)).as_strided(shape, stride)
+
+
 def encode_value(value: Any) -> Any:
     """A non-tensor argument, made safe to pickle for the worker."""
     import torch
@@ -54,6 +113,10 @@ def encode_value(value: Any) -> Any:
 
 # Op records, in order: (kind, ...) tuples.
 #   ("op", name, args, kwargs, out_ids)   run torch.ops.<name>, store tensor outputs under out_ids
-#   ("put", id, tensor)                   a CPU tensor uploaded by the client (its bytes travel out of band)
+#   ("put", id, HostTensor)               a CPU tensor uploaded by the client (its bytes travel out of band)
 #   ("free", id)                          the client dropped its last reference
+#   ("fail", ids, op, message)            outputs of an op that failed on the client during backward
 #   ("seed", value)                       torch.manual_seed on the worker
+#   ("call", name, args, kwargs, out_ids, expect)   one of the server's own functions (attention.py)
+#   ("rng_get", id) / ("rng_set", HostTensor)   the device generator's state (fork_rng, checkpointing)
+#   ("import", module)                    import the module defining a custom op (torch.library) before using it

@@ -4,29 +4,68 @@ value is needed: one round trip per materialization, however many ops were recor
 from __future__ import annotations
 
 import itertools
+import os
 import pickle
 import threading
+import time
 from typing import Any
 
 from ..errors import ConnectionLost, LimitExceeded, RemoteError
 from ..serialize import deserialize_namespace
 
 _ids = itertools.count(1)
+_BLOCK = 1 << 20
+_blocks = itertools.count(1 << 44, _BLOCK)  # far above any single id
 
 
 def new_id() -> int:
     return next(_ids)
 
 
+def new_ids() -> range:
+    """A block of ids for the outputs of an op that returns a list of unknown length."""
+    start = next(_blocks)
+    return range(start, start + _BLOCK)
+
+
 class OpStream:
+    """Ops recorded for one remote device. They go to the server in a batch when a value is
+    needed, the one round trip that waits; with a server on another machine (or this one, when it
+    has cores to spare) also every `SUBMIT_EVERY` ops without waiting, so that the server runs
+    them while more are recorded here. A failure in any batch is raised at the wait, naming the op."""
+
+    SUBMIT_EVERY = 256
+    SPARE_CORES = 4  # a server on this host runs alongside the notebook from this many cores up
+
     def __init__(self, client: Any, index: int) -> None:
         self.client = client
         self.index = index  # remote_accelerator:index, the worker of GPU `index`
+        import torch
+
+        self.device = torch.device("remote_accelerator", index)
         self._records: list[tuple] = []
         self._lock = threading.Lock()
-        self.round_trips = 0
+        self._inflight: list[tuple[Any, int]] = []  # batches sent without waiting: (request, ops)
+        self.round_trips = 0  # batches waited for
+        self.messages = 0  # batches sent
         self.ops_sent = 0
         self.server_tensors = 0  # tensors the server held after the last flush
+        self.server_seconds = 0.0  # time the worker spent running what was sent
+        self.wait_seconds = 0.0  # time spent here waiting for the last batch of each flush
+        self.device_kind = "cuda" if (getattr(client, "node", None) or {}).get("gpus") else "cpu"
+        self.imported: set[str] = set()  # modules defining custom ops, imported on the server
+        # On a small machine the server and this kernel share the cores: overlapping them costs more
+        # than it saves (benchmarks/llm.py measures both).
+        from ..config import is_loopback
+
+        self.pipelined = not is_loopback(str(getattr(client, "host", "127.0.0.1"))) or (os.cpu_count() or 1) >= self.SPARE_CORES
+        self._deferred: tuple[str, BaseException] | None = None
+        self.profile: dict[str, list[float]] | None = None  # set to {} to have the worker time each op (benchmarks)
+
+    def defer(self, op: str, error: BaseException) -> None:
+        """An op failed where raising is impossible (during backward): raised at the next flush."""
+        if self._deferred is None:
+            self._deferred = (op, error)
 
     @property
     def alive(self) -> bool:
@@ -35,6 +74,9 @@ class OpStream:
     def record(self, entry: tuple) -> None:
         with self._lock:
             self._records.append(entry)
+            full = self.pipelined and len(self._records) >= self.SUBMIT_EVERY
+        if full:
+            self._submit()
 
     def free(self, rid: int) -> None:
         """Called when a remote tensor is garbage-collected here (any thread)."""
@@ -45,32 +87,71 @@ class OpStream:
     def pending(self) -> int:
         return len(self._records)
 
-    def flush(self, fetch: list[int] | None = None, *, eager: bool = False, sync: bool = False) -> dict[str, Any]:
-        """Send what was recorded (and fetch these ids); raise the first remote failure."""
+    def _send(self, request: dict[str, Any], n: int) -> Any:
+        if self.profile is not None:
+            request["profile"] = True
         if not self.alive:
             raise ConnectionLost("this remote tensor belongs to a Genie session that has ended; run %genie_init and make it again")
-        with self._lock:
-            records, self._records = self._records, []
-        request = {"ops": records, "fetch": list(fetch or []), "eager_last": eager, "sync": sync}
         oob: list[Any] = []
         payload = pickle.dumps(request, protocol=5, buffer_callback=oob.append)
         from ..protocol import Message
 
-        reply = self.client.request(Message("tensor_ops", {"gpu": self.index, "n": len(records)}, [payload, *(b.raw() for b in oob)])).wait()
+        self.messages += 1
+        self.ops_sent += n
+        return self.client.request(Message("tensor_ops", {"gpu": self.index, "n": n}, [payload, *(b.raw() for b in oob)]))
+
+    def _submit(self) -> None:
+        """Send what was recorded; the reply is read at the next flush."""
+        with self._lock:
+            records, self._records = self._records, []
+        if records:
+            self._inflight.append((self._send({"ops": records, "fetch": [], "eager_last": False, "sync": False}, len(records)),
+                                   len(records)))
+
+    def flush(self, fetch: list[int] | None = None, *, eager: bool = False, sync: bool = False) -> dict[str, Any]:
+        """Send what was recorded (and fetch these ids), wait; raise the first failure: one kept
+        from backward (see defer), else the first the server reports."""
+        with self._lock:
+            records, self._records = self._records, []
+        request = self._send({"ops": records, "fetch": list(fetch or []), "eager_last": eager, "sync": sync}, len(records))
+        earlier, self._inflight = self._inflight, []
+        failure = None
+        for sent, n in earlier:  # answered before the last one: the worker runs batches in order
+            content = sent.wait().content
+            self._account(content)
+            if failure is None and content.get("status") != "ok":
+                failure = (content, n)
+        waited = time.perf_counter()
+        reply = request.wait()
+        self.wait_seconds += time.perf_counter() - waited
         self.round_trips += 1
-        self.ops_sent += len(records)
         content = reply.content
         self.server_tensors = int(content.get("stored", 0))
-        if content.get("status") == "error" and content.get("ename") == "LimitExceeded":
-            raise LimitExceeded(str(content.get("evalue")))
-        if content.get("status") != "ok":
+        self._account(content)
+        if failure is None and content.get("status") != "ok":
+            failure = (content, len(records))
+        if self._deferred is not None:  # the batch's own failures follow from it
+            (op, error), self._deferred = self._deferred, None
+            raise RuntimeError(f"{op} failed during backward: {type(error).__name__}: {error}") from error
+        if failure is not None:
+            bad, n = failure
+            if bad.get("ename") == "LimitExceeded":
+                raise LimitExceeded(str(bad.get("evalue")))
             raise RemoteError(
-                content.get("ename", "Error"),
-                f"remote op {content.get('op')} (op {content.get('index', 0) + 1} of {len(records)} sent) failed: {content.get('evalue')}",
+                bad.get("ename", "Error"),
+                f"remote op {bad.get('op')} (op {bad.get('index', 0) + 1} of {n} sent together) failed: {bad.get('evalue')}",
             )
         if content.get("fetch"):
             content["values"] = deserialize_namespace(content["fetch"], reply.buffers, allow_pickle=False)  # tensors and numbers only
         return content
+
+    def _account(self, content: dict[str, Any]) -> None:
+        self.server_seconds += float(content.get("run_s", 0.0))
+        if self.profile is not None:
+            for name, (seconds, calls) in (content.get("profile") or {}).items():
+                entry = self.profile.setdefault(name, [0.0, 0])
+                entry[0] += seconds
+                entry[1] += calls
 
     def fetch(self, rid: int) -> Any:
         return self.flush([rid])["values"][str(rid)]

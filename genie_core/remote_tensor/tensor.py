@@ -5,12 +5,15 @@ server when a value is needed."""
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from typing import Any
 
 import torch
+from torch.utils._mode_utils import no_dispatch
 
-from .ops import Ref, RemoteDevice, encode_value
-from .stream import OpStream, new_id
+from . import serialization
+from .ops import HostTensor, Ref, RemoteDevice, StorageOf, encode_value
+from .stream import OpStream, new_id, new_ids
 
 aten = torch.ops.aten
 DEVICE_TYPE = "remote_accelerator"
@@ -19,9 +22,25 @@ DEVICE_TYPE = "remote_accelerator"
 _LOCAL_SCALAR = aten._local_scalar_dense.default
 _TO_COPY = aten._to_copy.default
 _COPY = aten.copy_.default
+_SET_STORAGE = (aten.set_.source_Storage, aten.set_.source_Storage_storage_offset)
 
 _meta_cache: dict[Any, Any] = {}
 _alias_cache: dict[Any, list[tuple[int, Any]]] = {}
+# A remote tensor's (placeholder) storage, by the storage's address: `x.set_(y.untyped_storage())`.
+_storage_owners: dict[int, Any] = {}
+
+
+class _Handle:
+    """Frees the server's tensor when the last local reference goes. It lives in the tensor's
+    __dict__ (no weakref on the tensor), so `torch.utils.swap_tensors` carries it along."""
+
+    __slots__ = ("rid", "stream", "__weakref__")
+
+    def __init__(self, stream: OpStream, rid: int) -> None:
+        self.rid, self.stream = rid, stream
+
+    def __del__(self) -> None:
+        self.stream.free(self.rid)
 
 
 class RemoteTensor(torch.Tensor):
@@ -31,15 +50,28 @@ class RemoteTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, shape, stride, offset, dtype, stream: OpStream, rid: int | None = None, requires_grad: bool = False):
         r = torch.Tensor._make_wrapper_subclass(
-            cls, shape, strides=stride, storage_offset=offset, dtype=dtype,
-            device=torch.device(DEVICE_TYPE, stream.index), requires_grad=requires_grad,
+            cls, shape, strides=stride, storage_offset=offset, dtype=dtype, device=stream.device, requires_grad=requires_grad,
         )
-        r._rid = new_id() if rid is None else rid
+        r._rid = rid = new_id() if rid is None else rid
+        r._ref = Ref(rid)  # how ops name it (one object, so a batch pickles it once)
         r._stream = stream
-        weakref.finalize(r, stream.free, r._rid)
+        r._handle = _Handle(stream, rid)
         return r
 
     __torch_function__ = torch._C._disabled_torch_function_impl
+
+    # A "traceable wrapper subclass" (with no inner tensors): nn.Module.to() then swaps each
+    # parameter's contents in place (torch.utils.swap_tensors) instead of making new Parameter
+    # objects, so tied weights stay tied and optimizers made before .to() keep working, as on CUDA.
+    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        return [], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, ctx: Any, outer_size: Any, outer_stride: Any) -> Any:
+        """Only torch.compile asks: the frame then runs eagerly (every op recorded as usual)."""
+        from torch._dynamo.exc import SkipFrame
+
+        raise SkipFrame("remote_accelerator tensors run eagerly under torch.compile")
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         text = repr(self.detach().cpu())
@@ -56,9 +88,92 @@ class RemoteTensor(torch.Tensor):
     def tolist(self) -> Any:  # type: ignore[override]
         return self.detach().cpu().tolist()
 
+    def untyped_storage(self) -> Any:  # type: ignore[override]
+        """The placeholder storage; remembered so that `t.set_(x.untyped_storage(), ...)` can name x."""
+        storage = super().untyped_storage()
+        handle = self.__dict__.get("_handle")
+        if handle is not None:
+            _storage_owners[storage._cdata] = weakref.ref(handle)
+        return storage
+
+    def register_hook(self, hook: Any) -> Any:  # type: ignore[override]
+        """As torch.Tensor's; a hook that raises during backward has its error raised at the next
+        value needed (see _failed_in_backward: raising there would end the process)."""
+        stream = self._stream
+
+        def guarded(grad: Any) -> Any:
+            try:
+                return hook(grad)
+            except Exception as exc:
+                if torch._C._current_graph_task_id() < 0:
+                    raise
+                stream.defer(f"the hook {getattr(hook, '__name__', hook)!s}", exc)
+                return None
+
+        return super().register_hook(guarded)
+
+    def __reduce_ex__(self, proto: int) -> Any:
+        """Pickled (and `torch.save`d) as its values on the CPU and its device, as PyTorch does for
+        devices without host-visible storage: `torch.load` puts it back on the device, or where
+        `map_location` says."""
+        if getattr(self, "_is_param", False):
+            return (torch._utils._rebuild_parameter, (self.detach(), self.requires_grad, OrderedDict()))
+        return (torch._utils._rebuild_device_tensor_from_cpu_tensor, (self.detach().cpu(), self.dtype, str(self.device), self.requires_grad))
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        """A copy on the same device (recorded, no round trip); Parameters stay Parameters."""
+        if id(self) in memo:
+            return memo[id(self)]
+        if not self.is_leaf:
+            raise RuntimeError("Only Tensors created explicitly by the user (graph leaves) support the deepcopy protocol at the moment")
+        with torch.no_grad():
+            copy = self.clone(memory_format=torch.preserve_format)
+        if getattr(self, "_is_param", False):
+            copy = torch.nn.Parameter(copy, self.requires_grad)
+        else:
+            copy.requires_grad_(self.requires_grad)
+        memo[id(self)] = copy
+        return copy
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
-        return dispatch(func, args, kwargs or {})
+        if torch._C._current_graph_task_id() < 0:
+            return dispatch(func, args, kwargs or {})
+        try:
+            return dispatch(func, args, kwargs or {})
+        except Exception as exc:  # inside backward: see _failed_in_backward
+            return _failed_in_backward(func, args, kwargs or {}, exc)
+
+
+def _failed_in_backward(func, args: tuple, kwargs: dict, exc: Exception) -> Any:  # noqa: ANN001
+    """An op that failed while autograd ran backward. A Python exception leaving an op there ends
+    the process (PyTorch's Python device guard is called while the error is still set, in a
+    noexcept destructor), so the error is kept on the stream and raised at the next value needed,
+    naming the op, like a failure the server reports; the op's outputs are placeholders."""
+    remote = [a for a in _leaves(args, kwargs) if type(a) is RemoteTensor]
+    if not remote:
+        raise exc
+    remote[0]._stream.defer(str(func), exc)
+    try:
+        margs, mkwargs = _map(_to_meta, args, kwargs)
+        out = func(*margs, **mkwargs)
+    except Exception:  # shapes unknown: autograd then refuses the gradient (a C++ error, safe to raise)
+        out = tuple(torch.empty(0, device="meta") for _ in func._schema.returns)
+        out = out[0] if len(out) == 1 else out
+    stream = remote[0]._stream
+
+    failed: list[int] = []
+
+    def placeholder(m: Any) -> Any:
+        if not isinstance(m, torch.Tensor):
+            return m
+        r = RemoteTensor(m.shape, m.stride(), m.storage_offset(), m.dtype, stream)
+        failed.append(r._rid)
+        return r
+
+    result = type(out)(placeholder(m) for m in out) if type(out) in (tuple, list) else placeholder(out)
+    stream.record(("fail", failed, str(func), f"{type(exc).__name__}: {exc}"))  # later uses name this failure
+    return result
 
 
 def _streams_of(flat: list[Any]) -> OpStream:
@@ -68,11 +183,17 @@ def _streams_of(flat: list[Any]) -> OpStream:
             if stream is None:
                 stream = a._stream
             elif a._stream is not stream:
+                if a._stream.client is not stream.client:
+                    raise RuntimeError(
+                        f"these remote tensors belong to two different Genie sessions ({DEVICE_TYPE}:{stream.index} of one and "
+                        f"{DEVICE_TYPE}:{a._stream.index} of another): bring one to the CPU first (.cpu()), then .to() the other device"
+                    )
                 raise RuntimeError(
                     f"Expected all tensors to be on the same device, but found at least two devices, "
-                    f"{DEVICE_TYPE}:{stream.index} and {DEVICE_TYPE}:{a._stream.index} (or two Genie sessions)!"
+                    f"{DEVICE_TYPE}:{stream.index} and {DEVICE_TYPE}:{a._stream.index}!"
                 )
-    assert stream is not None
+    if stream is None:
+        raise RuntimeError("no remote tensor among the arguments")
     return stream
 
 
@@ -91,11 +212,6 @@ def _leaves(args: tuple, kwargs: dict) -> list[Any]:
     return flat
 
 
-def _shape_of(args: tuple, kwargs: dict) -> tuple:
-    """The nesting of the arguments, for the meta cache key."""
-    return tuple(len(a) if type(a) in (list, tuple) else -1 for a in args), tuple(kwargs)
-
-
 def _map(fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     def one(a: Any) -> Any:
         if type(a) is list or type(a) is tuple:
@@ -105,74 +221,231 @@ def _map(fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
 
 
+def set_metadata(t: torch.Tensor, size: Any, stride: Any, offset: int) -> None:
+    """Change a wrapper's shape, strides and offset in place (the local half of `resize_`, `t_`,
+    `set_`...): PyTorch's meta kernel of `set_` applied to the wrapper itself, which holds no data."""
+    with no_dispatch():
+        was = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            aten.set_.source_Storage_storage_offset(t, torch.Tensor.untyped_storage(t), offset, list(size), list(stride))
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(was)
+
+
+class _OpInfo:
+    """What dispatch needs to know of an op, worked out once."""
+
+    __slots__ = ("name", "aliases", "special", "foreign", "learn")
+
+    def __init__(self, func) -> None:  # noqa: ANN001
+        self.name = str(func)
+        self.learn = func in _DEVICE_DEPENDENT
+        self.aliases = _aliases(func)
+        self.special = func in (_LOCAL_SCALAR, _TO_COPY, _COPY)
+        self.foreign = func.namespace not in ("aten", "prims")
+
+
+def _sig(a: Any) -> Any:
+    """One argument in the meta-cache key (tensors by dtype, shape, strides, offset, and whether remote)."""
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.shape, a.stride(), a.storage_offset(), type(a) is RemoteTensor)
+    if isinstance(a, torch.UntypedStorage):
+        return ("storage", a.nbytes())
+    return a
+
+
+def _scan(args: tuple, kwargs: dict) -> tuple[OpStream | None, list[Any], bool]:
+    """One pass over the arguments: their stream, their meta-cache signature, and whether any is a
+    local tensor or storage (to be uploaded, or refused)."""
+    stream = None
+    sig: list[Any] = []
+    local = False
+    for a in (*args, *kwargs.values()):
+        kind = type(a)
+        if kind is RemoteTensor:
+            if stream is None:
+                stream = a._stream
+            elif a._stream is not stream:
+                _streams_of(_leaves(args, kwargs))  # raises, saying which devices or sessions
+            sig.append((a.dtype, a.shape, a.stride(), a.storage_offset(), True))
+        elif kind is list or kind is tuple:
+            inner = []
+            for x in a:
+                if type(x) is RemoteTensor:
+                    if stream is None:
+                        stream = x._stream
+                    elif x._stream is not stream:
+                        _streams_of(_leaves(args, kwargs))
+                elif isinstance(x, torch.Tensor):
+                    local = True
+                inner.append(_sig(x))
+            sig.append((kind, *inner))
+        else:
+            if isinstance(a, (torch.Tensor, torch.UntypedStorage)):
+                local = True
+            sig.append(_sig(a))
+    return stream, sig, local
+
+
 def dispatch(func, args: tuple, kwargs: dict) -> Any:  # noqa: ANN001
-    flat = _leaves(args, kwargs)
-    stream = _streams_of(flat)
+    info = func.__dict__.get("_genie")  # (not a dict keyed by the op: its __hash__ is Python code)
+    if info is None:
+        info = func._genie = _OpInfo(func)
+    stream, sig, local = _scan(args, kwargs)
+    if stream is None:
+        raise RuntimeError("no remote tensor among the arguments")
 
-    if func is _LOCAL_SCALAR:
-        return stream.fetch(args[0]._rid).item()
-    if func is _TO_COPY:
-        device = kwargs.get("device")
-        if device is not None and not _is_remote_device(device):
-            local = stream.fetch(args[0]._rid)
-            return func(local, **kwargs)
-    if func is _COPY:
-        dst, src = args[0], args[1]
-        if not isinstance(dst, RemoteTensor):  # remote -> local
-            return dst.copy_(stream.fetch(src._rid))
+    if info.special:
+        if func is _LOCAL_SCALAR:
+            return stream.fetch(args[0]._rid).item()
+        if func is _TO_COPY:
+            device = kwargs.get("device")
+            if device is not None and not _is_remote_device(device):
+                local_copy = stream.fetch(args[0]._rid)
+                return func(local_copy, **kwargs)
+        if func is _COPY:
+            dst, src = args[0], args[1]
+            if type(dst) is not RemoteTensor:  # remote -> local
+                return dst.copy_(stream.fetch(src._rid))
 
-    # Local (CPU) tensors in the arguments travel with the op: uploaded once, by value.
+    if info.foreign:
+        _import_on_server(func, stream)
+    outputs = _output_specs(func, sig, args, kwargs, stream, info)
     uploads: list[int] = []
+    if outputs is None or type(outputs) is _Learn:
+        return _run_eagerly(func, stream, args, kwargs, _encoder(stream, uploads), uploads, outputs)
+    out_meta, aliases, expect, plain = outputs
+    if plain:  # fresh outputs only, no conjugate or negative views: the common case, kept short
+        if type(out_meta) in (tuple, list):
+            results = [RemoteTensor(m.shape, m.stride(), m.storage_offset(), m.dtype, stream) if isinstance(m, torch.Tensor) else m
+                       for m in out_meta]
+            out_ids = [r._rid if type(r) is RemoteTensor else None for r in results]
+        elif isinstance(out_meta, torch.Tensor):
+            results = [RemoteTensor(out_meta.shape, out_meta.stride(), out_meta.storage_offset(), out_meta.dtype, stream)]
+            out_ids = [results[0]._rid]
+        else:  # no tensor out (a check, like _linalg_check_errors)
+            results, out_ids = [out_meta], [None]
+        reshaped: list[tuple[Any, Any]] = []
+    else:
+        results, out_ids, reshaped = _outputs(out_meta, aliases, args, kwargs, stream)
+    if local:
+        encode = _encoder(stream, uploads)
+        enc_args, enc_kwargs = _map(encode, args, kwargs)
+    else:
+        enc_args = tuple([_encode_remote(a) for a in args])
+        enc_kwargs = {k: _encode_remote(v) for k, v in kwargs.items()} if kwargs else kwargs
+    stream.record(("op", info.name, enc_args, enc_kwargs, out_ids, expect))
+    for rid in uploads:
+        stream.record(("free", rid))
+    for target, m in reshaped:
+        set_metadata(target, m.shape, m.stride(), m.storage_offset())
+    if type(out_meta) not in (tuple, list):
+        return results[0]
+    return type(out_meta)(results)
+
+
+def _encode_remote(a: Any) -> Any:
+    """An argument when no local tensor is among them: remote tensors by reference."""
+    kind = type(a)
+    if kind is RemoteTensor:
+        return a._ref
+    if kind is list or kind is tuple:
+        return kind([x._ref if type(x) is RemoteTensor else _encode_other(x) for x in a])
+    return _encode_other(a)
+
+
+def _encode_other(a: Any) -> Any:
+    if _is_remote_device(a):
+        return RemoteDevice()
+    if isinstance(a, torch.Generator):
+        raise NotImplementedError("explicit torch.Generator objects are not supported on remote tensors; use torch.manual_seed")
+    return encode_value(a)
+
+
+def _outputs(out_meta: Any, aliases: dict, args: tuple, kwargs: dict, stream: OpStream) -> tuple[list, list, list]:
+    """Results of an op with in-place/out= outputs or conjugate/negative views."""
+    metas = out_meta if type(out_meta) in (tuple, list) else (out_meta,)
+    results: list[Any] = []
+    out_ids: list[int | None] = []
+    reshaped: list[tuple[Any, Any]] = []
+    for position, m in enumerate(metas):
+        alias = aliases.get(position)
+        if alias is not None:  # an in-place or out= op: the result *is* that argument
+            target = _argument(alias, args, kwargs)
+            if isinstance(m, torch.Tensor) and (tuple(m.shape), tuple(m.stride()), m.storage_offset()) != (
+                    tuple(target.shape), tuple(target.stride()), target.storage_offset()):
+                reshaped.append((target, m))  # resize_, t_, set_, out= resized: the wrapper follows
+            results.append(target)
+            out_ids.append(None)
+        elif isinstance(m, torch.Tensor):
+            r = RemoteTensor(m.shape, m.stride(), m.storage_offset(), m.dtype, stream)
+            if m.is_conj():  # lazy conjugation and negation, as on the server
+                torch._C._set_conj(r, True)
+            if m.is_neg():
+                torch._C._set_neg(r, True)
+            results.append(r)
+            out_ids.append(r._rid)
+        else:
+            results.append(m)
+            out_ids.append(None)
+    return results, out_ids, reshaped
+
+
+def _encoder(stream: OpStream, uploads: list[int]) -> Any:
+    """Arguments as the worker reads them. Local (CPU) tensors travel with the op: uploaded once,
+    by value, their ids noted in `uploads` to be freed after it."""
 
     def encode(a: Any) -> Any:
         if isinstance(a, RemoteTensor):
-            return Ref(a._rid)
+            return a._ref
         if isinstance(a, torch.Tensor):
             if a.device.type == "meta":
                 raise RuntimeError("meta tensors cannot be mixed with remote tensors")
             rid = new_id()
-            stream.record(("put", rid, a.detach().clone()))  # a snapshot: later local changes must not leak in
+            stream.record(("put", rid, HostTensor(a)))  # a snapshot: later local changes must not leak in
             uploads.append(rid)
             return Ref(rid)
         if _is_remote_device(a):
             return RemoteDevice()
         if isinstance(a, torch.Generator):
             raise NotImplementedError("explicit torch.Generator objects are not supported on remote tensors; use torch.manual_seed")
+        if isinstance(a, torch.UntypedStorage):
+            return _encode_storage(a, stream)
         return encode_value(a)
 
-    outputs = _output_specs(func, flat, args, kwargs)
-    if outputs is None:
-        return _run_eagerly(func, stream, args, kwargs, encode, uploads)
-    out_meta, aliases = outputs
-    is_sequence = type(out_meta) in (tuple, list)
-    metas = out_meta if is_sequence else (out_meta,)
-    results: list[Any] = []
-    out_ids: list[int | None] = []
-    for position, m in enumerate(metas):
-        alias = aliases.get(position)
-        if alias is not None:  # an in-place or out= op: the result *is* that argument
-            target = _argument(alias, args, kwargs)
-            if isinstance(m, torch.Tensor) and (tuple(m.shape), tuple(m.stride())) != (tuple(target.shape), tuple(target.stride())):
-                raise RuntimeError(
-                    f"{func}: changing a remote tensor's shape or strides in place is not supported "
-                    f"(from {tuple(target.shape)} to {tuple(m.shape)}); use the out-of-place form"
-                )
-            results.append(target)
-            out_ids.append(None)
-        elif isinstance(m, torch.Tensor):
-            r = RemoteTensor(m.shape, m.stride(), m.storage_offset(), m.dtype, stream)
-            results.append(r)
-            out_ids.append(r._rid)
-        else:
-            results.append(m)
-            out_ids.append(None)
-    enc_args, enc_kwargs = _map(encode, args, kwargs)
-    stream.record(("op", str(func), enc_args, enc_kwargs, out_ids))
+    return encode
+
+
+def record_call(name: str, args: tuple, kwargs: dict, expected: list[Any]) -> tuple[list[Any], OpStream]:
+    """Record a call of one of the server's own functions (see attention.py); its outputs are
+    remote tensors laid out like `expected` (meta tensors, or None where there is no output)."""
+    stream = _streams_of(_leaves(args, kwargs))
+    uploads: list[int] = []
+    outs: list[Any] = []
+    for m in expected:
+        outs.append(None if m is None else RemoteTensor(m.shape, m.stride(), m.storage_offset(), m.dtype, stream))
+    enc_args, enc_kwargs = _map(_encoder(stream, uploads), args, kwargs)
+    stream.record(("call", name, enc_args, enc_kwargs, [None if r is None else r._rid for r in outs], _expectations(expected)))
     for rid in uploads:
         stream.record(("free", rid))
-    if not is_sequence:
-        return results[0]
-    return type(out_meta)(results)
+    return outs, stream
+
+
+def _encode_storage(storage: Any, stream: OpStream) -> StorageOf:
+    """A storage argument (`set_`): a remote tensor's, or bytes loaded for the device."""
+    owner = _storage_owners.get(storage._cdata)
+    handle = owner() if owner is not None else None
+    if handle is not None:
+        return StorageOf(Ref(handle.rid))
+    loaded = serialization.loaded.get(storage.data_ptr()) if storage.device.type == DEVICE_TYPE else None
+    if loaded is not None:  # torch.load onto the device: the bytes go up once per storage
+        if loaded.rid is None or loaded.stream is not stream:
+            loaded.rid, loaded.stream = new_id(), stream
+            stream.record(("put", loaded.rid, HostTensor(torch.empty(0, dtype=torch.uint8).set_(loaded.cpu))))
+        return StorageOf(Ref(loaded.rid))
+    raise RuntimeError(f"set_: this {storage.device} storage is not the storage of a remote tensor; use a remote tensor's "
+                       "untyped_storage(), or copy the values to the device first")
 
 
 def _argument(alias: Any, args: tuple, kwargs: dict) -> Any:
@@ -199,30 +472,72 @@ def _aliases(func) -> dict[int, Any]:  # noqa: ANN001
     return found
 
 
-def _signature(a: Any) -> Any:
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, tuple(a.shape), tuple(a.stride()), a.storage_offset(), isinstance(a, RemoteTensor))
-    if isinstance(a, list):
-        return tuple(_signature(x) for x in a)
-    return a
-
-
 def _to_meta(a: Any) -> Any:
     if isinstance(a, torch.Tensor):
         return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta").as_strided(a.shape, a.stride(), a.storage_offset()) \
             if a.storage_offset() else torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
     if _is_remote_device(a):
         return torch.device("meta")
+    if isinstance(a, torch.UntypedStorage):
+        return torch.UntypedStorage(a.nbytes(), device="meta")
     return a
 
 
-def _output_specs(func, flat: list[Any], args: tuple, kwargs: dict) -> tuple[Any, dict[int, Any]] | None:  # noqa: ANN001
-    """Output shapes from the op's meta kernel (cached), or None when they depend on data."""
+def _plain(out: Any, func: Any) -> bool:
+    """Whether all outputs are fresh tensors (or plain values) without conjugate/negative bits."""
+    outs = out if type(out) in (tuple, list) else (out,)
+    return not _aliases(func) and not any(isinstance(m, torch.Tensor) and (m.is_conj() or m.is_neg()) for m in outs)
+
+
+def _expectations(out: Any) -> tuple:
+    """What the server must find in each output (shape, strides, offset, dtype): a meta kernel that
+    disagrees with the device's kernel then fails the op instead of giving a wrong result."""
+    outs = out if type(out) in (tuple, list) else (out,)
+    return tuple((tuple(m.shape), tuple(m.stride()), m.storage_offset(), m.dtype) if isinstance(m, torch.Tensor) else None for m in outs)
+
+
+class _Learn(tuple):
+    """The meta-cache key of an op whose outputs' metadata must come from the device (one round trip
+    per new signature; see _DEVICE_DEPENDENT)."""
+
+
+# Ops whose outputs' metadata, or whether they run at all, differs between devices (PyTorch's meta
+# kernels follow CUDA): the CPU kernels give reduced-precision statistics the input's dtype, empty
+# statistics or offset2bag in some modes, and a float32 grouped_mm that CUDA refuses. The first
+# call with a signature runs eagerly and its outputs' shapes and dtypes, as the server's device
+# made them, are cached for later calls.
+_DEVICE_DEPENDENT = {
+    aten.native_layer_norm.default, aten.native_batch_norm.default, aten._native_batch_norm_legit.default,
+    aten._native_batch_norm_legit.no_stats, aten._native_batch_norm_legit_no_training.default,
+    aten._batch_norm_with_update.default, aten._batch_norm_no_update.default, aten._embedding_bag.default,
+    aten._embedding_bag_forward_only.default, aten._grouped_mm.default,
+    aten.addbmm_.default,  # the CPU and CUDA kernels resize a (1,) self; the meta kernel refuses
+}
+
+
+def _import_on_server(func, stream: OpStream) -> None:  # noqa: ANN001
+    """A custom op (torch.library.custom_op) exists on the server once its module is imported there."""
+    from torch._library.custom_ops import OPDEFS
+
+    opdef = OPDEFS.get(func._schema.name)
+    module = getattr(getattr(opdef, "_init_fn", None), "__module__", None)
+    if module and module != "__main__" and module not in stream.imported:
+        stream.imported.add(module)
+        stream.record(("import", module))
+
+
+def _output_specs(func, sig: list[Any], args: tuple, kwargs: dict, stream: OpStream, info: Any = None) -> Any:  # noqa: ANN001
+    """Output shapes from the op's meta kernel (cached), None when they depend on data, or a
+    _Learn key when the device must say (see _DEVICE_DEPENDENT)."""
     try:
-        key = (func, tuple(_signature(a) for a in flat), _shape_of(args, kwargs))
+        key = (info if info is not None else func, *sig, *kwargs)
+        if (info.learn if info is not None else func in _DEVICE_DEPENDENT):
+            key = _Learn((*key, stream.device_kind))
         cached = _meta_cache.get(key)
     except TypeError:  # something unhashable in the arguments: no caching
         key, cached = None, None
+    if cached is None and isinstance(key, _Learn):
+        return key
     if cached is None:
         margs, mkwargs = _map(_to_meta, args, kwargs)
         try:
@@ -233,7 +548,9 @@ def _output_specs(func, flat: list[Any], args: tuple, kwargs: dict) -> tuple[Any
             if "meta" in str(exc).lower() and ("cannot" in str(exc).lower() or "not implemented" in str(exc).lower()):
                 return None
             raise  # a real error (shapes, dtypes): raised here, at the op, as PyTorch would
-        cached = (out, _aliases(func))
+        if any(isinstance(m, torch.Tensor) and m.layout != torch.strided for m in (out if type(out) in (tuple, list) else (out,))):
+            raise NotImplementedError(f"{func}: sparse and other non-strided layouts are not supported on remote_accelerator")
+        cached = (out, _aliases(func), _expectations(out), _plain(out, func))
         if key is not None:
             if len(_meta_cache) > 50_000:
                 _meta_cache.clear()
@@ -241,26 +558,34 @@ def _output_specs(func, flat: list[Any], args: tuple, kwargs: dict) -> tuple[Any
     return cached
 
 
-def _run_eagerly(func, stream: OpStream, args: tuple, kwargs: dict, encode, uploads: list[int]) -> Any:  # noqa: ANN001
-    """Ops whose output shape depends on the data (nonzero, masked_select, unique, ...): one round trip."""
+def _run_eagerly(func, stream: OpStream, args: tuple, kwargs: dict, encode, uploads: list[int], learn: Any = None) -> Any:  # noqa: ANN001
+    """Ops whose output shape depends on the data (nonzero, masked_select, unique, ...), or on the
+    device (`learn`, a meta-cache key to fill): one round trip."""
     returns = func._schema.returns
-    count = 16 if any("[]" in str(r.type) for r in returns) else len(returns)
-    out_ids = [new_id() for _ in range(count)]
+    is_list = any(isinstance(r.type, torch.ListType) for r in returns)
+    out_ids: Any = new_ids() if is_list else [new_id() for _ in returns]
     enc_args, enc_kwargs = _map(encode, args, kwargs)
     stream.record(("op", str(func), enc_args, enc_kwargs, out_ids))
     described = stream.flush(eager=True)["eager"]
     for rid in uploads:
         stream.record(("free", rid))
     results = []
-    for item in described["outputs"]:
+    aliases = _aliases(func)
+    for position, item in enumerate(described["outputs"]):
         if "value" in item:
             results.append(item["value"])
+        elif position in aliases:  # in place: the result is the argument (its shape may have changed)
+            target = _argument(aliases[position], args, kwargs)
+            set_metadata(target, item["shape"], item["stride"], item["offset"])
+            stream.record(("free", item["id"]))
+            results.append(target)
         else:
             results.append(RemoteTensor(item["shape"], item["stride"], item["offset"], getattr(torch, item["dtype"]), stream, rid=item["id"]))
-    used = {item.get("id") for item in described["outputs"]}
-    for rid in out_ids:
-        if rid not in used:
-            stream.record(("free", rid))
+    if learn is not None:
+        metas = [torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device="meta").as_strided(r.shape, r.stride(), r.storage_offset())
+                 if isinstance(r, torch.Tensor) else r for r in results]
+        out = (metas if is_list else tuple(metas)) if described["tuple"] else metas[0]
+        _meta_cache[learn] = (out, aliases, _expectations(out), _plain(out, func))
     if described["tuple"]:
-        return tuple(results) if not any("[]" in str(r.type) for r in returns) else results
+        return results if is_list else tuple(results)
     return results[0]

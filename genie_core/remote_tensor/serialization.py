@@ -1,0 +1,67 @@
+"""`torch.load(..., map_location="remote_accelerator:N")` for checkpoints saved from the CPU or CUDA.
+
+PyTorch rebuilds such a tensor as `torch.empty(0, device=storage.device).set_(storage, ...)`. The
+deserializer hands it a storage tagged with the remote device that points at the loaded bytes;
+the remote tensor's `set_` then uploads those bytes once per storage, so views that shared a
+storage in the file share it on the server too. (Remote tensors themselves are saved as their
+CPU values plus their device: `RemoteTensor.__reduce_ex__`.)
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+from typing import Any
+
+import torch
+
+DEVICE_TYPE = "remote_accelerator"
+_LOCATION = re.compile(rf"{DEVICE_TYPE}(:\d+)?$")
+
+
+class LoadedBytes:
+    """The CPU bytes behind one device-tagged storage, and their id on the server once uploaded."""
+
+    __slots__ = ("cpu", "rid", "stream", "__weakref__")
+
+    def __init__(self, cpu: Any) -> None:
+        self.cpu = cpu
+        self.rid: int | None = None
+        self.stream: Any = None
+
+
+# data_ptr of a device-tagged storage -> its bytes
+loaded: dict[int, LoadedBytes] = {}
+
+
+def _forget(ptr: int, entry: LoadedBytes) -> None:
+    if loaded.get(ptr) is entry:
+        del loaded[ptr]
+    if entry.rid is not None and entry.stream is not None:
+        entry.stream.free(entry.rid)
+
+
+def _tag(storage: Any) -> None:
+    return None  # remote tensors never reach the storage path of torch.save
+
+
+def _restore(storage: Any, location: str) -> Any:
+    if not isinstance(location, str) or not _LOCATION.match(location) or storage.device.type != "cpu":
+        return None
+    from .device import device_count
+
+    device = torch.device(location)
+    index = device.index or 0
+    if index >= device_count():
+        raise RuntimeError(f"Attempting to deserialize object on {location} but the connected server has {device_count()} "
+                           f"{DEVICE_TYPE} device(s); run %genie_init first, or pass map_location to torch.load")
+    tagged = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), torch.device(DEVICE_TYPE, index), storage.nbytes())
+    entry = LoadedBytes(storage)
+    loaded[storage.data_ptr()] = entry
+    weakref.finalize(tagged, _forget, storage.data_ptr(), entry)
+    return tagged
+
+
+def register() -> None:
+    """Before PyTorch's own privateuse1 deserializer (priority 23), which would try `storage.to(device)`."""
+    torch.serialization.register_package(22.5, _tag, _restore)

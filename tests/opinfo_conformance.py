@@ -1,0 +1,592 @@
+"""PyTorch's OpInfo database on `remote_accelerator`, against eager CPU.
+
+The parent (`run`) hands ops, one at a time, to a few child processes (`python
+opinfo_conformance.py --child ADDRESS TOKEN`), each connected to the server as its own session.
+A child that dies (a crash, here or in its session's worker) or hangs costs only the op it was
+running, which is counted as a crash, and is replaced. Every child runs, for one op: its first
+samples in each tested dtype on the CPU and on the device, compares them, and, for ops that
+support autograd, compares float32 gradients with CPU autograd.
+
+What is sampled (kept small so the whole suite fits CI): the first `SAMPLES[dtype]` samples of
+`op.sample_inputs("cpu", dtype)` for float32, float16, bfloat16, int64, bool and complex64 (those
+the op supports on the CPU), each through the op and its in-place variant, and the first
+`GRAD_SAMPLES` float32 samples with requires_grad=True.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import warnings
+from typing import Any
+
+DEV = "remote_accelerator:0"
+SAMPLES = {"float32": 4, "float16": 1, "bfloat16": 1, "int64": 2, "bool": 1, "complex64": 1}
+GRAD_SAMPLES = 2
+OP_TIMEOUT_S = 90.0
+GPU = os.environ.get("GENIE_CONFORMANCE_DEVICE") == "gpu"  # the server computes on a GPU: compare within tolerance
+
+
+# -- child ------------------------------------------------------------------------------------
+def _op_id(op: Any) -> str:
+    return op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
+
+
+class _Skip(Exception):
+    """The CPU itself fails on this sample (or it cannot be compared): not the device's business."""
+
+
+def _to_remote(value: Any, requires_grad: bool = False) -> Any:
+    """A CPU sample argument on the device. A view keeps its whole storage, so ops that read the
+    storage (as_strided) see the same bytes as on the CPU."""
+    import torch
+
+    if isinstance(value, torch.Tensor) and value.layout != torch.strided:
+        return value.detach().to(DEV).requires_grad_(requires_grad and value.requires_grad)
+    if isinstance(value, torch.Tensor):
+        t = value.detach()
+        storage = t.untyped_storage()
+        extent = t.element_size() * t.numel()
+        if t.numel() and (t.storage_offset() or storage.nbytes() != extent or not t.is_contiguous()) and t.layout == torch.strided:
+            flat = torch.empty(0, dtype=t.dtype).set_(storage, 0, (storage.nbytes() // t.element_size(),), (1,))
+            r = flat.to(DEV).as_strided(t.shape, t.stride(), t.storage_offset())
+        else:
+            r = t.to(DEV)
+        return r.requires_grad_(requires_grad and value.requires_grad)
+    if isinstance(value, torch.device) or (isinstance(value, str) and value == "cpu"):
+        return torch.device(DEV)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_remote(v, requires_grad) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_remote(v, requires_grad) for k, v in value.items()}
+    return value
+
+
+def _fetch(value: Any) -> Any:
+    """Remote tensors in a result, on the CPU; each checked against what the client believes."""
+    import torch
+
+    from genie_core.remote_tensor.tensor import RemoteTensor
+
+    if isinstance(value, RemoteTensor):
+        local = value._stream.fetch(value._rid)  # the server's tensor as it is, not converted to what we believe
+        if local.shape != value.shape or local.dtype != value.dtype:
+            raise AssertionError(f"the server's tensor is {tuple(local.shape)} {local.dtype}, the client believes "
+                                 f"{tuple(value.shape)} {value.dtype}")
+        return local
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu":
+            raise AssertionError(f"a result on {value.device}")
+        return value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_fetch(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _fetch(v) for k, v in value.items()}
+    return value
+
+
+def _compare(actual: Any, expected: Any, where: str) -> bool:
+    """Raise AssertionError on a mismatch; return whether it matched bit for bit."""
+    import torch
+
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(actual, torch.Tensor):
+            raise AssertionError(f"{where}: expected a tensor, got {type(actual).__name__}")
+        if actual.dtype != expected.dtype or actual.shape != expected.shape:
+            raise AssertionError(f"{where}: {tuple(actual.shape)} {actual.dtype} instead of {tuple(expected.shape)} {expected.dtype}")
+        if expected.dtype == torch.complex32:  # few CPU kernels take it, comparisons included
+            actual, expected = actual.to(torch.complex64), expected.to(torch.complex64)
+        if expected.is_complex() or expected.is_floating_point():
+            tolerance = {}
+            if GPU:  # another device's kernels: PyTorch's own CPU-vs-device comparison tolerance (test_compare_cpu)
+                loose = 1e-2 if expected.dtype in (torch.float16, torch.bfloat16, torch.complex32) else 1e-3
+                tolerance = {"atol": loose, "rtol": loose}
+            torch.testing.assert_close(actual, expected, equal_nan=True, msg=lambda m: f"{where}: {m}", **tolerance)
+            return bool(torch.equal(actual, expected) or (torch.isnan(actual) == torch.isnan(expected)).all() and
+                        torch.equal(actual.nan_to_num(), expected.nan_to_num()))
+        if not torch.equal(actual, expected):
+            raise AssertionError(f"{where}: values differ")
+        return True
+    if isinstance(expected, (list, tuple)):
+        if not isinstance(actual, (list, tuple)) or len(actual) != len(expected):
+            raise AssertionError(f"{where}: expected a sequence of {len(expected)}")
+        return all([_compare(a, e, f"{where}[{i}]") for i, (a, e) in enumerate(zip(actual, expected))])
+    if isinstance(expected, float) and isinstance(actual, float):
+        if not (actual == expected or (actual != actual and expected != expected) or abs(actual - expected) <= 1e-5 * max(1, abs(expected))):
+            raise AssertionError(f"{where}: {actual} instead of {expected}")
+        return actual == expected
+    if actual != expected:
+        raise AssertionError(f"{where}: {actual!r} instead of {expected!r}")
+    return True
+
+
+def _samples(op: Any, dtype: Any, n: int, requires_grad: bool) -> list[tuple[Any, Any]]:
+    """The first n samples, each marked with which of its tensors stay on the CPU on any device
+    (made without `device`, like tensor_split's indices): those that the same samples made for the
+    meta device hold on the CPU."""
+    import torch
+
+    torch.manual_seed(0)
+    out = []
+    for sample in op.sample_inputs("cpu", dtype, requires_grad=requires_grad):
+        out.append(sample)
+        if len(out) >= n:
+            break
+    try:
+        torch.manual_seed(0)
+        metas = []
+        for sample in op.sample_inputs("meta", dtype, requires_grad=requires_grad):
+            metas.append(sample)
+            if len(metas) >= len(out):
+                break
+    except Exception:
+        metas = []
+    return [(sample, _cpu_leaves(metas[i]) if i < len(metas) else None) for i, sample in enumerate(out)]
+
+
+def _leaves_of(sample: Any) -> list[Any]:
+    from torch.utils._pytree import tree_flatten
+
+    return tree_flatten([sample.input, list(sample.args), dict(sample.kwargs)])[0]
+
+
+def _cpu_leaves(meta_sample: Any) -> list[bool]:
+    import torch
+
+    return [isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in _leaves_of(meta_sample)]
+
+
+def _on_device(sample: Any, keep: list[bool] | None, requires_grad: bool = False) -> Any:
+    """The sample with its tensors moved to the device (but those that stay on the CPU)."""
+    import torch
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    leaves, spec = tree_flatten([sample.input, list(sample.args), dict(sample.kwargs)])
+    if keep is None or len(keep) != len(leaves):
+        keep = [False] * len(leaves)
+    moved = [v if k and isinstance(v, torch.Tensor) else _to_remote(v, requires_grad) for v, k in zip(leaves, keep)]
+    inp, args, kwargs = tree_unflatten(moved, spec)
+    return type(sample)(inp, args=tuple(args), kwargs=kwargs)
+
+
+def _call(op: Any, sample: Any) -> Any:
+    return op(sample.input, *sample.args, **sample.kwargs)
+
+
+def _random_ops_mode() -> Any:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class RandomOps(TorchDispatchMode):
+        """Notes whether the CPU reference drew random numbers (a test-only mode, entered briefly)."""
+
+        random = False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            import torch
+
+            if torch.Tag.nondeterministic_seeded in func.tags:
+                self.random = True
+            return func(*args, **(kwargs or {}))
+
+    return RandomOps
+
+
+def _RandomOps() -> Any:  # noqa: N802
+    global _random_mode_class
+    if _random_mode_class is None:
+        _random_mode_class = _random_ops_mode()
+    return _random_mode_class()
+
+
+_random_mode_class: Any = None
+
+
+def _draws_random_numbers(op: Any, sample: Any) -> bool:
+    """Run once more under a mode that notes random ops (not for the reference values: some ops,
+    linalg.pinv of complex inputs among them, compute differently when a mode is active)."""
+    import torch
+
+    try:
+        with _RandomOps() as seen:
+            _call(op, type(sample)(sample.input.clone() if isinstance(sample.input, torch.Tensor) else sample.input,
+                                   args=sample.args, kwargs=sample.kwargs))
+    except Exception:
+        return False
+    return seen.random
+
+
+def _forward(op: Any, sample: Any, keep: list[bool] | None, check_random: bool) -> tuple[bool, bool]:
+    """(matched bit for bit, is random). Raises _Skip, AssertionError (wrong) or another error."""
+    import torch
+
+    torch.manual_seed(1234)
+    try:
+        expected = _call(op, sample)
+    except Exception as exc:
+        raise _Skip(f"the CPU raises: {type(exc).__name__}") from exc
+    random = check_random and _draws_random_numbers(op, sample)
+    remote_sample = _on_device(sample, keep)
+    torch.manual_seed(1234)
+    actual = _call(op, remote_sample)
+    exact = _compare(_fetch(actual), expected, "output")
+    inplace = op.get_inplace()
+    if inplace is not None and isinstance(sample.input, torch.Tensor):
+        exact &= _forward_inplace(inplace, sample, keep)
+    return exact, random
+
+
+def _forward_inplace(inplace: Any, sample: Any, keep: list[bool] | None) -> bool:
+    """The in-place variant (squeeze_, transpose_, add_...): the returned tensor and the mutated input."""
+    import torch
+
+    local = type(sample)(sample.input.detach().clone(), args=sample.args, kwargs=sample.kwargs)
+    torch.manual_seed(1234)
+    try:
+        expected = _call(inplace, local)
+    except Exception:
+        return True  # the CPU refuses this sample in place (a dtype or shape it cannot hold)
+    remote = _on_device(type(sample)(sample.input.detach().clone(), args=sample.args, kwargs=sample.kwargs), keep)
+    torch.manual_seed(1234)
+    actual = _call(inplace, remote)
+    if isinstance(expected, torch.Tensor) and expected is local.input and actual is not remote.input:
+        raise AssertionError("the in-place variant did not return its input")
+    exact = _compare(_fetch(actual), expected, "in-place output")
+    return _compare(_fetch(remote.input), local.input, "in-place input") and exact
+
+
+def _grad_inputs(sample: Any) -> list[Any]:
+    import torch
+
+    found = []
+
+    def walk(v: Any) -> None:
+        if isinstance(v, torch.Tensor) and v.requires_grad:
+            found.append(v)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+
+    walk([sample.input, list(sample.args), dict(sample.kwargs)])
+    return found
+
+
+def _differentiable(out: Any) -> list[Any]:
+    import torch
+
+    flat = out if isinstance(out, (list, tuple)) else [out]
+    return [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad and (t.is_floating_point() or t.is_complex())]
+
+
+def _backward(op: Any, sample: Any, keep: list[bool] | None) -> bool:
+    import torch
+
+    torch.manual_seed(1234)
+    inputs = _grad_inputs(sample)
+    try:
+        out = sample.output_process_fn_grad(_call(op, sample))
+        outs = _differentiable(out)
+        if not inputs or not outs:
+            raise _Skip("no differentiable output")
+        torch.manual_seed(99)
+        cotangents = [torch.randn_like(t) for t in outs]
+        expected = torch.autograd.grad(outs, inputs, cotangents, allow_unused=True)
+    except _Skip:
+        raise
+    except Exception as exc:
+        raise _Skip(f"the CPU raises: {type(exc).__name__}") from exc
+    rs = _on_device(sample, keep, requires_grad=True)
+    torch.manual_seed(1234)
+    r_inputs = _grad_inputs(rs)
+    r_outs = _differentiable(sample.output_process_fn_grad(_call(op, rs)))
+    if len(r_outs) != len(outs) or len(r_inputs) != len(inputs):
+        raise AssertionError(f"{len(r_outs)} differentiable outputs for {len(r_inputs)} inputs instead of {len(outs)} for {len(inputs)}")
+    grads = torch.autograd.grad(r_outs, r_inputs, [c.to(DEV) for c in cotangents], allow_unused=True)
+    return _compare(_fetch(list(grads)), list(expected), "gradient")
+
+
+def _reason(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    return " ".join(line.strip() for line in text[:3])[:300]
+
+
+def run_op(op: Any) -> dict[str, Any]:
+    import torch
+
+    result: dict[str, Any] = {"op": _op_id(op), "random": False, "nondeterministic": bool(op.has_nondeterministic_output)}
+    forward: dict[str, Any] = {"status": "skip", "samples": 0, "exact": True, "dtypes": []}
+    supported = op.supported_dtypes("cpu")
+    for name, n in SAMPLES.items():
+        dtype = getattr(torch, name)
+        if dtype not in supported:
+            continue
+        try:
+            samples = _samples(op, dtype, n, requires_grad=False)
+        except Exception as exc:
+            forward.setdefault("notes", []).append(f"{name}: no samples ({type(exc).__name__})")
+            continue
+        for sample, keep in samples:
+            try:
+                exact, random = _forward(op, sample, keep, check_random=GPU or forward["samples"] == 0)
+            except _Skip:
+                continue
+            except AssertionError as exc:
+                forward.update(status="wrong", reason=f"{name}: {_reason(exc)}")
+                break
+            except Exception as exc:
+                forward.update(status="error", reason=f"{name}: {_reason(exc)}")
+                break
+            forward["samples"] += 1
+            forward["exact"] &= exact
+            result["random"] |= random
+            if name not in forward["dtypes"]:
+                forward["dtypes"].append(name)
+            if forward["status"] == "skip":
+                forward["status"] = "match"
+        if forward["status"] in ("wrong", "error"):
+            break
+    result["forward"] = forward
+    if op.supports_autograd and torch.float32 in op.supported_backward_dtypes("cpu"):
+        backward: dict[str, Any] = {"status": "skip", "samples": 0, "exact": True}
+        try:
+            samples = _samples(op, torch.float32, GRAD_SAMPLES, requires_grad=True)
+        except Exception as exc:
+            samples = []
+            backward["notes"] = [f"no samples ({type(exc).__name__})"]
+        for sample, keep in samples:
+            try:
+                exact = _backward(op, sample, keep)
+            except _Skip:
+                continue
+            except AssertionError as exc:
+                backward.update(status="wrong", reason=_reason(exc))
+                break
+            except Exception as exc:
+                backward.update(status="error", reason=_reason(exc))
+                break
+            backward["samples"] += 1
+            backward["exact"] &= exact
+            backward["status"] = "match"
+        result["backward"] = backward
+    return result
+
+
+def child(address: str, token: str) -> None:
+    """Answer one JSON line per op name read from stdin."""
+    warnings.filterwarnings("ignore")
+    import torch
+
+    import genie_core
+    from genie_core.errors import ConnectionLost
+
+    genie_core.init_sync(address, token=token, timeout=30)
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    ops = {_op_id(op): op for op in op_db}
+    torch.set_num_threads(1)
+    out = sys.stdout
+    sys.stdout = sys.stderr  # ops that print must not garble the answers
+    out.write(json.dumps({"ready": sorted(ops)}) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        name = line.strip()
+        start = time.perf_counter()
+        try:
+            result = run_op(ops[name])
+        except ConnectionLost as exc:
+            result = {"op": name, "lost": _reason(exc)}
+        except Exception as exc:
+            result = {"op": name, "harness": _reason(exc), "trace": traceback.format_exc()[-2000:]}
+        result["seconds"] = round(time.perf_counter() - start, 3)
+        out.write(json.dumps(result) + "\n")
+        out.flush()
+        if "lost" in result:
+            return  # the session is gone: a new child starts a new one
+
+
+# -- parent -----------------------------------------------------------------------------------
+class _Child:
+    def __init__(self, address: str, token: str, gpu: bool = False) -> None:
+        env = dict(os.environ, GENIE_CONFORMANCE_DEVICE="gpu" if gpu else "cpu")
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--child", address, token], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, text=True, bufsize=1, env=env,
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        ready = self.lines.get(timeout=180)
+        if ready is None:
+            raise RuntimeError("a conformance child did not start")
+        self.ops = json.loads(ready)["ready"]
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def ask(self, name: str, timeout: float) -> dict[str, Any] | None:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(name + "\n")
+            self.proc.stdin.flush()
+            line = self.lines.get(timeout=timeout)
+        except (BrokenPipeError, queue.Empty):
+            line = None
+        return json.loads(line) if line else None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def run(address: str, token: str, workers: int = 2, only: list[str] | None = None, gpu: bool = False) -> list[dict[str, Any]]:
+    """Every op of op_db (or `only`), in a pool of child processes; a dead or hung child is a crash.
+    `gpu`: the server computes on a GPU, so values are compared within tolerance."""
+    first = _Child(address, token, gpu)
+    names = [n for n in first.ops if only is None or n in only]
+    todo: queue.Queue[str] = queue.Queue()
+    for n in names:
+        todo.put(n)
+    results: list[dict[str, Any]] = []
+    lock = threading.Lock()
+
+    def slot(child: _Child | None) -> None:
+        while True:
+            try:
+                name = todo.get_nowait()
+            except queue.Empty:
+                break
+            if child is None:
+                child = _Child(address, token, gpu)
+            start = time.perf_counter()
+            answer = child.ask(name, OP_TIMEOUT_S)
+            if answer is None or "lost" in answer:
+                seconds = time.perf_counter() - start
+                code = child.proc.poll()
+                why = ("hung (killed after %.0f s)" % seconds) if code is None else (
+                    f"the client process died (exit code {code})" if answer is None else f"the session was lost: {answer['lost']}")
+                child.stop()
+                child = None
+                answer = {"op": name, "crash": why, "seconds": round(seconds, 3)}
+            with lock:
+                results.append(answer)
+        if child is not None:
+            child.stop()
+
+    threads = [threading.Thread(target=slot, args=(first if i == 0 else None,)) for i in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sorted(results, key=lambda r: r["op"])
+
+
+# -- the report -----------------------------------------------------------------------------
+def outcome(result: dict[str, Any], mode: str) -> tuple[str, str]:
+    """(status, reason) of one op in one mode: match, wrong, error, crash, skip, or excluded."""
+    if "crash" in result:
+        return "crash", result["crash"]
+    if "harness" in result:
+        return "error", "harness: " + result["harness"]
+    part = result.get(mode)
+    if part is None:
+        return "n/a", ""
+    if result.get("random") or result.get("nondeterministic"):
+        return "excluded", "random" if result.get("random") else "nondeterministic output"
+    return part["status"], part.get("reason", "")
+
+
+def rates(results: list[dict[str, Any]]) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for mode in ("forward", "backward"):
+        counts: dict[str, int] = {}
+        for r in results:
+            status, _ = outcome(r, mode)
+            counts[status] = counts.get(status, 0) + 1
+        tested = sum(counts.get(s, 0) for s in ("match", "wrong", "error", "crash"))
+        summary[mode] = {"counts": counts, "tested": tested, "rate": counts.get("match", 0) / tested if tested else 0.0,
+                         "exact": sum(1 for r in results if outcome(r, mode)[0] == "match" and r[mode].get("exact"))}
+    return summary
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        child(sys.argv[2], sys.argv[3])
+
+
+def document(results: list[dict[str, Any]], seconds: float, server: str, title: str = "PyTorch OpInfo database") -> str:
+    """The OpInfo part of docs/CONFORMANCE.md: rates, then every op that did not match, and why."""
+    import platform
+
+    import torch
+
+    r = rates(results)
+    f, b = r["forward"], r["backward"]
+    random_ops = [x for x in results if x.get("random") and not x.get("nondeterministic")]
+    random_match = sum(1 for x in random_ops if x.get("forward", {}).get("status") == "match")
+    lines = [
+        f"## {title}",
+        "",
+        f"Measured by `tests/test_conformance_opinfo.py` ({len(results)} entries of `op_db`, torch {torch.__version__}, "
+        f"Python {platform.python_version()}, server device: {server}; {seconds:.0f} s with 2 client processes). Each op's first samples "
+        f"run on `remote_accelerator` and on the CPU: {', '.join(f'{n} {k}' for k, n in SAMPLES.items())} sample(s) per dtype "
+        "(the dtypes the op supports on the CPU; float32, float16, bfloat16, int64 and bool, plus complex64), each through the op "
+        f"and its in-place variant; gradients from the first {GRAD_SAMPLES} float32 samples with requires_grad=True, against CPU "
+        "autograd. Values must agree within `torch.testing.assert_close`'s default tolerance for the dtype (exactly, for integers "
+        "and bools), shapes and dtypes exactly, and each output's shape and dtype as the server holds it must be what the client "
+        "believes. Every op ran in a child process; a process or session that died counts as a crash of that op.",
+        "",
+        "| | ops tested | match | bit-exact | wrong | raise | crash | rate |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, part in (("forward", f), ("backward", b)):
+        c = part["counts"]
+        lines.append(f"| {name} | {part['tested']} | {c.get('match', 0)} | {part['exact']} | {c.get('wrong', 0)} | "
+                     f"{c.get('error', 0)} | {c.get('crash', 0)} | {100 * part['rate']:.1f}% |")
+    lines += [
+        "",
+        f"Not counted above: ops with nondeterministic output (uninitialized memory: {', '.join(sorted(x['op'] for x in results if x.get('nondeterministic')))}); "
+        f"random ops ({len(random_ops)}), which draw from the device's generator: seeded alike, on this CPU server {random_match} of "
+        "them give the CPU's values exactly; on a GPU server they cannot. Skipped: ops whose samples the CPU itself cannot run "
+        "in these dtypes (CUDA-only ops, and a few whose CPU kernels refuse every sample):",
+        "",
+    ]
+    for mode in ("forward", "backward"):
+        skipped = [x["op"] for x in results if outcome(x, mode)[0] == "skip"]
+        lines.append(f"- {mode}: {', '.join(skipped) if skipped else 'none'}")
+    lines += ["", "Ops that raise (each with its reason) or give wrong results:", ""]
+    failing = [(x["op"], mode, *outcome(x, mode)) for x in results for mode in ("forward", "backward")
+               if outcome(x, mode)[0] in ("wrong", "error", "crash")]
+    if not failing:
+        lines.append("- none")
+    for op, mode, status, why in failing:
+        lines.append(f"- `{op}` ({mode}, {status}): {why}")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def replace_section(path: Any, name: str, text: str) -> None:
+    """Put `text` between this section's markers in the file (made with a title if missing)."""
+    from pathlib import Path
+
+    path = Path(path)
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    old = path.read_text() if path.exists() else (
+        "# Conformance: remote_accelerator against eager CPU\n\nWritten by the conformance tests; do not edit by hand.\n")
+    block = f"{begin}\n{text.rstrip()}\n{end}"
+    if begin in old and end in old:
+        new = old[: old.index(begin)] + block + old[old.index(end) + len(end):]
+    else:
+        new = old.rstrip() + "\n\n" + block + "\n"
+    path.write_text(new)

@@ -1,0 +1,150 @@
+"""The remote_accelerator suites against a server whose device is a CUDA GPU (`-m gpu`; skipped
+without one). Values are compared within tolerance here (another device's kernels), tokens and
+integer results exactly; autocast against the same code under the server's own CUDA autocast."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import genie_core
+
+pytestmark = pytest.mark.gpu
+DEV = "remote_accelerator:0"
+
+
+@pytest.fixture(scope="module")
+def gpu_server(tmp_path_factory):
+    from conftest import start_server
+
+    srv = start_server(tmp_path_factory.mktemp("gpu-server"), "--gpus", "0")
+    genie_core.init_sync(f"127.0.0.1:{srv.info.port}", token=srv.info.token, timeout=30)
+    client = genie_core.get_cluster_state().client
+    # Full float32 matmuls and convolutions on the server, as on the CPU it is compared with.
+    setup = "import torch; torch.backends.cuda.matmul.allow_tf32 = False; torch.backends.cudnn.allow_tf32 = False"
+    assert client.execute(setup).wait(60).content["status"] == "ok"
+    yield srv
+    genie_core.shutdown()
+    srv.stop()
+
+
+def _server(code: str) -> None:
+    reply = genie_core.get_cluster_state().client.execute(code).wait(300).content
+    assert reply["status"] == "ok", reply
+
+
+@pytest.mark.timeout(1200)
+def test_opinfo_database_on_a_gpu_server(tmp_path):
+    pytest.importorskip("expecttest")
+    import opinfo_conformance as conformance
+    from conftest import start_server
+    from test_conformance_opinfo import DOC
+
+    srv = start_server(tmp_path, "--gpus", "0")
+    try:
+        start = time.perf_counter()
+        results = conformance.run(f"127.0.0.1:{srv.info.port}", srv.info.token, workers=2, gpu=True)
+        seconds = time.perf_counter() - start
+    finally:
+        srv.stop()
+    conformance.replace_section(DOC, "opinfo-gpu", conformance.document(
+        results, seconds, torch.cuda.get_device_name(0), title="PyTorch OpInfo database on a GPU server"))
+    rates = conformance.rates(results)
+    failing = {(r["op"], mode): conformance.outcome(r, mode) for r in results for mode in ("forward", "backward")
+               if conformance.outcome(r, mode)[0] in ("wrong", "crash")}
+    assert not failing, f"wrong results or crashes: {failing}"
+    assert rates["forward"]["rate"] >= 0.98, rates["forward"]
+    assert rates["backward"]["rate"] >= 0.95, rates["backward"]
+
+
+def _close(remote_value: torch.Tensor, local: torch.Tensor, what: str) -> None:
+    got = remote_value.detach().cpu()
+    assert got.dtype == local.dtype and got.shape == local.shape, what
+    torch.testing.assert_close(got, local.detach(), rtol=1e-4, atol=1e-5, msg=lambda m: f"{what}: {m}")
+
+
+# (Mixtral is left out: its experts use torch._grouped_mm, which CUDA runs in bfloat16 only.)
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2", "bert", "t5", "vit", "resnet"])
+def test_models_on_a_gpu_server(gpu_server, kind):
+    transformers = pytest.importorskip("transformers")
+    import test_conformance_models as models
+
+    transformers.logging.set_verbosity_error()
+    build = models._decoder if kind in ("gpt2", "llama", "qwen2", "mixtral") else models._other
+    local, model = models.twins(build, kind)
+    inputs = models.batch(kind)
+    local.eval(), model.eval()
+    with torch.no_grad():
+        _close(model(**models.on(inputs, DEV)).logits, local(**inputs).logits, "logits")
+    for m in (local, model):  # dropout draws differ between the CPU and CUDA generators
+        m.train()
+        for module in m.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+    opt_local, opt = torch.optim.AdamW(local.parameters(), lr=1e-3), torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss_local, loss = local(**inputs).loss, model(**models.on(inputs, DEV)).loss
+    loss_local.backward(), loss.backward()
+    _close(loss, loss_local, "loss")
+    opt_local.step(), opt.step()
+    for (name, p), q in zip(local.named_parameters(), model.parameters()):
+        _close(q, p, f"{name} after an AdamW step")
+    if kind in ("gpt2", "llama", "qwen2", "t5"):
+        local.eval(), model.eval()
+        prompt = {k: v for k, v in inputs.items() if k != "labels"}
+        for options in (dict(do_sample=False), dict(num_beams=3, do_sample=False), dict(do_sample=False, cache_implementation="static")):
+            kwargs = dict(max_new_tokens=6, min_new_tokens=6, **options)
+            assert torch.equal(model.generate(**models.on(prompt, DEV), **kwargs).cpu(), local.generate(**prompt, **kwargs)), options
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_autocast_equals_the_servers_own_cuda_autocast(gpu_server, dtype):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.Flatten(),
+                                torch.nn.Linear(8 * 6 * 6, 10), torch.nn.LogSoftmax(-1))
+    inp = torch.randn(4, 3, 8, 8)
+    client = genie_core.get_cluster_state().client
+    client.push({"state": model.state_dict(), "inp": inp})
+    name = str(dtype).removeprefix("torch.")
+    _server(f"""
+import torch
+m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.Flatten(),
+                        torch.nn.Linear(8 * 6 * 6, 10), torch.nn.LogSoftmax(-1)).cuda()
+m.load_state_dict(state)
+with torch.autocast("cuda", dtype=torch.{name}):
+    native = m(inp.cuda())
+native = native.cpu()
+""")
+    expected = client.pull(["native"])["native"]
+    remote = model.to(DEV)
+    with torch.autocast("remote_accelerator", dtype=dtype):
+        out = remote(inp.to(DEV))
+    assert out.dtype == expected.dtype
+    assert torch.equal(out.cpu(), expected)  # the same casts, run by the same device
+
+
+def test_gpu_memory_is_returned_after_del_and_after_the_session(gpu_server):
+    before = _value("torch.cuda.memory_allocated()")
+    x = torch.empty(256, 1024, 1024, device=DEV)  # 1 GiB
+    torch.remote_accelerator.synchronize()
+    assert _value("torch.cuda.memory_allocated()") >= before + 2**30
+    del x
+    torch.remote_accelerator.synchronize()  # the free travels with the next batch
+    assert _value("torch.cuda.memory_allocated()") <= before
+    y = torch.empty(256, 1024, 1024, device=DEV)
+    torch.remote_accelerator.synchronize()
+    free_during = torch.cuda.mem_get_info(0)[0]
+    genie_core.shutdown()  # the session's worker ends: its memory goes back to the device
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and torch.cuda.mem_get_info(0)[0] < free_during + 2**30:
+        time.sleep(0.5)
+    assert torch.cuda.mem_get_info(0)[0] >= free_during + 2**30
+    del y
+    genie_core.init_sync(f"127.0.0.1:{gpu_server.info.port}", token=gpu_server.info.token, timeout=30)
+
+
+def _value(expression: str) -> int:
+    client = genie_core.get_cluster_state().client
+    _server(f"import torch\n_genie_value = int({expression})")
+    return int(client.pull(["_genie_value"])["_genie_value"])
