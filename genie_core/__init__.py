@@ -1,11 +1,15 @@
-"""Genie core runtime: reach GPUs on another machine as if they were local. No Jupyter imports."""
+"""Genie core runtime: reach GPUs on another machine as if they were local. No Jupyter imports.
 
-__version__ = "0.1.0"
+    state = genie_core.init_sync("gpu-box:5555", token="...")   # or: await genie_core.init(...)
+    state.client.execute("print('hi')").wait()
+    genie_core.shutdown()
+"""
 
-from .cluster import ClusterState, get_cluster_state, init, init_sync, is_initialized, shutdown  # noqa: E402
-from .config import ClusterConfig  # noqa: E402
-from .dataplane import BackendReport, BackendUnavailable  # noqa: E402
-from .errors import (  # noqa: E402
+from .client import Client
+from .cluster import ClusterState, get_cluster_state, init, init_sync, is_initialized, shutdown
+from .config import ClusterConfig
+from .dataplane import BackendReport, BackendUnavailable, Candidate
+from .errors import (
     AuthenticationError,
     ConfigError,
     ConnectionFailed,
@@ -16,25 +20,20 @@ from .errors import (  # noqa: E402
     RemoteError,
     WorkerDied,
 )
+from .events import ClusterEvent, EventBus, EventType, Severity
+from .monitoring.health import Grade, HealthCheck, HealthReport
+from .nodes import GPUInfo, NodeInfo
+from .version import __version__
 
 __all__ = [
     "__version__",
-    "init",
-    "init_sync",
-    "shutdown",
-    "is_initialized",
-    "get_cluster_state",
-    "ClusterConfig",
-    "ClusterState",
-    "BackendReport",
-    "BackendUnavailable",
-    "GenieError",
-    "LimitExceeded",
-    "ConfigError",
-    "ConnectionFailed",
-    "AuthenticationError",
-    "ConnectionLost",
-    "NotInitializedError",
-    "RemoteError",
-    "WorkerDied",
+    # connecting
+    "init", "init_sync", "shutdown", "is_initialized", "get_cluster_state", "ClusterConfig", "ClusterState", "Client",
+    # the data plane's choice
+    "BackendReport", "BackendUnavailable", "Candidate",
+    # events, readings and health
+    "EventBus", "EventType", "ClusterEvent", "Severity", "NodeInfo", "GPUInfo", "HealthReport", "HealthCheck", "Grade",
+    # errors
+    "GenieError", "ConfigError", "ConnectionFailed", "AuthenticationError", "ConnectionLost", "NotInitializedError",
+    "RemoteError", "WorkerDied", "LimitExceeded",
 ]

@@ -179,7 +179,7 @@ def _init_client(config: ClusterConfig, phases: list[tuple[str, float]]) -> Clus
         raise
     from .remote_tensor import enable
 
-    enable()  # remote_accelerator tensors: registered now if torch is imported, else right after it is
+    enable(lambda: _state.client if _state is not None else None)  # remote_accelerator tensors, served by this connection
     _state = ClusterState(
         config=config, role="client", address=f"{host}:{port}", node=client.node, client=client,
         local_server=local, phases=phases, backend=report.chosen, backend_report=report,

@@ -5,7 +5,8 @@ devices it knows: on `remote_accelerator` it would always decompose into the mat
 slower on a GPU and not bit-equal to what the server's device computes natively. So the op is
 taken over at `AutogradPrivateUse1`: the forward is recorded as one call that the server runs
 with `torch.nn.functional.scaled_dot_product_attention` (keeping its autograd graph when a
-gradient is wanted), and the backward as one call that runs `torch.autograd.grad` on that graph.
+gradient is wanted), and the backward as one call that runs `torch.autograd.grad` on that graph
+(the server's half is `run_call` in genie_core/worker/tensors.py).
 """
 
 from __future__ import annotations
@@ -90,27 +91,3 @@ def register() -> None:
     global _lib
     _lib = torch.library.Library("aten", "IMPL")
     _lib.impl("scaled_dot_product_attention", _attention, "AutogradPrivateUse1")
-
-
-def run(name: str, args: tuple, kwargs: dict, store: Any) -> list[Any]:
-    """The server's half: the attention forward (keeping its graph under `graph`) or backward."""
-    if name == "sdpa":
-        graph, needs = kwargs.pop("graph"), kwargs.pop("needs")
-        query, key, value, mask = args
-        if graph is None:
-            with torch.no_grad():
-                return [torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, **kwargs)]
-        inputs = [t.detach().requires_grad_(n) if isinstance(t, torch.Tensor) else t for t, n in zip(args, needs)]
-        with torch.enable_grad():
-            out = torch.nn.functional.scaled_dot_product_attention(inputs[0], inputs[1], inputs[2], attn_mask=inputs[3], **kwargs)
-        store[graph] = (out, inputs, needs)
-        return [out.detach()]
-    if name == "sdpa_backward":
-        graph, grad_out = args
-        found = store.get(graph)
-        if not isinstance(found, tuple):
-            raise RuntimeError("the attention graph for this backward is gone (backward through it twice without retain_graph?)")
-        out, inputs, needs = found
-        grads = iter(torch.autograd.grad(out, [t for t, n in zip(inputs, needs) if n], grad_out, retain_graph=True))
-        return [next(grads) if n else None for n in needs]
-    raise ValueError(f"unknown server call {name!r}")

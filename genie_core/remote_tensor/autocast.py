@@ -49,10 +49,9 @@ class _Probe(torch.Tensor):
 
 
 def _server_device_type() -> str:
-    from .. import cluster
+    from .connection import server_device_type
 
-    state = cluster._state
-    return "cuda" if state is not None and (state.node.get("gpus") or []) else "cpu"
+    return server_device_type()
 
 
 def _plan(op: Any, args: tuple, kwargs: dict, leaves: list[Any], device: str, dtype: torch.dtype) -> tuple[Any, ...]:

@@ -7,59 +7,12 @@ import importlib.abc
 import importlib.machinery
 import sys
 import threading
-from typing import Any
+from typing import Any, Callable
 
-DEVICE_TYPE = "remote_accelerator"
+from .connection import DEVICE_TYPE, _index, device_count, live_streams, set_client, stream_for
+
 _registered = False
 _lock = threading.Lock()
-_streams: dict[tuple[int, int], Any] = {}
-
-
-def stream_for(index: int | None) -> Any:
-    """The op stream of `remote_accelerator:index` in the current session."""
-    from ..cluster import current_client
-    from .stream import OpStream
-
-    client = current_client("using remote_accelerator tensors")
-    index = 0 if index is None else index
-    count = device_count()
-    if not 0 <= index < count:
-        raise RuntimeError(f"{DEVICE_TYPE}:{index} does not exist: the server has {count} device(s) ({DEVICE_TYPE}:0..{count - 1})")
-    key = (id(client), index)
-    stream = _streams.get(key)
-    if stream is None or stream.client is not client:
-        for old in [k for k, s in _streams.items() if not s.alive]:
-            del _streams[old]
-        stream = _streams[key] = OpStream(client, index)
-    return stream
-
-
-def _index(device: Any) -> int:
-    import torch
-
-    if isinstance(device, int):
-        return device
-    return torch.device(device).index or 0
-
-
-def _index(device: Any) -> int:
-    import torch
-
-    if isinstance(device, int):
-        return device
-    return torch.device(device).index or 0
-
-
-def device_count() -> int:
-    """Remote GPUs of the connected server; a server without GPUs offers its CPU as device 0."""
-    from .. import cluster
-
-    state = cluster._state
-    if state is None or state.client is None or not state.client.connected:
-        return 0
-    return max(1, len(state.node.get("gpus") or []))
-
-
 class _DeviceModule:
     """`torch.remote_accelerator`: what `torch.cuda` offers, for the remote devices."""
 
@@ -123,7 +76,7 @@ class _DeviceModule:
     @staticmethod
     def set_rng_state(new_state: Any, device: Any = "remote_accelerator") -> None:
         """Restore a state from get_rng_state (recorded; applied before the next ops run)."""
-        from .ops import HostTensor
+        from ..protocol.tensor_ops import HostTensor
 
         stream_for(_index(device)).record(("rng_set", HostTensor(new_state)))
 
@@ -157,14 +110,14 @@ class _DeviceModule:
         return {
             f"{s.index}": {"round_trips": s.round_trips, "messages": s.messages, "ops_sent": s.ops_sent, "pending": s.pending(), "server_tensors": s.server_tensors,
                            "server_seconds": round(s.server_seconds, 6), "wait_seconds": round(s.wait_seconds, 6)}
-            for s in _streams.values() if s.alive
+            for s in live_streams()
         }
 
 
 def _factory_kernels(lib: Any) -> None:
     import torch
 
-    from .ops import RemoteDevice, encode_value
+    from ..protocol.tensor_ops import RemoteDevice, encode_value
     from .tensor import RemoteTensor
 
     def make(name: str, runs: str | None = None):  # noqa: ANN202
@@ -276,7 +229,10 @@ class _AfterTorchImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-def enable() -> None:
+def enable(current_client: Callable[[], Any]) -> None:
+    """Make the device available (now if torch is imported, else right after it is), served by
+    whichever client `current_client()` returns (genie_core's connection, or None)."""
+    set_client(current_client)
     if "torch" in sys.modules:
         register()
     elif not any(isinstance(f, _AfterTorchImport) for f in sys.meta_path):

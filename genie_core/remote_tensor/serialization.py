@@ -48,7 +48,7 @@ def _tag(storage: Any) -> None:
 def _restore(storage: Any, location: str) -> Any:
     if not isinstance(location, str) or not _LOCATION.match(location) or storage.device.type != "cpu":
         return None
-    from .device import device_count
+    from .connection import device_count
 
     device = torch.device(location)
     index = device.index or 0

@@ -12,7 +12,7 @@ import torch
 from torch.utils._mode_utils import no_dispatch
 
 from . import serialization
-from .ops import HostTensor, Ref, RemoteDevice, StorageOf, encode_value
+from ..protocol.tensor_ops import HostTensor, Ref, RemoteDevice, StorageOf, encode_value
 from .stream import OpStream, new_id, new_ids
 
 aten = torch.ops.aten

@@ -11,7 +11,7 @@ import socket
 import time
 from typing import Any, Callable
 
-from .. import __version__
+from ..version import __version__
 from ..config import ClusterConfig, state_dir
 from ..events import ClusterEvent, EventBus, EventType
 from ..monitoring import GPUSource, NvmlSource, SimulatedGPUSource, create_resource_monitor

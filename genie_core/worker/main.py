@@ -261,7 +261,7 @@ class Worker:
     def on_tensor_ops(self, msg: Message) -> None:
         """Replay a client's recorded tensor ops (see genie_core.remote_tensor)."""
         if self.tensors is None:
-            from ..remote_tensor.executor import TensorExecutor
+            from .tensors import TensorExecutor
 
             self.tensors = TensorExecutor(self.max_tensors, self.max_bytes)
         content, buffers = self.tensors.run(msg.buffers)

@@ -1,5 +1,6 @@
-"""How recorded ops are written down: references to remote tensors, and the remote device,
-as small placeholders that the worker swaps for its own tensors and device."""
+"""How remote-tensor ops are written down between the client that records them and the worker
+that runs them: references to remote tensors and the remote device, as small placeholders that
+the worker swaps for its own tensors and device, and CPU tensors uploaded by value."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..errors import LimitExceeded, size_text
 from ..serialize import serialize_namespace
-from .ops import MemoryFormat, Ref, RemoteDevice, StorageOf
+from ..protocol.tensor_ops import MemoryFormat, Ref, RemoteDevice, StorageOf
 
 
 class _Failed:
@@ -308,11 +308,9 @@ class TensorExecutor:
         return out
 
     def _run_call(self, record: tuple) -> None:
-        from . import attention
-
         _, name, args, kwargs, out_ids, expect = record
         args, kwargs = self._resolve_all(args), self._resolve_all(kwargs)
-        outs = attention.run(name, args, kwargs, self.store)
+        outs = run_call(name, args, kwargs, self.store)
         for i, (rid, value) in enumerate(zip(out_ids, outs)):
             if rid is not None:
                 self.store[rid] = _agree(name, value, expect[i], (args, kwargs))
@@ -331,3 +329,28 @@ class TensorExecutor:
             else:
                 described.append({"value": value})
         return {"outputs": described, "tuple": isinstance(out, (tuple, list))}
+
+
+def run_call(name: str, args: tuple, kwargs: dict, store: Any) -> list[Any]:
+    """The server's own functions a client records as one call: the attention forward (keeping its
+    graph under `graph`) or backward (see genie_core/remote_tensor/attention.py)."""
+    if name == "sdpa":
+        graph, needs = kwargs.pop("graph"), kwargs.pop("needs")
+        query, key, value, mask = args
+        if graph is None:
+            with torch.no_grad():
+                return [torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, **kwargs)]
+        inputs = [t.detach().requires_grad_(n) if isinstance(t, torch.Tensor) else t for t, n in zip(args, needs)]
+        with torch.enable_grad():
+            out = torch.nn.functional.scaled_dot_product_attention(inputs[0], inputs[1], inputs[2], attn_mask=inputs[3], **kwargs)
+        store[graph] = (out, inputs, needs)
+        return [out.detach()]
+    if name == "sdpa_backward":
+        graph, grad_out = args
+        found = store.get(graph)
+        if not isinstance(found, tuple):
+            raise RuntimeError("the attention graph for this backward is gone (backward through it twice without retain_graph?)")
+        out, inputs, needs = found
+        grads = iter(torch.autograd.grad(out, [t for t, n in zip(inputs, needs) if n], grad_out, retain_graph=True))
+        return [next(grads) if n else None for n in needs]
+    raise ValueError(f"unknown server call {name!r}")

@@ -1,0 +1,118 @@
+"""The shape of the code, checked: genie_core imports nothing from genie_jupyter, no module
+imports itself back through others (no cycles), and each layer uses only the ones below it
+(docs/ARCHITECTURE.md). Imports inside functions count; those under `if TYPE_CHECKING:` do not."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# What each part may import from genie_core (besides itself and the shared base modules).
+BASE = {"errors", "config", "events", "nodes", "gpus", "serialize", "loop", "lifeline", "version", "encryption", "monitoring",
+        "protocol"}
+ALLOWED = {
+    "protocol": {"errors"},
+    "dataplane": BASE,
+    "monitoring": {"errors", "config", "events", "nodes", "gpus"},
+    "worker": BASE | {"dataplane"},
+    "remote_tensor": BASE,
+    "server": BASE | {"dataplane"},
+    "client": BASE | {"dataplane"},
+    "cluster": BASE | {"client", "local_server", "remote_tensor", "server", "dataplane"},
+}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in (ROOT / "genie_core").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                   for n in ast.walk(node)}
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            subs = {f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in modules}
+            # `from . import sibling` imports the sibling; the parent package is Python's to import first
+            out |= subs if subs and name.startswith(target + ".") else {target} | subs
+    resolved = set()
+    for target in out:
+        while target and target not in modules and not target.startswith("genie_jupyter"):
+            target = target.rsplit(".", 1)[0] if "." in target else ""
+        if target and target != name:
+            resolved.add(target)
+    return resolved
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def test_genie_core_never_imports_genie_jupyter():
+    offenders = sorted((m, t) for m, targets in _graph().items() for t in targets if t.startswith("genie_jupyter"))
+    assert not offenders
+
+
+def test_there_are_no_import_cycles():
+    graph = _graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not cycles
+
+
+def test_each_layer_uses_only_the_ones_below_it():
+    def part(module: str) -> str:
+        return module.split(".")[1] if module.count(".") else ""
+
+    broken = []
+    for module, targets in _graph().items():
+        rules = ALLOWED.get(part(module))
+        if rules is None:
+            continue
+        for target in targets:
+            if target.startswith("genie_core.") and part(target) not in rules | {part(module)}:
+                broken.append(f"{module} imports {target}")
+    assert not broken, "\n".join(sorted(broken))
