@@ -114,11 +114,14 @@ def run(quick: bool = False, minutes: float | None = None) -> dict:
     ctx = multiprocessing.get_context("spawn")
     samples: list[tuple[float, dict[str, float]]] = []
     try:
-        # Warm-up: one client does everything once or more, and leaves; what the server keeps
-        # from then on (thread pools made on first use, caches) is the baseline.
-        procs, results = _clients(ctx, info, 1, 5.0 if quick else 15.0)
-        results.get(timeout=120)
-        procs[0].join(30)
+        # Warm-up: as many clients as the soak do everything once or more, and leave; what the
+        # server keeps from then on (thread pools grown to their size under concurrent load,
+        # caches) is the baseline.
+        procs, results = _clients(ctx, info, CLIENTS, 5.0 if quick else 15.0)
+        for p in procs:
+            results.get(timeout=120)
+        for p in procs:
+            p.join(30)
         time.sleep(3.0)
         baseline = _sample(server)
         threads_before = _thread_names(server.pid)

@@ -145,6 +145,7 @@ class Client:
                 self.request(Message(T.CLOSE)).wait(timeout=1.0)
             except Exception:
                 pass  # the server reaps the session after its lease anyway
+        self.connection.session_closed()
         if self.session:
             self._event(EventType.SESSION_CLOSED, Severity.INFO, f"session {self.session[:8]} closed", session=self.session[:8])
         self.transfers.close()

@@ -389,6 +389,12 @@ class Connection:
             self.session_gone = True
             self.on_session_gone(why)
 
+    def session_closed(self) -> None:
+        """We ended the session ourselves: a heartbeat answered "unknown session" from now on is
+        expected, not a loss to warn about."""
+        self.session_gone = True
+        self.lost_reason = self.lost_reason or "the session was closed"
+
     @property
     def connected(self) -> bool:
         return bool(self.session) and self.lost_reason is None and not self.closed

@@ -326,6 +326,9 @@ def run_server(config: ClusterConfig, parent_lifeline: int | None = None) -> int
     """`genie serve`: start, print the ready line, serve until SIGINT/SIGTERM."""
     import signal
 
+    from .allocator import map_large_blocks
+
+    map_large_blocks()  # only in a server process of its own: it changes malloc for the whole process
     server = Server(config, parent_lifeline=parent_lifeline).start()
 
     def _stop(signum: int, frame: Any) -> None:
