@@ -12,8 +12,18 @@ from pathlib import Path
 
 import genie_core
 
-ALL = ["monitor_overhead", "remote_tensors", "bulk_transfer", "cell_roundtrip", "connect_time", "failure_detection", "concurrency",
-       "message_signing", "llm", "soak"]
+ALL = [
+    "monitor_overhead",
+    "remote_tensors",
+    "bulk_transfer",
+    "cell_roundtrip",
+    "connect_time",
+    "failure_detection",
+    "concurrency",
+    "message_signing",
+    "llm",
+    "soak",
+]
 
 
 def machine() -> dict:
@@ -40,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("names", nargs="*", default=ALL, help=f"which ({', '.join(ALL)})")
     parser.add_argument("--quick", action="store_true", help="seconds, not minutes: checks the benchmarks still run")
     parser.add_argument("--minutes", type=float, default=None, help="how long the soak runs (default 2)")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="folder for results.json and results.md")
+    parser.add_argument(
+        "--out", default=str(Path(__file__).parent / "results"), help="folder for results.json and results.md"
+    )
     args = parser.parse_args(argv)
     results = {"machine": machine(), "quick": args.quick, "benchmarks": []}
     for name in args.names:
@@ -51,8 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    lines = [f"# Benchmark results ({results['machine']['date']}{', quick mode' if args.quick else ''})", "",
-             "Machine: " + ", ".join(f"{k} {v}" for k, v in results["machine"].items() if k != "date"), ""]
+    lines = [
+        f"# Benchmark results ({results['machine']['date']}{', quick mode' if args.quick else ''})",
+        "",
+        "Machine: " + ", ".join(f"{k} {v}" for k, v in results["machine"].items() if k != "date"),
+        "",
+    ]
     for r in results["benchmarks"]:
         lines += [f"## {r['name']}", "", "| measure | value |", "| --- | --- |"]
         lines += [f"| {k} | {v} |" for k, v in r.items() if k != "name"]

@@ -13,8 +13,15 @@ from genie_core.local_server import start_server_process, stop_process
 
 def start(*args: str) -> tuple[subprocess.Popen, ConnectionInfo]:
     folder = Path(tempfile.mkdtemp(prefix="genie-bench-"))
-    env = dict(os.environ, GENIE_TOKEN=os.urandom(16).hex(), GENIE_STATE_DIR=str(folder / "state"), GENIE_RUNTIME_DIR=str(folder))
-    proc, info, _ = start_server_process("--port", "0", *args, env=env, connection_file=folder / "server.json", stderr=subprocess.DEVNULL)
+    env = dict(
+        os.environ,
+        GENIE_TOKEN=os.urandom(16).hex(),
+        GENIE_STATE_DIR=str(folder / "state"),
+        GENIE_RUNTIME_DIR=str(folder),
+    )
+    proc, info, _ = start_server_process(
+        "--port", "0", *args, env=env, connection_file=folder / "server.json", stderr=subprocess.DEVNULL
+    )
     return proc, info
 
 

@@ -32,8 +32,15 @@ def _free_port() -> str:
 class Gloo:
     def __init__(self, nbytes: int) -> None:
         port, script = _free_port(), str(Path(__file__).with_name("_gloo_peer.py"))
-        self.peers = [subprocess.Popen([sys.executable, script, str(r), str(nbytes), port], stdin=subprocess.PIPE,
-                                       stdout=subprocess.PIPE, text=True) for r in (0, 1)]
+        self.peers = [
+            subprocess.Popen(
+                [sys.executable, script, str(r), str(nbytes), port],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for r in (0, 1)
+        ]
         for p in self.peers:
             assert p.stdout.readline().strip() == "ready"
 
@@ -49,7 +56,7 @@ class Gloo:
             p.wait(30)
 
 
-def _timed(fn) -> float:  # noqa: ANN001
+def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
@@ -115,6 +122,8 @@ def run(quick: bool = False) -> dict:
     out["met"] = {
         "tcp_vs_gloo": out["tcp_push_vs_gloo"] >= 1.0,
         "shm_vs_memcpy": out["shm_push_vs_memcpy"] >= 0.5,
-        "vs_ipyparallel": out.get("best_push_vs_ipyparallel_push", 0) >= 2.0 if "ipyparallel_push" in rate else "ipyparallel not installed",
+        "vs_ipyparallel": out.get("best_push_vs_ipyparallel_push", 0) >= 2.0
+        if "ipyparallel_push" in rate
+        else "ipyparallel not installed",
     }
     return out

@@ -80,8 +80,10 @@ def _delta(before: dict, after: dict) -> dict:
 def _top(profile: dict, per: int, n: int = 6) -> str:
     """The worker's most expensive ops (milliseconds per token or step), and the rest."""
     ranked = sorted(profile.items(), key=lambda kv: -kv[1][0])
-    parts = [f"{name.removeprefix('aten.').removesuffix('.default')} {1000 * sec / per:.1f} ({calls // per or calls}x)"
-             for name, (sec, calls) in ranked[:n]]
+    parts = [
+        f"{name.removeprefix('aten.').removesuffix('.default')} {1000 * sec / per:.1f} ({calls // per or calls}x)"
+        for name, (sec, calls) in ranked[:n]
+    ]
     rest = sum(sec for _, (sec, _) in ranked[n:])
     return "; ".join(parts) + f"; other {1000 * rest / per:.1f}"
 
@@ -93,8 +95,11 @@ def run(quick: bool = False) -> dict:
     from genie_core.remote_tensor.device import stream_for
 
     transformers.logging.set_verbosity_error()
-    config = (dict(n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=256) if quick
-              else dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024))
+    config = (
+        dict(n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=256)
+        if quick
+        else dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)
+    )
     new_tokens, rounds = (8, 1) if quick else (64, 5)
     proc, info = _servers.start()
     genie_core.init_sync(f"{info.ip}:{info.port}", token=info.token, timeout=30)
@@ -197,6 +202,10 @@ def run(quick: bool = False) -> dict:
         "train_step_client_s": round(statistics.median(step_remote) - s["wait_seconds"], 3),
         "train_step_worker_top_ops_ms": _top(step_profile, 1),
         "targets": "decode: 1 round trip/token, overhead <= 2 ms/token; train step <= 1.2x on-device, 1 round trip",
-        "met": {"round_trips_per_token": c["round_trips"] / new_tokens <= 1.0, "overhead": remote_ms - anchor_ms <= 2.0,
-                "train_ratio": step_ratio <= 1.2, "train_round_trips": s["round_trips"] <= 1},
+        "met": {
+            "round_trips_per_token": c["round_trips"] / new_tokens <= 1.0,
+            "overhead": remote_ms - anchor_ms <= 2.0,
+            "train_ratio": step_ratio <= 1.2,
+            "train_round_trips": s["round_trips"] <= 1,
+        },
     }

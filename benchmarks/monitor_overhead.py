@@ -29,7 +29,9 @@ def run(quick: bool = False) -> dict:
     rounds = 2 if quick else 6
     on_proc, on_info = _servers.start("--poll-interval", "1")
     off_proc, off_info = _servers.start("--no-monitoring")
-    clients = [Client(i.ip, i.port, i.token, timeout=10).connect() for i in (on_info, off_info)]  # snapshots have a reader
+    clients = [
+        Client(i.ip, i.port, i.token, timeout=10).connect() for i in (on_info, off_info)
+    ]  # snapshots have a reader
     try:
         time.sleep(1.5)  # past start-up
         on_ps, off_ps = psutil.Process(on_proc.pid), psutil.Process(off_proc.pid)
@@ -47,7 +49,10 @@ def run(quick: bool = False) -> dict:
         _servers.stop(off_proc)
 
     # One poll in-process: psutil host snapshot plus a GPU source with 8 injected GPUs (test fake).
-    monitor = ResourceMonitor(NodeInfo("bench"), gpu_source=StaticGPUSource([GPUInfo(i, utilization=50.0, temperature=60.0) for i in range(8)]))
+    monitor = ResourceMonitor(
+        NodeInfo("bench"),
+        gpu_source=StaticGPUSource([GPUInfo(i, utilization=50.0, temperature=60.0) for i in range(8)]),
+    )
     polls = []
     for _ in range(50 if quick else 500):
         t0 = time.perf_counter()

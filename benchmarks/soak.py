@@ -62,34 +62,51 @@ def _client(address: str, token: str, seconds: float, seed: int, results: Any) -
                 try:
                     last = list(cell.replies(10))[-1]
                 except TimeoutError:
-                    raise AssertionError(f"the interrupted cell {cell.id} did not end within 10 s (interrupt sent {sent_at:.3f})") from None
+                    raise AssertionError(
+                        f"the interrupted cell {cell.id} did not end within 10 s (interrupt sent {sent_at:.3f})"
+                    ) from None
                 assert last.content.get("ename") == "KeyboardInterrupt", last.content
             else:
                 genie_core.shutdown()
                 state = genie_core.init_sync(address, token=token, timeout=30)
             counts[op] = counts.get(op, 0) + 1
-        except Exception as exc:  # noqa: BLE001 - every failure is reported, none hidden
+        except Exception as exc:
             errors.append(f"{op}: {type(exc).__name__}: {exc}"[:300])
     genie_core.shutdown()
     results.put((seed, counts, errors))
 
 
 def _shm_bytes() -> int:
-    return sum(p.stat().st_size for p in Path("/dev/shm").glob("genie-*") if p.is_file()) if Path("/dev/shm").is_dir() else 0
+    return (
+        sum(p.stat().st_size for p in Path("/dev/shm").glob("genie-*") if p.is_file())
+        if Path("/dev/shm").is_dir()
+        else 0
+    )
 
 
 def _sample(server: psutil.Process) -> dict[str, float]:
-    status = dict(line.split(":", 1) for line in Path(f"/proc/{server.pid}/status").read_text().splitlines() if ":" in line)
+    status = dict(
+        line.split(":", 1) for line in Path(f"/proc/{server.pid}/status").read_text().splitlines() if ":" in line
+    )
     kib = {k: int(status[k].split()[0]) for k in ("RssAnon", "RssShmem") if k in status}
-    return {"rss_mib": server.memory_info().rss / 2**20, "anon_mib": kib.get("RssAnon", 0) / 1024,
-            "shmem_mib": kib.get("RssShmem", 0) / 1024, "fds": server.num_fds(), "threads": server.num_threads(),
-            "shm_mib": _shm_bytes() / 2**20, "workers": len(server.children())}
+    return {
+        "rss_mib": server.memory_info().rss / 2**20,
+        "anon_mib": kib.get("RssAnon", 0) / 1024,
+        "shmem_mib": kib.get("RssShmem", 0) / 1024,
+        "fds": server.num_fds(),
+        "threads": server.num_threads(),
+        "shm_mib": _shm_bytes() / 2**20,
+        "workers": len(server.children()),
+    }
 
 
 def _clients(ctx: Any, info: Any, n: int, seconds: float) -> tuple[list[Any], Any]:
     """Start n client processes for `seconds`; they report on the returned queue."""
     results = ctx.Queue()
-    procs = [ctx.Process(target=_client, args=(f"{info.ip}:{info.port}", info.token, seconds, seed, results)) for seed in range(n)]
+    procs = [
+        ctx.Process(target=_client, args=(f"{info.ip}:{info.port}", info.token, seconds, seed, results))
+        for seed in range(n)
+    ]
     for p in procs:
         p.start()
     return procs, results
@@ -149,7 +166,7 @@ def run(quick: bool = False, minutes: float | None = None) -> dict:
         for op, n in c.items():
             counts[op] = counts.get(op, 0) + n
     settled = [s for t, s in samples if t >= WARM_UP * seconds]
-    early, late = settled[: max(1, len(settled) // 3)], settled[-max(1, len(settled) // 3):]
+    early, late = settled[: max(1, len(settled) // 3)], settled[-max(1, len(settled) // 3) :]
     rss = [statistics.median(s["rss_mib"] for s in part) for part in (early, late)]
     left = {key: after[key] - baseline[key] for key in ("fds", "threads", "workers")}
     shm_left = round((_shm_bytes() - shm_before) / 2**20, 1)
@@ -164,13 +181,14 @@ def run(quick: bool = False, minutes: float | None = None) -> dict:
         "samples": len(samples),
         "server_rss_mib_first_third_last_third": [round(r, 1) for r in rss],
         "server_rss_mib_max": round(max(s["rss_mib"] for _, s in samples), 1),
-        "server_rss_mib_by_minute_anon_shmem": [[round(s["anon_mib"], 1), round(s["shmem_mib"], 1)]
-                                                for t, s in samples if int(t) % 60 < SAMPLE_EVERY],
+        "server_rss_mib_by_minute_anon_shmem": [
+            [round(s["anon_mib"], 1), round(s["shmem_mib"], 1)] for t, s in samples if int(t) % 60 < SAMPLE_EVERY
+        ],
         "baseline_fds_threads_workers": [baseline["fds"], baseline["threads"], baseline["workers"]],
         "left_after_clients_went": left,
         "threads_by_name_baseline_end": [threads_before, threads_after],
         "shm_mib_left_after_clients_went": shm_left,
         "target": "zero errors other than the interrupts asked for; RSS growth < 10 MiB after warm-up; fds, threads, "
-                  "workers and /dev/shm back to the warm-up baseline once the clients have gone",
+        "workers and /dev/shm back to the warm-up baseline once the clients have gone",
         "met": not errors and flat,
     }

@@ -1,8 +1,8 @@
 """Genie core runtime: reach GPUs on another machine as if they were local. No Jupyter imports.
 
-    state = genie_core.init_sync("gpu-box:5555", token="...")   # or: await genie_core.init(...)
-    state.client.execute("print('hi')").wait()
-    genie_core.shutdown()
+state = genie_core.init_sync("gpu-box:5555", token="...")   # or: await genie_core.init(...)
+state.client.execute("print('hi')").wait()
+genie_core.shutdown()
 """
 
 from .client import Client
@@ -28,12 +28,36 @@ from .version import __version__
 __all__ = [
     "__version__",
     # connecting
-    "init", "init_sync", "shutdown", "is_initialized", "get_cluster_state", "ClusterConfig", "ClusterState", "Client",
+    "init",
+    "init_sync",
+    "shutdown",
+    "is_initialized",
+    "get_cluster_state",
+    "ClusterConfig",
+    "ClusterState",
+    "Client",
     # the data plane's choice
-    "BackendReport", "BackendUnavailable", "Candidate",
+    "BackendReport",
+    "BackendUnavailable",
+    "Candidate",
     # events, readings and health
-    "EventBus", "EventType", "ClusterEvent", "Severity", "NodeInfo", "GPUInfo", "HealthReport", "HealthCheck", "Grade",
+    "EventBus",
+    "EventType",
+    "ClusterEvent",
+    "Severity",
+    "NodeInfo",
+    "GPUInfo",
+    "HealthReport",
+    "HealthCheck",
+    "Grade",
     # errors
-    "GenieError", "ConfigError", "ConnectionFailed", "AuthenticationError", "ConnectionLost", "NotInitializedError",
-    "RemoteError", "WorkerDied", "LimitExceeded",
+    "GenieError",
+    "ConfigError",
+    "ConnectionFailed",
+    "AuthenticationError",
+    "ConnectionLost",
+    "NotInitializedError",
+    "RemoteError",
+    "WorkerDied",
+    "LimitExceeded",
 ]

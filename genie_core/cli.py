@@ -37,26 +37,51 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--ip", default=None, help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=_port, default=None, help="port (default 5555; 0 picks a free one)")
     serve.add_argument("--token", default=None, help="shared secret (default: $GENIE_TOKEN, else generated)")
-    serve.add_argument("--encrypt", action="store_true", default=None,
-                       help="encrypt with CurveZMQ; clients need the connection file, which holds the keys")
-    serve.add_argument("--max-session-tensors", type=int, default=None, metavar="N",
-                       help="remote tensors one session may hold (default 1,000,000)")
-    serve.add_argument("--max-session-bytes", default=None, metavar="SIZE",
-                       help="bytes of remote tensors one session may hold, and its largest push, e.g. 40GiB (default: no limit)")
+    serve.add_argument(
+        "--encrypt",
+        action="store_true",
+        default=None,
+        help="encrypt with CurveZMQ; clients need the connection file, which holds the keys",
+    )
+    serve.add_argument(
+        "--max-session-tensors",
+        type=int,
+        default=None,
+        metavar="N",
+        help="remote tensors one session may hold (default 1,000,000)",
+    )
+    serve.add_argument(
+        "--max-session-bytes",
+        default=None,
+        metavar="SIZE",
+        help="bytes of remote tensors one session may hold, and its largest push, e.g. 40GiB (default: no limit)",
+    )
     serve.add_argument("--gpus", default=None, help="GPU indices to offer, e.g. 0,1 (default: all)")
     serve.add_argument("--node-id", default=None, help="name of this node (default: host name)")
     serve.add_argument("--connection-file", default=None, help="where to write the connection file")
     serve.add_argument("--lifeline-fd", type=int, default=None, help=argparse.SUPPRESS)  # see LocalServer
     serve.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default: $GENIE_LOG_LEVEL)")
-    serve.add_argument("--poll-interval", type=float, default=None, help="seconds between GPU/host readings (default 1)")
+    serve.add_argument(
+        "--poll-interval", type=float, default=None, help="seconds between GPU/host readings (default 1)"
+    )
     serve.add_argument("--no-monitoring", action="store_true", help="do not poll GPUs and the host")
-    serve.add_argument("--no-ucx", action="store_true",
-                       help="no UCX listener (starting one costs a second of CPU; clients on this host use shm anyway)")
-    serve.add_argument("--simulate-gpus", type=int, default=None, metavar="N",
-                       help="report N simulated GPUs (labelled as fake) instead of reading NVML: for demos and tests without a GPU")
+    serve.add_argument(
+        "--no-ucx",
+        action="store_true",
+        help="no UCX listener (starting one costs a second of CPU; clients on this host use shm anyway)",
+    )
+    serve.add_argument(
+        "--simulate-gpus",
+        type=int,
+        default=None,
+        metavar="N",
+        help="report N simulated GPUs (labelled as fake) instead of reading NVML: for demos and tests without a GPU",
+    )
 
-    for name, text in (("status", "print one report of a server: node, GPUs, health, sessions, events"),
-                       ("top", "a live terminal dashboard of a server")):
+    for name, text in (
+        ("status", "print one report of a server: node, GPUs, health, sessions, events"),
+        ("top", "a live terminal dashboard of a server"),
+    ):
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("address", nargs="?", default=None, help="host[:port] (default: the newest local server)")
         cmd.add_argument("--token", default=None, help="the server's token (else $GENIE_TOKEN or its connection file)")
@@ -70,7 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             add_command = entry.load()
         except Exception as exc:  # a broken plugin must not break `genie serve`
-            logging.getLogger("genie").warning("the genie command %r from %s could not load: %s", entry.name, entry.value, exc)
+            logging.getLogger("genie").warning(
+                "the genie command %r from %s could not load: %s", entry.name, entry.value, exc
+            )
             continue
         command = add_command(sub)  # adds its subparser; returns the function that runs it
         command_parser = sub.choices[entry.name]
@@ -108,11 +135,20 @@ def _serve(args: argparse.Namespace) -> int:
     from .server import run_server
 
     config = ClusterConfig.resolve(
-        node_role="server", ip=args.ip, master_port=args.port, token=args.token, gpus=args.gpus,
-        node_id=args.node_id, connection_file=args.connection_file, log_level=args.log_level,
-        gpu_poll_interval=args.poll_interval, enable_gpu_monitoring=False if args.no_monitoring else None,
-        simulate_gpus=args.simulate_gpus, encrypt=args.encrypt,
-        max_session_tensors=args.max_session_tensors, max_session_bytes=args.max_session_bytes,
+        node_role="server",
+        ip=args.ip,
+        master_port=args.port,
+        token=args.token,
+        gpus=args.gpus,
+        node_id=args.node_id,
+        connection_file=args.connection_file,
+        log_level=args.log_level,
+        gpu_poll_interval=args.poll_interval,
+        enable_gpu_monitoring=False if args.no_monitoring else None,
+        simulate_gpus=args.simulate_gpus,
+        encrypt=args.encrypt,
+        max_session_tensors=args.max_session_tensors,
+        max_session_bytes=args.max_session_bytes,
         enable_ucx=False if args.no_ucx else None,
     )
     logging.basicConfig(level=config.log_level.upper(), format="[genie %(levelname)s] %(message)s")

@@ -21,7 +21,7 @@ from .nodes import NodeInfo
 log = logging.getLogger("genie")
 
 _lock = threading.RLock()
-_state: "ClusterState | None" = None
+_state: ClusterState | None = None
 
 
 @dataclass
@@ -113,8 +113,14 @@ def init_sync(
     t0 = time.perf_counter()
     connection_file = kwargs.pop("connection_file", None)
     config = ClusterConfig.resolve(
-        master_addr=master_addr, master_port=master_port, backend=backend, node_id=node_id,
-        node_role=node_role, timeout=timeout, connection_file=connection_file, **kwargs,
+        master_addr=master_addr,
+        master_port=master_port,
+        backend=backend,
+        node_id=node_id,
+        node_role=node_role,
+        timeout=timeout,
+        connection_file=connection_file,
+        **kwargs,
     )
     _setup_logging(config.log_level)
     phases.append(("configure", time.perf_counter() - t0))
@@ -145,7 +151,9 @@ def _init_server(config: ClusterConfig, phases: list[tuple[str, float]], t0: flo
 
     server = Server(config).start().start_in_thread()
     phases.append(("serve", time.perf_counter() - t0))
-    _state = ClusterState(config=config, role="server", address=server.address, node=server.node_info(), server=server, phases=phases)
+    _state = ClusterState(
+        config=config, role="server", address=server.address, node=server.node_info(), server=server, phases=phases
+    )
     return _state
 
 
@@ -162,9 +170,15 @@ def _init_client(config: ClusterConfig, phases: list[tuple[str, float]]) -> Clus
         host, port, token, curve = resolve_server(config)
     t = time.perf_counter()
     client = Client(
-        host, port, token, timeout=config.timeout, enable_heartbeat=config.enable_heartbeat,
-        heartbeat_interval=config.heartbeat_interval, heartbeat_timeout=config.heartbeat_timeout,
-        data_port=config.data_port, curve=curve,
+        host,
+        port,
+        token,
+        timeout=config.timeout,
+        enable_heartbeat=config.enable_heartbeat,
+        heartbeat_interval=config.heartbeat_interval,
+        heartbeat_timeout=config.heartbeat_timeout,
+        data_port=config.data_port,
+        curve=curve,
     )
     try:
         client.connect()
@@ -179,10 +193,19 @@ def _init_client(config: ClusterConfig, phases: list[tuple[str, float]]) -> Clus
         raise
     from .remote_tensor import enable
 
-    enable(lambda: _state.client if _state is not None else None)  # remote_accelerator tensors, served by this connection
+    enable(
+        lambda: _state.client if _state is not None else None
+    )  # remote_accelerator tensors, served by this connection
     _state = ClusterState(
-        config=config, role="client", address=f"{host}:{port}", node=client.node, client=client,
-        local_server=local, phases=phases, backend=report.chosen, backend_report=report,
+        config=config,
+        role="client",
+        address=f"{host}:{port}",
+        node=client.node,
+        client=client,
+        local_server=local,
+        phases=phases,
+        backend=report.chosen,
+        backend_report=report,
     )
     return _state
 

@@ -93,7 +93,7 @@ class ClusterConfig:
     log_level: str = "WARNING"
 
     @classmethod
-    def resolve(cls, environ: dict[str, str] | None = None, **explicit: Any) -> "ClusterConfig":
+    def resolve(cls, environ: dict[str, str] | None = None, **explicit: Any) -> ClusterConfig:
         """Explicit (non-None) arguments win, then `GENIE_*` variables, then defaults."""
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
@@ -101,8 +101,10 @@ class ClusterConfig:
         for key in explicit:
             if key not in names:
                 near = difflib.get_close_matches(key, names, n=1)
-                raise TypeError(f"unknown setting {key!r}" + (f": did you mean {near[0]!r}?" if near else
-                                f"; the settings are {', '.join(names)}"))
+                raise TypeError(
+                    f"unknown setting {key!r}"
+                    + (f": did you mean {near[0]!r}?" if near else f"; the settings are {', '.join(names)}")
+                )
         for name, f in names.items():
             value = explicit.get(name)
             if value is None:
@@ -130,7 +132,9 @@ class ClusterConfig:
                 f" < heartbeat_timeout ({self.heartbeat_timeout})"
             )
         if self.gpu_poll_interval < 0.1:
-            raise ConfigError(f"invalid gpu_poll_interval {self.gpu_poll_interval}: at least 0.1 s (NVML calls serialize in the driver)")
+            raise ConfigError(
+                f"invalid gpu_poll_interval {self.gpu_poll_interval}: at least 0.1 s (NVML calls serialize in the driver)"
+            )
         if self.spare_workers < 0:
             raise ConfigError(f"invalid spare_workers {self.spare_workers}: 0 or more")
         if self.max_session_tensors < 1:
@@ -265,10 +269,16 @@ class ConnectionInfo:
         return path
 
     @classmethod
-    def read(cls, path: str | os.PathLike) -> "ConnectionInfo":
+    def read(cls, path: str | os.PathLike) -> ConnectionInfo:
         try:
             data = json.loads(Path(path).read_text())
-            return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data or f.default is dataclasses.MISSING})
+            return cls(
+                **{
+                    f.name: data[f.name]
+                    for f in dataclasses.fields(cls)
+                    if f.name in data or f.default is dataclasses.MISSING
+                }
+            )
         except FileNotFoundError:
             raise ConfigError(f"connection file {str(path)!r} does not exist") from None
         except PermissionError:
@@ -277,7 +287,7 @@ class ConnectionInfo:
             raise ConfigError(f"connection file {str(path)!r} is not a Genie connection file ({exc})") from None
 
     @classmethod
-    def all_local(cls) -> list[tuple[Path, "ConnectionInfo"]]:
+    def all_local(cls) -> list[tuple[Path, ConnectionInfo]]:
         """Connection files of servers on this machine whose process is still running."""
         found = []
         for path in sorted(runtime_dir().glob("genie-*.json"), key=lambda p: p.stat().st_mtime):
@@ -292,7 +302,7 @@ class ConnectionInfo:
         return found
 
     @classmethod
-    def find(cls, host: str, port: int) -> "ConnectionInfo | None":
+    def find(cls, host: str, port: int) -> ConnectionInfo | None:
         """A connection file in this machine's runtime folder for a local server at host:port."""
         local = {"127.0.0.1", "localhost", "::1", socket.gethostname()}
         for path in sorted(runtime_dir().glob("genie-server-*.json")):

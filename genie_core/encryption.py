@@ -31,7 +31,11 @@ class Keys:
 
     def for_clients(self) -> dict[str, str]:
         """What goes into the connection file: everything except the server's secret."""
-        return {"server_public": self.server_public, "client_public": self.client_public, "client_secret": self.client_secret}
+        return {
+            "server_public": self.server_public,
+            "client_public": self.client_public,
+            "client_secret": self.client_secret,
+        }
 
 
 class KeyGate:

@@ -19,9 +19,7 @@ class NotInitializedError(GenieError):
     """A remote operation was attempted before connecting to a server."""
 
     def __init__(self, what: str = "this") -> None:
-        super().__init__(
-            f"Genie is not connected: run `%genie_init [ADDR]` (or `genie_core.init(...)`) before {what}."
-        )
+        super().__init__(f"Genie is not connected: run `%genie_init [ADDR]` (or `genie_core.init(...)`) before {what}.")
 
 
 class ConnectionFailed(GenieError, ConnectionError):

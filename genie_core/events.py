@@ -9,8 +9,9 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 log = logging.getLogger("genie.events")
 
@@ -55,11 +56,19 @@ class ClusterEvent:
         return str(self.data.get("message", self.type.value))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"type": self.type.value, "node": self.node, "severity": self.severity.value, "data": self.data, "time": self.time}
+        return {
+            "type": self.type.value,
+            "node": self.node,
+            "severity": self.severity.value,
+            "data": self.data,
+            "time": self.time,
+        }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ClusterEvent":
-        return cls(EventType(d["type"]), d["node"], Severity(d["severity"]), dict(d.get("data") or {}), float(d["time"]))
+    def from_dict(cls, d: dict[str, Any]) -> ClusterEvent:
+        return cls(
+            EventType(d["type"]), d["node"], Severity(d["severity"]), dict(d.get("data") or {}), float(d["time"])
+        )
 
 
 Handler = Callable[[ClusterEvent], Any]
@@ -86,7 +95,9 @@ class EventBus:
         self._lock = threading.Lock()
         self._bg_loop: asyncio.AbstractEventLoop | None = None
 
-    def subscribe(self, handler: Handler, types: Iterable[EventType | str] | None = None, *, replay: bool = False) -> Callable[[], None]:
+    def subscribe(
+        self, handler: Handler, types: Iterable[EventType | str] | None = None, *, replay: bool = False
+    ) -> Callable[[], None]:
         """Call `handler(event)` for each event (of `types`, if given). Returns `unsubscribe`."""
         loop = None
         if inspect.iscoroutinefunction(handler):
@@ -131,7 +142,11 @@ class EventBus:
         try:
             if sub.loop is not None:
                 future = asyncio.run_coroutine_threadsafe(sub.handler(event), sub.loop)
-                future.add_done_callback(lambda f: f.exception() and log.error("async event handler %r failed: %r", sub.handler, f.exception()))
+                future.add_done_callback(
+                    lambda f: (
+                        f.exception() and log.error("async event handler %r failed: %r", sub.handler, f.exception())
+                    )
+                )
             else:
                 sub.handler(event)
         except Exception:

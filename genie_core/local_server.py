@@ -15,15 +15,27 @@ from .errors import ConnectionFailed
 from .lifeline import Lifeline
 
 
-def start_server_process(*args: str, env: dict[str, str] | None = None, connection_file: str | os.PathLike | None = None,
-                         stderr: Any = subprocess.PIPE, prefix: tuple[str, ...] = ()) -> tuple["subprocess.Popen[str]", ConnectionInfo, str]:
+def start_server_process(
+    *args: str,
+    env: dict[str, str] | None = None,
+    connection_file: str | os.PathLike | None = None,
+    stderr: Any = subprocess.PIPE,
+    prefix: tuple[str, ...] = (),
+) -> tuple[subprocess.Popen[str], ConnectionInfo, str]:
     """Run `genie serve ARGS` as a child process (behind `prefix`, e.g. `ip netns exec NS`); return
     it, its connection info and its ready line once it is ready (for tests, benchmarks and scripts
     that want a server of their own)."""
-    cf = Path(connection_file) if connection_file else runtime_dir() / f"genie-child-{os.getpid()}-{os.urandom(3).hex()}.json"
+    cf = (
+        Path(connection_file)
+        if connection_file
+        else runtime_dir() / f"genie-child-{os.getpid()}-{os.urandom(3).hex()}.json"
+    )
     proc = subprocess.Popen(
         [*prefix, sys.executable, "-m", "genie_core", "serve", "--connection-file", str(cf), *args],
-        env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
     )
     line = ""
     for _ in range(20):  # the ready line, past anything a library printed first
@@ -36,7 +48,7 @@ def start_server_process(*args: str, env: dict[str, str] | None = None, connecti
     return proc, ConnectionInfo.read(cf), line.strip()
 
 
-def stop_process(proc: "subprocess.Popen[Any]", timeout: float = 10.0) -> None:
+def stop_process(proc: subprocess.Popen[Any], timeout: float = 10.0) -> None:
     """SIGTERM, then SIGKILL if it has not ended within `timeout` seconds."""
     if proc.poll() is None:
         proc.terminate()
@@ -60,14 +72,32 @@ class LocalServer:
         env = dict(os.environ, GENIE_TOKEN=new_token())
         self.lifeline = Lifeline()  # the server stops when this process ends, however it ends
         cmd = [
-            sys.executable, "-m", "genie_core", "serve", "--ip", "127.0.0.1", "--port", "0",
-            "--connection-file", str(self.connection_file), "--lifeline-fd", str(self.lifeline.fd), "--no-ucx",
+            sys.executable,
+            "-m",
+            "genie_core",
+            "serve",
+            "--ip",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--connection-file",
+            str(self.connection_file),
+            "--lifeline-fd",
+            str(self.lifeline.fd),
+            "--no-ucx",
         ]
         if self.gpus is not None:
             cmd += ["--gpus", ",".join(map(str, self.gpus))]
         with open(self.log_file, "wb") as log:
-            self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         pass_fds=(self.lifeline.fd,), start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                pass_fds=(self.lifeline.fd,),
+                start_new_session=True,
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.connection_file.exists():

@@ -14,7 +14,8 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -103,7 +104,9 @@ class SocketLoop:
         if join and self._thread is not threading.current_thread():
             self._thread.join(timeout)
             if self._thread.is_alive():
-                log.error("genie %s loop did not stop within %g s; leaving it (its sockets stay open)", self.name, timeout)
+                log.error(
+                    "genie %s loop did not stop within %g s; leaving it (its sockets stay open)", self.name, timeout
+                )
                 return False
         return self._closed
 

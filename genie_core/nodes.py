@@ -55,7 +55,7 @@ class GPUInfo:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "GPUInfo":
+    def from_dict(cls, d: dict[str, Any]) -> GPUInfo:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
@@ -100,7 +100,7 @@ class NodeInfo:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "NodeInfo":
+    def from_dict(cls, d: dict[str, Any]) -> NodeInfo:
         names = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in d.items() if k in names}
         values["gpus"] = [GPUInfo.from_dict(g) for g in d.get("gpus", [])]

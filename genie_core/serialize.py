@@ -18,7 +18,8 @@ def _is_tensor(obj: Any) -> bool:
     """torch tensors, and remote_accelerator tensors (their values travel; they arrive as tensors)."""
     kind = type(obj)
     return (kind.__module__.startswith("torch") and kind.__name__ in ("Tensor", "Parameter")) or (
-        kind.__module__ == "genie_core.remote_tensor.tensor" and kind.__name__ == "RemoteTensor")
+        kind.__module__ == "genie_core.remote_tensor.tensor" and kind.__name__ == "RemoteTensor"
+    )
 
 
 def _is_ndarray(obj: Any) -> bool:
@@ -88,8 +89,10 @@ def deserialize(meta: dict[str, Any], buffers: list[Any], device: str | None = N
     if kind == "ndarray":
         import numpy as np
 
-        arr = np.frombuffer(buffers[0], dtype=np.dtype(meta["dtype"])) if len(buffers[0]) else np.empty(
-            0, dtype=np.dtype(meta["dtype"])
+        arr = (
+            np.frombuffer(buffers[0], dtype=np.dtype(meta["dtype"]))
+            if len(buffers[0])
+            else np.empty(0, dtype=np.dtype(meta["dtype"]))
         )
         arr = arr.reshape(meta["shape"])
         return arr if arr.flags.writeable else arr.copy()
@@ -97,7 +100,9 @@ def deserialize(meta: dict[str, Any], buffers: list[Any], device: str | None = N
         if not allow_pickle:
             from .errors import ProtocolError
 
-            raise ProtocolError(f"refused a pickled object for {meta.get('name', 'a value')!r}: only tensors, arrays and plain values were asked for")
+            raise ProtocolError(
+                f"refused a pickled object for {meta.get('name', 'a value')!r}: only tensors, arrays and plain values were asked for"
+            )
         return pickle.loads(buffers[0], buffers=buffers[1:])
     raise ValueError(f"unknown value kind {kind!r}")
 
@@ -115,8 +120,9 @@ def serialize_namespace(values: dict[str, Any]) -> tuple[list[dict[str, Any]], l
     return metas, buffers
 
 
-def deserialize_namespace(metas: list[dict[str, Any]], buffers: list[Any], device: str | None = None,
-                          allow_pickle: bool = True) -> dict[str, Any]:
+def deserialize_namespace(
+    metas: list[dict[str, Any]], buffers: list[Any], device: str | None = None, allow_pickle: bool = True
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     i = 0
     for meta in metas:

@@ -18,7 +18,12 @@ from .errors import ConfigError
 from .events import EventType
 
 GIB = 1024**3
-GRADE_STYLE = {"HEALTHY": "bold green", "DEGRADED": "bold yellow", "UNHEALTHY": "bold red", "CRITICAL": "bold white on red"}
+GRADE_STYLE = {
+    "HEALTHY": "bold green",
+    "DEGRADED": "bold yellow",
+    "UNHEALTHY": "bold red",
+    "CRITICAL": "bold white on red",
+}
 SEVERITY_STYLE = {"info": "cyan", "warning": "yellow", "error": "red", "critical": "bold red"}
 SPARK = "▁▂▃▄▅▆▇█"
 
@@ -34,7 +39,9 @@ def connect(address: str | None, token: str | None, connection_file: str | None,
         _, info = local[-1]
         host, port, token, curve = info.ip, info.port, token or info.token, info.curve
     else:
-        config = ClusterConfig.resolve(master_addr=address, token=token, connection_file=connection_file, timeout=timeout)
+        config = ClusterConfig.resolve(
+            master_addr=address, token=token, connection_file=connection_file, timeout=timeout
+        )
         host, port, token, curve = resolve_server(config)
     return Client(host, port, token, timeout=timeout, enable_heartbeat=False, purpose="probe", curve=curve).connect()
 
@@ -56,7 +63,8 @@ def render(info: dict[str, Any]) -> Group:
     history = info.get("history") or {}
     up = time.time() - node.get("started", time.time())
     title = Text.assemble(
-        ("genie server ", "bold"), (node["address"], "bold cyan"),
+        ("genie server ", "bold"),
+        (node["address"], "bold cyan"),
         f" · node {node['node_id']} · up {int(up // 3600)}h {int(up % 3600 // 60)}m {int(up % 60)}s · genie {node['version']} (protocol {node['protocol']})",
     )
     parts: list[Any] = [title]
@@ -67,13 +75,21 @@ def render(info: dict[str, Any]) -> Group:
         table.add_row(Text("health", style="bold"), Text(grade, style=GRADE_STYLE.get(grade, "")))
         for check in health["checks"]:
             mark = "✓" if check["grade"] == "HEALTHY" else "!"
-            table.add_row("", Text(f"{mark} {check['reason']}", style="" if check["grade"] == "HEALTHY" else GRADE_STYLE[check["grade"]]))
+            table.add_row(
+                "",
+                Text(
+                    f"{mark} {check['reason']}",
+                    style="" if check["grade"] == "HEALTHY" else GRADE_STYLE[check["grade"]],
+                ),
+            )
         parts.append(table)
     elif not info.get("monitoring", {}).get("enabled", True):
         parts.append(Text("health    unknown: monitoring is off on this server"))
 
     if metrics:
-        mem_used = (metrics["memory_total"] - metrics["memory_available"]) / GIB if metrics.get("memory_total") else None
+        mem_used = (
+            (metrics["memory_total"] - metrics["memory_available"]) / GIB if metrics.get("memory_total") else None
+        )
         host = (
             f"host      CPU {_num(metrics.get('cpu_percent'), '.0f', '%')} of {metrics.get('cpu_count')} cores "
             f"{spark(history.get('cpu_percent', []), top=100)}  · load {' '.join(map(str, metrics.get('load_avg') or [])) or 'unknown'}"
@@ -91,40 +107,80 @@ def render(info: dict[str, Any]) -> Group:
                 table.add_column(col)
             for g in gpus:
                 if g.get("lost"):
-                    table.add_row(str(g["index"]), g.get("name") or "", "", "", "", "", "", Text("LOST", style="bold red"))
+                    table.add_row(
+                        str(g["index"]), g.get("name") or "", "", "", "", "", "", Text("LOST", style="bold red")
+                    )
                     continue
-                mem = f"{_num((g.get('memory_used') or 0) / GIB, '.1f')}/{_num((g.get('memory_total') or 0) / GIB, '.1f')} GiB" if g.get("memory_total") else "unknown"
+                mem = (
+                    f"{_num((g.get('memory_used') or 0) / GIB, '.1f')}/{_num((g.get('memory_total') or 0) / GIB, '.1f')} GiB"
+                    if g.get("memory_total")
+                    else "unknown"
+                )
                 power = f"{_num(g.get('power_draw'), '.0f')}/{_num(g.get('power_limit'), '.0f')} W"
                 throttled = ", ".join(r for r in (g.get("throttle_reasons") or []) if r != "gpu_idle") or "ok"
                 table.add_row(
-                    str(g["index"]), g.get("name") or "unknown", _num(g.get("utilization"), ".0f", "%"),
-                    spark(history.get(f"gpu{g['index']}.utilization", []), top=100), mem, _num(g.get("temperature"), ".0f", " °C"), power, throttled,
+                    str(g["index"]),
+                    g.get("name") or "unknown",
+                    _num(g.get("utilization"), ".0f", "%"),
+                    spark(history.get(f"gpu{g['index']}.utilization", []), top=100),
+                    mem,
+                    _num(g.get("temperature"), ".0f", " °C"),
+                    power,
+                    throttled,
                 )
             parts.append(table)
 
     sessions = info.get("sessions") or []
     visible = [s for s in sessions if s["client"].get("purpose") != "probe"]
     transport = node.get("transport") or {}
-    offered = ["zmq"] + (["tcp (port %s)" % transport["data_port"]] if transport.get("data_port") else []) + (["shm"] if transport.get("shm_probe") else [])
-    hardware = ", ".join(f"{k}: {v['reason']}" for k, v in (transport.get("detect") or {}).items() if isinstance(v, dict))
+    offered = (
+        ["zmq"]
+        + (["tcp (port %s)" % transport["data_port"]] if transport.get("data_port") else [])
+        + (["shm"] if transport.get("shm_probe") else [])
+    )
+    hardware = ", ".join(
+        f"{k}: {v['reason']}" for k, v in (transport.get("detect") or {}).items() if isinstance(v, dict)
+    )
     parts.append(Text(f"data plane offers {', '.join(offered)}" + (f"  ({hardware})" if hardware else "")))
     limits = node.get("limits") or {}
-    per_session = f"{limits['session_tensors']:,} remote tensors" if limits.get("session_tensors") else "no tensor limit"
+    per_session = (
+        f"{limits['session_tensors']:,} remote tensors" if limits.get("session_tensors") else "no tensor limit"
+    )
     per_session += f", {limits['session_bytes'] / GIB:.1f} GiB" if limits.get("session_bytes") else ", no byte limit"
-    parts.append(Text(f"security  {'encrypted (CurveZMQ) and signed' if node.get('encrypted') else 'signed, not encrypted'}"
-                      f" · per session: {per_session}"))
+    parts.append(
+        Text(
+            f"security  {'encrypted (CurveZMQ) and signed' if node.get('encrypted') else 'signed, not encrypted'}"
+            f" · per session: {per_session}"
+        )
+    )
     parts.append(Text(f"sessions  {len(visible)}"))
     for s in visible:
-        workers = ", ".join(f"pid {w['pid']} {'gpu ' + str(w['slot']) if w['slot'] >= 0 else 'cpu'}{' busy' if w['busy'] else ''}" for w in s["workers"]) or "no worker yet"
-        parts.append(Text(f"  {s['id']}  {s['client'].get('user', '')}@{s['client'].get('host', '?')} (pid {s['client'].get('pid', '?')})  "
-                          f"backend {s.get('backend', '?')}  idle {s['idle_s']:.1f} s  {workers}"))
+        workers = (
+            ", ".join(
+                f"pid {w['pid']} {'gpu ' + str(w['slot']) if w['slot'] >= 0 else 'cpu'}{' busy' if w['busy'] else ''}"
+                for w in s["workers"]
+            )
+            or "no worker yet"
+        )
+        parts.append(
+            Text(
+                f"  {s['id']}  {s['client'].get('user', '')}@{s['client'].get('host', '?')} (pid {s['client'].get('pid', '?')})  "
+                f"backend {s.get('backend', '?')}  idle {s['idle_s']:.1f} s  {workers}"
+            )
+        )
 
     events = [e for e in info.get("events") or [] if e["type"] != EventType.METRICS.value][-8:]
     if events:
         parts.append(Text("events", style="bold"))
         for e in reversed(events):
             stamp = time.strftime("%H:%M:%S", time.localtime(e["time"]))
-            parts.append(Text.assemble(f"  {stamp} ", (f"{e['severity']:<8}", SEVERITY_STYLE.get(e["severity"], "")), f" {e['type']:<16} {e['data'].get('message', '')}"))
+            parts.append(
+                Text.assemble(
+                    f"  {stamp} ",
+                    (f"{e['severity']:<8}", SEVERITY_STYLE.get(e["severity"], "")),
+                    f" {e['type']:<16} {e['data'].get('message', '')}",
+                )
+            )
     return Group(*parts)
 
 

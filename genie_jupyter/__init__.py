@@ -3,8 +3,16 @@
 from genie_core import __version__
 
 __all__ = [
-    "__version__", "load_ipython_extension", "unload_ipython_extension",
-    "Dashboard", "GPUGauges", "HealthBadge", "BackendCard", "EventLog", "InitProgress", "feed_for",
+    "BackendCard",
+    "Dashboard",
+    "EventLog",
+    "GPUGauges",
+    "HealthBadge",
+    "InitProgress",
+    "__version__",
+    "feed_for",
+    "load_ipython_extension",
+    "unload_ipython_extension",
 ]
 
 
@@ -20,14 +28,14 @@ def __getattr__(name: str):  # the widgets import anywidget: only when asked for
     raise AttributeError(name)
 
 
-def load_ipython_extension(ipython) -> None:  # noqa: ANN001
+def load_ipython_extension(ipython) -> None:
     from .magics import GenieMagics
 
     ipython.register_magics(GenieMagics)
     ipython.magics_manager.register_alias("genie_dashboard", "genie_status")
 
 
-def unload_ipython_extension(ipython) -> None:  # noqa: ANN001
+def unload_ipython_extension(ipython) -> None:
     import genie_core
 
     genie_core.shutdown()

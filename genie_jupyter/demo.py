@@ -46,7 +46,7 @@ def run_demo(name: str | None = None, timeout: float = 300.0) -> int:
     print(f"genie demo: running {path} through a real kernel\n")
     counter = {"n": 0}
 
-    def on_cell_executed(cell, cell_index, execute_reply) -> None:  # noqa: ANN001
+    def on_cell_executed(cell, cell_index, execute_reply) -> None:
         if cell.cell_type != "code":
             return
         counter["n"] += 1
@@ -59,7 +59,11 @@ def run_demo(name: str | None = None, timeout: float = 300.0) -> int:
         print(flush=True)
 
     client = NotebookClient(
-        nb, kernel_name="python3", timeout=timeout, on_cell_executed=on_cell_executed, resources={"metadata": {"path": str(path.parent)}}
+        nb,
+        kernel_name="python3",
+        timeout=timeout,
+        on_cell_executed=on_cell_executed,
+        resources={"metadata": {"path": str(path.parent)}},
     )
     try:
         client.execute()

@@ -91,10 +91,15 @@ class ClusterFeed:
         gpus = node.get("gpus") or []
         with self._lock:
             for g in gpus:
-                row = (g.get("utilization"), _percent(g.get("memory_used"), g.get("memory_total")),
-                       _percent(g.get("temperature"), g.get("temperature_slowdown") or 90.0), _percent(g.get("power_draw"), g.get("power_limit")))
+                row = (
+                    g.get("utilization"),
+                    _percent(g.get("memory_used"), g.get("memory_total")),
+                    _percent(g.get("temperature"), g.get("temperature_slowdown") or 90.0),
+                    _percent(g.get("power_draw"), g.get("power_limit")),
+                )
                 self._history.setdefault(g["index"], deque(maxlen=HISTORY)).append(
-                    [float("nan") if v is None else float(v) for v in row])
+                    [float("nan") if v is None else float(v) for v in row]
+                )
             self._values["gpus"] = gpus
             self._values["cpu_only_reason"] = node.get("gpu_reason") or ""
             self._values["history"], self._values["history_shape"] = self._pack([g["index"] for g in gpus])

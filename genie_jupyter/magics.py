@@ -9,7 +9,8 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
@@ -17,8 +18,8 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import clear_output, display, publish_display_data
 
 import genie_core
-from genie_core.cluster import current_client
 from genie_core.client import Client
+from genie_core.cluster import current_client
 from genie_core.errors import RemoteError
 
 from .feed import ClusterFeed
@@ -35,6 +36,7 @@ def feed_for(state: genie_core.ClusterState) -> ClusterFeed:
         _feeds.clear()
         feed = _feeds[id(state)] = ClusterFeed(state)
     return feed
+
 
 INTERRUPT_GRACE = 5.0  # seconds to wait for the remote side after an interrupt
 
@@ -112,10 +114,13 @@ def run_remote(client: Client, code: str, *, gpu: int | None = None, timeout: fl
 def _give_up(deadline: float | None) -> None:
     """The remote cell ignored an interrupt for INTERRUPT_GRACE seconds: hand the notebook back."""
     if deadline is not None and time.monotonic() > deadline:
-        raise TimeoutError(f"the remote cell ran past its --timeout and did not stop within {INTERRUPT_GRACE:g} s of an interrupt")
+        raise TimeoutError(
+            f"the remote cell ran past its --timeout and did not stop within {INTERRUPT_GRACE:g} s of an interrupt"
+        )
     raise KeyboardInterrupt(
         f"the remote cell did not stop within {INTERRUPT_GRACE:g} s of an interrupt; it may still be running on "
-        "the server (interrupt again, or %genie_shutdown to end the session and its worker)")
+        "the server (interrupt again, or %genie_shutdown to end the session and its worker)"
+    )
 
 
 @contextlib.contextmanager
@@ -142,8 +147,17 @@ def _names(text: str | None) -> list[str]:
 @magics_class
 class GenieMagics(Magics):
     @magic_arguments()
-    @argument("address", nargs="?", default=None, help="host, host:port or genie://host:port; none (or `local`) starts an embedded local server")
-    @argument("--token", default=None, help="the server's token (else $GENIE_TOKEN, the connection file, or a local server's connection file)")
+    @argument(
+        "address",
+        nargs="?",
+        default=None,
+        help="host, host:port or genie://host:port; none (or `local`) starts an embedded local server",
+    )
+    @argument(
+        "--token",
+        default=None,
+        help="the server's token (else $GENIE_TOKEN, the connection file, or a local server's connection file)",
+    )
     @argument("--connection-file", default=None, help="connection file written by `genie serve`")
     @argument("--timeout", type=float, default=None, help="seconds to wait for the server (default 30)")
     @argument("--gpus", default=None, help="GPU indices for an embedded server, e.g. 0,1")
@@ -158,8 +172,12 @@ class GenieMagics(Magics):
             progress.phases = progress.phases + [{"name": name, "seconds": seconds}]
 
         state = genie_core.init_sync(
-            master_addr=args.address, token=args.token, connection_file=args.connection_file,
-            timeout=args.timeout, gpus=args.gpus, on_phase=on_phase,
+            master_addr=args.address,
+            token=args.token,
+            connection_file=args.connection_file,
+            timeout=args.timeout,
+            gpus=args.gpus,
+            on_phase=on_phase,
         )
         progress.summary = summary(state)
         print(progress.summary)
@@ -182,12 +200,13 @@ class GenieMagics(Magics):
             return
         display(feed_for(state).attach(Dashboard()))
 
-
     @magic_arguments()
     @argument("--gpu", type=int, default=None, help="run on the worker of this GPU (default: the session's GPU)")
     @argument("--push", default=None, help="local variables to send first, e.g. a,b")
     @argument("--pull", default=None, help="remote variables to bring back after, e.g. c,d")
-    @argument("--to", default=None, help="put pushed tensors on this remote device, e.g. cuda (default: the remote CPU)")
+    @argument(
+        "--to", default=None, help="put pushed tensors on this remote device, e.g. cuda (default: the remote CPU)"
+    )
     @argument("--timeout", type=float, default=None, help="interrupt the cell after this many seconds")
     @line_cell_magic
     def remote(self, line: str, cell: str | None = None) -> None:
@@ -251,7 +270,11 @@ def summary(state: genie_core.ClusterState) -> str:
     node = state.node
     gpus = node.get("gpus") or []
     where = "embedded local server" if state.embedded else "genie server"
-    gpu_text = ", ".join(f"GPU {g['index']}: {g.get('name', '?')}" for g in gpus) if gpus else f"CPU only ({node.get('gpu_reason') or 'no GPU'})"
+    gpu_text = (
+        ", ".join(f"GPU {g['index']}: {g.get('name', '?')}" for g in gpus)
+        if gpus
+        else f"CPU only ({node.get('gpu_reason') or 'no GPU'})"
+    )
     took = sum(s for _, s in state.phases)
     session = state.client.session[:8] if state.client else "-"
     return f"Connected to {where} genie://{state.address} (node {node.get('node_id', '?')}; {gpu_text}; session {session}) in {took:.2f} s"

@@ -28,8 +28,11 @@ class TransferProgress:
     def _html(self, final: bool = False) -> HTML:
         took = max(time.monotonic() - self.start, 1e-9)
         rate = f"{_size(self.done / took)}/s"
-        text = (f"{self.label}: {_size(self.done)} in {took:.1f} s ({rate})" if final
-                else f"{self.label}: {_size(self.done)} of {_size(self.total)}, {rate}")
+        text = (
+            f"{self.label}: {_size(self.done)} in {took:.1f} s ({rate})"
+            if final
+            else f"{self.label}: {_size(self.done)} of {_size(self.total)}, {rate}"
+        )
         bar = f'<progress value="{self.done}" max="{max(self.total, 1)}" style="width: 20em" aria-label="{self.label}"></progress>'
         return HTML(f"<div>{bar} <span>{text}</span></div>")
 

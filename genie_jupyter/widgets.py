@@ -50,9 +50,14 @@ class GenieWidget(anywidget.AnyWidget):
         if self.status == "lost":
             lines.append("server lost")
         if "init" in self.sections:
-            lines += [f"✓ {p['name']} ({p['seconds'] * 1000:.0f} ms)" for p in self.phases] + ([self.summary] if self.summary else [])
+            lines += [f"✓ {p['name']} ({p['seconds'] * 1000:.0f} ms)" for p in self.phases] + (
+                [self.summary] if self.summary else []
+            )
         if "health" in self.sections and self.health:
-            lines.append(f"health {self.health.get('grade')}: " + "; ".join(c["reason"] for c in self.health.get("checks", []) if c["grade"] != "HEALTHY"))
+            lines.append(
+                f"health {self.health.get('grade')}: "
+                + "; ".join(c["reason"] for c in self.health.get("checks", []) if c["grade"] != "HEALTHY")
+            )
         if "gauges" in self.sections:
             if not self.gpus:
                 lines.append(f"CPU-only server: {self.cpu_only_reason or 'no GPU'}")

@@ -47,7 +47,14 @@ class RunningServer:
         return f"{self.info.ip}:{self.info.port}"
 
     def client(self, **kwargs) -> Client:
-        return Client(self.info.ip, self.info.port, self.info.token, timeout=kwargs.pop("timeout", 10.0), curve=self.info.curve, **kwargs).connect()
+        return Client(
+            self.info.ip,
+            self.info.port,
+            self.info.token,
+            timeout=kwargs.pop("timeout", 10.0),
+            curve=self.info.curve,
+            **kwargs,
+        ).connect()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -61,7 +68,9 @@ class RunningServer:
 
 def start_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> RunningServer:
     cf = tmp_path / f"server-{os.urandom(3).hex()}.json"
-    full_env = dict(os.environ, GENIE_TOKEN="test-token-" + os.urandom(8).hex(), GENIE_STATE_DIR=str(tmp_path / "state"))
+    full_env = dict(
+        os.environ, GENIE_TOKEN="test-token-" + os.urandom(8).hex(), GENIE_STATE_DIR=str(tmp_path / "state")
+    )
     full_env.update(env or {})
     log = open(tmp_path / f"{cf.stem}.log", "w")  # read by nobody while running: a file never fills up
     proc, info, line = start_server_process("--port", "0", *args, env=full_env, connection_file=cf, stderr=log)
@@ -134,7 +143,9 @@ def _reliability_document():
     reliability.reset()
     yield
     for name, runs in sorted(_repeats.items()):
-        reliability.record("Repeated fault-path tests (flaky is failing)", name, f"{sum(runs)} of {len(runs)} runs passed")
+        reliability.record(
+            "Repeated fault-path tests (flaky is failing)", name, f"{sum(runs)} of {len(runs)} runs passed"
+        )
     reliability.write_document()
 
 
@@ -145,6 +156,7 @@ def _no_leaked_segments():
     yield
     time.sleep(0.5)
     after = {p.name for p in Path("/dev/shm").glob("genie-*")} if Path("/dev/shm").is_dir() else set()
+
     def orphaned(name: str) -> bool:  # its creator is gone (or is this test process): nobody will remove it
         parts = name.split("-")
         if len(parts) < 4 or not parts[2].isdigit():
@@ -160,5 +172,7 @@ def _no_leaked_segments():
             pass
         return False
 
-    leaked = sorted(n for n in after - before if orphaned(n))  # live processes elsewhere on the machine are not ours to judge
+    leaked = sorted(
+        n for n in after - before if orphaned(n)
+    )  # live processes elsewhere on the machine are not ours to judge
     assert not leaked, f"leaked shared-memory segments: {leaked}"

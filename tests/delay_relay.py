@@ -38,7 +38,7 @@ async def main(args: list[str]) -> None:
     for i in range(0, len(args), 4):
         listen, host, port, delay = int(args[i]), args[i + 1], int(args[i + 2]), float(args[i + 3])
 
-        async def handle(r, w, host=host, port=port, delay=delay):  # noqa: ANN001
+        async def handle(r, w, host=host, port=port, delay=delay):
             tr, tw = await asyncio.open_connection(host, port)
             await asyncio.gather(pump(r, tw, delay), pump(tr, w, delay), return_exceptions=True)
 

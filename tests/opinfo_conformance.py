@@ -53,7 +53,11 @@ def _to_remote(value: Any, requires_grad: bool = False) -> Any:
         t = value.detach()
         storage = t.untyped_storage()
         extent = t.element_size() * t.numel()
-        if t.numel() and (t.storage_offset() or storage.nbytes() != extent or not t.is_contiguous()) and t.layout == torch.strided:
+        if (
+            t.numel()
+            and (t.storage_offset() or storage.nbytes() != extent or not t.is_contiguous())
+            and t.layout == torch.strided
+        ):
             flat = torch.empty(0, dtype=t.dtype).set_(storage, 0, (storage.nbytes() // t.element_size(),), (1,))
             r = flat.to(DEV).as_strided(t.shape, t.stride(), t.storage_offset())
         else:
@@ -77,8 +81,10 @@ def _fetch(value: Any) -> Any:
     if isinstance(value, RemoteTensor):
         local = value._stream.fetch(value._rid)  # the server's tensor as it is, not converted to what we believe
         if local.shape != value.shape or local.dtype != value.dtype:
-            raise AssertionError(f"the server's tensor is {tuple(local.shape)} {local.dtype}, the client believes "
-                                 f"{tuple(value.shape)} {value.dtype}")
+            raise AssertionError(
+                f"the server's tensor is {tuple(local.shape)} {local.dtype}, the client believes "
+                f"{tuple(value.shape)} {value.dtype}"
+            )
         return local
     if isinstance(value, torch.Tensor):
         if value.device.type != "cpu":
@@ -99,7 +105,9 @@ def _compare(actual: Any, expected: Any, where: str) -> bool:
         if not isinstance(actual, torch.Tensor):
             raise AssertionError(f"{where}: expected a tensor, got {type(actual).__name__}")
         if actual.dtype != expected.dtype or actual.shape != expected.shape:
-            raise AssertionError(f"{where}: {tuple(actual.shape)} {actual.dtype} instead of {tuple(expected.shape)} {expected.dtype}")
+            raise AssertionError(
+                f"{where}: {tuple(actual.shape)} {actual.dtype} instead of {tuple(expected.shape)} {expected.dtype}"
+            )
         if expected.dtype == torch.complex32:  # few CPU kernels take it, comparisons included
             actual, expected = actual.to(torch.complex64), expected.to(torch.complex64)
         if expected.is_complex() or expected.is_floating_point():
@@ -108,8 +116,11 @@ def _compare(actual: Any, expected: Any, where: str) -> bool:
                 loose = 1e-2 if expected.dtype in (torch.float16, torch.bfloat16, torch.complex32) else 1e-3
                 tolerance = {"atol": loose, "rtol": loose}
             torch.testing.assert_close(actual, expected, equal_nan=True, msg=lambda m: f"{where}: {m}", **tolerance)
-            return bool(torch.equal(actual, expected) or (torch.isnan(actual) == torch.isnan(expected)).all() and
-                        torch.equal(actual.nan_to_num(), expected.nan_to_num()))
+            return bool(
+                torch.equal(actual, expected)
+                or ((torch.isnan(actual) == torch.isnan(expected)).all()
+                and torch.equal(actual.nan_to_num(), expected.nan_to_num()))
+            )
         if not torch.equal(actual, expected):
             raise AssertionError(f"{where}: values differ")
         return True
@@ -118,7 +129,11 @@ def _compare(actual: Any, expected: Any, where: str) -> bool:
             raise AssertionError(f"{where}: expected a sequence of {len(expected)}")
         return all([_compare(a, e, f"{where}[{i}]") for i, (a, e) in enumerate(zip(actual, expected))])
     if isinstance(expected, float) and isinstance(actual, float):
-        if not (actual == expected or (actual != actual and expected != expected) or abs(actual - expected) <= 1e-5 * max(1, abs(expected))):
+        if not (
+            actual == expected
+            or (actual != actual and expected != expected)
+            or abs(actual - expected) <= 1e-5 * max(1, abs(expected))
+        ):
             raise AssertionError(f"{where}: {actual} instead of {expected}")
         return actual == expected
     if actual != expected:
@@ -187,7 +202,7 @@ def _random_ops_mode() -> Any:
 
         random = False
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             import torch
 
             if torch.Tag.nondeterministic_seeded in func.tags:
@@ -197,7 +212,7 @@ def _random_ops_mode() -> Any:
     return RandomOps
 
 
-def _RandomOps() -> Any:  # noqa: N802
+def _RandomOps() -> Any:
     global _random_mode_class
     if _random_mode_class is None:
         _random_mode_class = _random_ops_mode()
@@ -214,8 +229,14 @@ def _draws_random_numbers(op: Any, sample: Any) -> bool:
 
     try:
         with _RandomOps() as seen:
-            _call(op, type(sample)(sample.input.clone() if isinstance(sample.input, torch.Tensor) else sample.input,
-                                   args=sample.args, kwargs=sample.kwargs))
+            _call(
+                op,
+                type(sample)(
+                    sample.input.clone() if isinstance(sample.input, torch.Tensor) else sample.input,
+                    args=sample.args,
+                    kwargs=sample.kwargs,
+                ),
+            )
     except Exception:
         return False
     return seen.random
@@ -283,7 +304,9 @@ def _differentiable(out: Any) -> list[Any]:
     import torch
 
     flat = out if isinstance(out, (list, tuple)) else [out]
-    return [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad and (t.is_floating_point() or t.is_complex())]
+    return [
+        t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad and (t.is_floating_point() or t.is_complex())
+    ]
 
 
 def _backward(op: Any, sample: Any, keep: list[bool] | None) -> bool:
@@ -308,7 +331,9 @@ def _backward(op: Any, sample: Any, keep: list[bool] | None) -> bool:
     r_inputs = _grad_inputs(rs)
     r_outs = _differentiable(sample.output_process_fn_grad(_call(op, rs)))
     if len(r_outs) != len(outs) or len(r_inputs) != len(inputs):
-        raise AssertionError(f"{len(r_outs)} differentiable outputs for {len(r_inputs)} inputs instead of {len(outs)} for {len(inputs)}")
+        raise AssertionError(
+            f"{len(r_outs)} differentiable outputs for {len(r_inputs)} inputs instead of {len(outs)} for {len(inputs)}"
+        )
     grads = torch.autograd.grad(r_outs, r_inputs, [c.to(DEV) for c in cotangents], allow_unused=True)
     return _compare(_fetch(list(grads)), list(expected), "gradient")
 
@@ -321,7 +346,11 @@ def _reason(exc: BaseException) -> str:
 def run_op(op: Any) -> dict[str, Any]:
     import torch
 
-    result: dict[str, Any] = {"op": _op_id(op), "random": False, "nondeterministic": bool(op.has_nondeterministic_output)}
+    result: dict[str, Any] = {
+        "op": _op_id(op),
+        "random": False,
+        "nondeterministic": bool(op.has_nondeterministic_output),
+    }
     forward: dict[str, Any] = {"status": "skip", "samples": 0, "exact": True, "dtypes": []}
     supported = op.supported_dtypes("cpu")
     for name, n in SAMPLES.items():
@@ -417,8 +446,13 @@ class _Child:
     def __init__(self, address: str, token: str, gpu: bool = False) -> None:
         env = dict(os.environ, GENIE_CONFORMANCE_DEVICE="gpu" if gpu else "cpu")
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--child", address, token], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL, text=True, bufsize=1, env=env,
+            [sys.executable, __file__, "--child", address, token],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            bufsize=1,
+            env=env,
         )
         self.lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -449,7 +483,9 @@ class _Child:
         self.proc.wait()
 
 
-def run(address: str, token: str, workers: int = 2, only: list[str] | None = None, gpu: bool = False) -> list[dict[str, Any]]:
+def run(
+    address: str, token: str, workers: int = 2, only: list[str] | None = None, gpu: bool = False
+) -> list[dict[str, Any]]:
     """Every op of op_db (or `only`), in a pool of child processes; a dead or hung child is a crash.
     `gpu`: the server computes on a GPU, so values are compared within tolerance."""
     first = _Child(address, token, gpu)
@@ -473,8 +509,15 @@ def run(address: str, token: str, workers: int = 2, only: list[str] | None = Non
             if answer is None or "lost" in answer:
                 seconds = time.perf_counter() - start
                 code = child.proc.poll()
-                why = ("hung (killed after %.0f s)" % seconds) if code is None else (
-                    f"the client process died (exit code {code})" if answer is None else f"the session was lost: {answer['lost']}")
+                why = (
+                    ("hung (killed after %.0f s)" % seconds)
+                    if code is None
+                    else (
+                        f"the client process died (exit code {code})"
+                        if answer is None
+                        else f"the session was lost: {answer['lost']}"
+                    )
+                )
                 child.stop()
                 child = None
                 answer = {"op": name, "crash": why, "seconds": round(seconds, 3)}
@@ -514,8 +557,12 @@ def rates(results: list[dict[str, Any]]) -> dict[str, Any]:
             status, _ = outcome(r, mode)
             counts[status] = counts.get(status, 0) + 1
         tested = sum(counts.get(s, 0) for s in ("match", "wrong", "error", "crash"))
-        summary[mode] = {"counts": counts, "tested": tested, "rate": counts.get("match", 0) / tested if tested else 0.0,
-                         "exact": sum(1 for r in results if outcome(r, mode)[0] == "match" and r[mode].get("exact"))}
+        summary[mode] = {
+            "counts": counts,
+            "tested": tested,
+            "rate": counts.get("match", 0) / tested if tested else 0.0,
+            "exact": sum(1 for r in results if outcome(r, mode)[0] == "match" and r[mode].get("exact")),
+        }
     return summary
 
 
@@ -552,8 +599,10 @@ def document(results: list[dict[str, Any]], seconds: float, server: str, title: 
     ]
     for name, part in (("forward", f), ("backward", b)):
         c = part["counts"]
-        lines.append(f"| {name} | {part['tested']} | {c.get('match', 0)} | {part['exact']} | {c.get('wrong', 0)} | "
-                     f"{c.get('error', 0)} | {c.get('crash', 0)} | {100 * part['rate']:.1f}% |")
+        lines.append(
+            f"| {name} | {part['tested']} | {c.get('match', 0)} | {part['exact']} | {c.get('wrong', 0)} | "
+            f"{c.get('error', 0)} | {c.get('crash', 0)} | {100 * part['rate']:.1f}% |"
+        )
     lines += [
         "",
         f"Not counted above: ops with nondeterministic output (uninitialized memory: {', '.join(sorted(x['op'] for x in results if x.get('nondeterministic')))}); "
@@ -566,8 +615,12 @@ def document(results: list[dict[str, Any]], seconds: float, server: str, title: 
         skipped = [x["op"] for x in results if outcome(x, mode)[0] == "skip"]
         lines.append(f"- {mode}: {', '.join(skipped) if skipped else 'none'}")
     lines += ["", "Ops that raise (each with its reason) or give wrong results:", ""]
-    failing = [(x["op"], mode, *outcome(x, mode)) for x in results for mode in ("forward", "backward")
-               if outcome(x, mode)[0] in ("wrong", "error", "crash")]
+    failing = [
+        (x["op"], mode, *outcome(x, mode))
+        for x in results
+        for mode in ("forward", "backward")
+        if outcome(x, mode)[0] in ("wrong", "error", "crash")
+    ]
     if not failing:
         lines.append("- none")
     for op, mode, status, why in failing:
@@ -582,11 +635,16 @@ def replace_section(path: Any, name: str, text: str) -> None:
 
     path = Path(path)
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
-    old = path.read_text() if path.exists() else (
-        "# Conformance: remote_accelerator against eager CPU\n\nWritten by the conformance tests; do not edit by hand.\n")
+    old = (
+        path.read_text()
+        if path.exists()
+        else (
+            "# Conformance: remote_accelerator against eager CPU\n\nWritten by the conformance tests; do not edit by hand.\n"
+        )
+    )
     block = f"{begin}\n{text.rstrip()}\n{end}"
     if begin in old and end in old:
-        new = old[: old.index(begin)] + block + old[old.index(end) + len(end):]
+        new = old[: old.index(begin)] + block + old[old.index(end) + len(end) :]
     else:
         new = old.rstrip() + "\n\n" + block + "\n"
     path.write_text(new)

@@ -22,9 +22,19 @@ def reset() -> None:
     STORE.unlink(missing_ok=True)
 
 
-SECTIONS = ("Fuzzing (tests/test_fuzz.py)", "Interrupts", "Server killed (SIGKILL) during a 256 MiB transfer", "Worker crashes",
-            "Who gets in", "Session limits", "Client vanishes", "No orphans", "Connect failures (50 in a row each)",
-            "Repeated fault-path tests (flaky is failing)", "Soak (benchmarks/soak.py)")
+SECTIONS = (
+    "Fuzzing (tests/test_fuzz.py)",
+    "Interrupts",
+    "Server killed (SIGKILL) during a 256 MiB transfer",
+    "Worker crashes",
+    "Who gets in",
+    "Session limits",
+    "Client vanishes",
+    "No orphans",
+    "Connect failures (50 in a row each)",
+    "Repeated fault-path tests (flaky is failing)",
+    "Soak (benchmarks/soak.py)",
+)
 
 
 def write_document() -> None:

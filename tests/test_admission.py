@@ -10,8 +10,8 @@ import time
 
 import pytest
 import zmq
-
 from conftest import run, start_server, stdout_of
+
 from genie_core.client import Client
 from genie_core.protocol import Codec, Message, derive_key
 
@@ -42,8 +42,14 @@ def _code(marker) -> str:
     return f"open({str(marker)!r}, 'a').write('x')"
 
 
-def _inject(client: Client, msg: Message, codec: Codec | None = None, heartbeat: bool = False, seq: int | None = None,
-            session: str | None = None) -> list:
+def _inject(
+    client: Client,
+    msg: Message,
+    codec: Codec | None = None,
+    heartbeat: bool = False,
+    seq: int | None = None,
+    session: str | None = None,
+) -> list:
     """Send `msg` on the client's own connection, with its session and its next sequence number
     (or those given), signed by `codec` (default: the right key). Returns the frames sent."""
     c = client.connection
@@ -133,8 +139,22 @@ def test_the_heartbeat_connection_may_only_ping(victim, marker):
     assert victim.ping() < 1  # and pings on it still work
 
 
-@pytest.mark.parametrize("kind", ["event", "metrics", "ready", "welcome", "execute_reply", "reading", "client_readable",
-                                  "close_session", "housekeeping", "__init__", ""])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "event",
+        "metrics",
+        "ready",
+        "welcome",
+        "execute_reply",
+        "reading",
+        "client_readable",
+        "close_session",
+        "housekeeping",
+        "__init__",
+        "",
+    ],
+)
 def test_types_a_client_may_not_send_are_refused_with_one_error(victim, kind):
     """Internal names (the server once dispatched on `_on_<type>`) and server-only types."""
     request = victim.request(Message(kind, {"code": "1"}))
@@ -155,6 +175,7 @@ def test_one_oversized_frame_drops_only_that_connection(victim, marker):
     """A frame over the limit: zmq drops the connection. What was in flight on it fails at once
     (ConnectionLost, never a hang), and the client carries on once zmq has reconnected."""
     from conftest import wait_until
+
     from genie_core.errors import ConnectionLost
 
     _inject(victim, Message("execute", {"code": _code(marker)}, [bytes(LIMIT + 1)]))
@@ -224,7 +245,9 @@ def test_a_big_message_and_the_small_ones_behind_it_all_arrive_in_order(tmp_path
         pushed = client.request(Message("push", {"values": metas}, buffers))
         cells = [client.execute(f"print(len(big) + {i})") for i in range(3)]
         assert pushed.wait(30).content["status"] == "ok"
-        assert [stdout_of([(m.type, m.content) for m in c.replies(30)]) for c in cells] == [f"{(12 << 20) + i}\n" for i in range(3)]
+        assert [stdout_of([(m.type, m.content) for m in c.replies(30)]) for c in cells] == [
+            f"{(12 << 20) + i}\n" for i in range(3)
+        ]
     finally:
         client.close()
         own.stop()

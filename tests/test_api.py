@@ -5,9 +5,9 @@ import os
 
 import psutil
 import pytest
+from conftest import run, stdout_of, wait_until
 
 import genie_core
-from conftest import run, stdout_of, wait_until
 from genie_core.client import Client
 from genie_core.errors import ConfigError, NotInitializedError
 

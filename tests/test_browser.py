@@ -17,8 +17,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import start_server
+
 from genie_core.local_server import stop_process
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -37,9 +37,14 @@ def free_port() -> int:
 
 
 def notebook(cells: list[str]) -> dict:
-    return {"cells": [{"cell_type": "code", "metadata": {}, "source": c, "outputs": [], "execution_count": None} for c in cells],
-            "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
-            "nbformat": 4, "nbformat_minor": 5}
+    return {
+        "cells": [
+            {"cell_type": "code", "metadata": {}, "source": c, "outputs": [], "execution_count": None} for c in cells
+        ],
+        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
 
 
 def test_dashboard_renders_live_in_jupyterlab(tmp_path):
@@ -48,16 +53,35 @@ def test_dashboard_renders_live_in_jupyterlab(tmp_path):
     srv = start_server(tmp_path, "--simulate-gpus", "2", "--poll-interval", "0.5")
     root = tmp_path / "lab"
     root.mkdir()
-    (root / "genie.ipynb").write_text(json.dumps(notebook([
-        "%load_ext genie_jupyter",
-        f"%genie_init 127.0.0.1:{srv.info.port} --token {srv.info.token}",
-        "%genie_dashboard",
-    ])))
+    (root / "genie.ipynb").write_text(
+        json.dumps(
+            notebook(
+                [
+                    "%load_ext genie_jupyter",
+                    f"%genie_init 127.0.0.1:{srv.info.port} --token {srv.info.token}",
+                    "%genie_dashboard",
+                ]
+            )
+        )
+    )
     port, token = free_port(), os.urandom(12).hex()
     lab = subprocess.Popen(
-        [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
-         f"--ServerApp.token={token}", f"--ServerApp.root_dir={root}", "--LabApp.expose_app_in_browser=True", "--allow-root"],
-        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "lab.log", "w"), env=dict(os.environ),
+        [
+            sys.executable,
+            "-m",
+            "jupyter",
+            "lab",
+            "--no-browser",
+            "--ip=127.0.0.1",
+            f"--port={port}",
+            f"--ServerApp.token={token}",
+            f"--ServerApp.root_dir={root}",
+            "--LabApp.expose_app_in_browser=True",
+            "--allow-root",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "lab.log", "w"),
+        env=dict(os.environ),
     )
     try:
         deadline = time.monotonic() + 60
@@ -69,25 +93,41 @@ def test_dashboard_renders_live_in_jupyterlab(tmp_path):
                 assert time.monotonic() < deadline and lab.poll() is None, (tmp_path / "lab.log").read_text()[-2000:]
                 time.sleep(0.3)
         with playwright.sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=[
-                "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                "--disable-component-update", "--disable-sync"])
+            browser = p.chromium.launch(
+                executable_path=CHROMIUM,
+                args=[
+                    "--no-sandbox",
+                    "--disable-gpu",
+                    "--disable-quic",
+                    "--no-first-run",
+                    "--disable-background-networking",
+                    "--disable-component-update",
+                    "--disable-sync",
+                ],
+            )
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.goto(f"http://127.0.0.1:{port}/lab/tree/genie.ipynb?token={token}")
             page.wait_for_selector(".jp-Notebook", timeout=90_000)
-            page.wait_for_function("window.jupyterapp && window.jupyterapp.shell.currentWidget && "
-                                   "window.jupyterapp.shell.currentWidget.sessionContext.session", timeout=90_000)
-            page.wait_for_function("window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.status === 'idle'", timeout=90_000)
+            page.wait_for_function(
+                "window.jupyterapp && window.jupyterapp.shell.currentWidget && "
+                "window.jupyterapp.shell.currentWidget.sessionContext.session",
+                timeout=90_000,
+            )
+            page.wait_for_function(
+                "window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.status === 'idle'", timeout=90_000
+            )
             page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
             util = page.locator('.genie-gauge[data-gpu="0"] .genie-value[data-metric="utilization"]').first
             util.wait_for(timeout=90_000)
             page.wait_for_function(
                 "document.querySelector('.genie-gauge[data-gpu=\"0\"] .genie-value[data-metric=\"utilization\"]').textContent.endsWith('%')",
-                timeout=30_000)
+                timeout=30_000,
+            )
             first = util.text_content()
             page.wait_for_function(
-                f"document.querySelector('.genie-gauge[data-gpu=\"0\"] .genie-value[data-metric=\"utilization\"]').textContent !== {json.dumps(first)}",
-                timeout=20_000)
+                f'document.querySelector(\'.genie-gauge[data-gpu="0"] .genie-value[data-metric="utilization"]\').textContent !== {json.dumps(first)}',
+                timeout=20_000,
+            )
             second = util.text_content()
             assert first.endswith("%") and second.endswith("%") and first != second
             assert page.locator(".genie-gauge").count() == 2

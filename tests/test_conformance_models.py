@@ -42,8 +42,15 @@ def _tokens(**extra):
 
 def _decoder(kind: str):
     t = transformers
-    small = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-                 max_position_embeddings=64, **_tokens())
+    small = dict(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        **_tokens(),
+    )
     if kind == "gpt2":
         return t.GPT2LMHeadModel(t.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64, **_tokens()))
     if kind == "llama":
@@ -58,16 +65,48 @@ def _decoder(kind: str):
 def _other(kind: str):
     t = transformers
     if kind == "bert":
-        return t.BertForMaskedLM(t.BertConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
-                                               max_position_embeddings=64, vocab_size=VOCAB, pad_token_id=1))
+        return t.BertForMaskedLM(
+            t.BertConfig(
+                num_hidden_layers=2,
+                hidden_size=64,
+                intermediate_size=96,
+                num_attention_heads=4,
+                max_position_embeddings=64,
+                vocab_size=VOCAB,
+                pad_token_id=1,
+            )
+        )
     if kind == "t5":
-        return t.T5ForConditionalGeneration(t.T5Config(num_layers=2, num_decoder_layers=2, d_model=64, d_ff=96, num_heads=4, d_kv=16,
-                                                       vocab_size=VOCAB, decoder_start_token_id=0, eos_token_id=1, pad_token_id=1))
+        return t.T5ForConditionalGeneration(
+            t.T5Config(
+                num_layers=2,
+                num_decoder_layers=2,
+                d_model=64,
+                d_ff=96,
+                num_heads=4,
+                d_kv=16,
+                vocab_size=VOCAB,
+                decoder_start_token_id=0,
+                eos_token_id=1,
+                pad_token_id=1,
+            )
+        )
     if kind == "vit":
-        return t.ViTForImageClassification(t.ViTConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
-                                                       image_size=32, patch_size=8, num_labels=5))
+        return t.ViTForImageClassification(
+            t.ViTConfig(
+                num_hidden_layers=2,
+                hidden_size=64,
+                intermediate_size=96,
+                num_attention_heads=4,
+                image_size=32,
+                patch_size=8,
+                num_labels=5,
+            )
+        )
     if kind == "resnet":
-        return t.ResNetForImageClassification(t.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=5))
+        return t.ResNetForImageClassification(
+            t.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=5)
+        )
     raise ValueError(kind)
 
 
@@ -97,7 +136,9 @@ def on(values: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
 def assert_same(remote_value: torch.Tensor, local: torch.Tensor, what: str) -> None:
     got = remote_value.detach().cpu()
     assert got.dtype == local.dtype and got.shape == local.shape, what
-    assert torch.equal(got, local.detach()), f"{what}: max difference {(got.float() - local.float()).abs().max().item():.3g}"
+    assert torch.equal(got, local.detach()), (
+        f"{what}: max difference {(got.float() - local.float()).abs().max().item():.3g}"
+    )
 
 
 RESULTS: dict[str, dict[str, str]] = {}
@@ -114,18 +155,24 @@ def _document():
 
     import opinfo_conformance
 
-    lines = ["## Hugging Face transformers models", "",
-             f"Measured by `tests/test_conformance_models.py` (transformers {transformers.__version__}, torch {torch.__version__}, "
-             f"Python {platform.python_version()}, a CPU server). Small configs, seeded random weights, nothing downloaded. "
-             "\"equal\" means bit for bit (`torch.equal`): logits in eval mode; two training steps (the same seeds for dropout, "
-             "`loss.backward()`, AdamW): losses, every gradient, every parameter and buffer after them; generated tokens "
-             "(6 new tokens, greedy and 3-beam search, each with a DynamicCache and a StaticCache).", "",
-             "| model | forward and two AdamW steps | generate (greedy, beam) x (dynamic, static cache) | seconds |",
-             "| --- | --- | --- | --- |"]
+    lines = [
+        "## Hugging Face transformers models",
+        "",
+        f"Measured by `tests/test_conformance_models.py` (transformers {transformers.__version__}, torch {torch.__version__}, "
+        f"Python {platform.python_version()}, a CPU server). Small configs, seeded random weights, nothing downloaded. "
+        '"equal" means bit for bit (`torch.equal`): logits in eval mode; two training steps (the same seeds for dropout, '
+        "`loss.backward()`, AdamW): losses, every gradient, every parameter and buffer after them; generated tokens "
+        "(6 new tokens, greedy and 3-beam search, each with a DynamicCache and a StaticCache).",
+        "",
+        "| model | forward and two AdamW steps | generate (greedy, beam) x (dynamic, static cache) | seconds |",
+        "| --- | --- | --- | --- |",
+    ]
     for kind, _ in MODELS:
         row = RESULTS.get(kind, {})
-        lines.append(f"| {kind} | {row.get('train', 'not run')} | {row.get('generate', 'n/a' if kind not in dict(GENERATIVE) else 'not run')} | "
-                     f"{row.get('seconds', '')} |")
+        lines.append(
+            f"| {kind} | {row.get('train', 'not run')} | {row.get('generate', 'n/a' if kind not in dict(GENERATIVE) else 'not run')} | "
+            f"{row.get('seconds', '')} |"
+        )
     doc = Path(__file__).resolve().parent.parent / "docs" / "CONFORMANCE.md"
     opinfo_conformance.replace_section(doc, "models", "\n".join(lines) + "\n")
 
@@ -136,8 +183,16 @@ def _note(kind: str, what: str, outcome: str, seconds: float) -> None:
     row["seconds"] = f"{float(row.get('seconds') or 0) + seconds:.1f}"
 
 
-MODELS = [("gpt2", _decoder), ("llama", _decoder), ("qwen2", _decoder), ("mixtral", _decoder), ("bert", _other), ("t5", _other),
-          ("vit", _other), ("resnet", _other)]
+MODELS = [
+    ("gpt2", _decoder),
+    ("llama", _decoder),
+    ("qwen2", _decoder),
+    ("mixtral", _decoder),
+    ("bert", _other),
+    ("t5", _other),
+    ("vit", _other),
+    ("resnet", _other),
+]
 
 
 @pytest.mark.parametrize("kind, build", MODELS, ids=[k for k, _ in MODELS])
@@ -191,5 +246,7 @@ def test_generate_gives_the_cpus_tokens(remote, kind, build):
             expected = local.generate(**inputs, **kwargs)
             got = model.generate(**on(inputs, DEV), **kwargs)
             assert got.device == torch.device(DEV)
-            assert torch.equal(got.cpu(), expected), f"{decoding} with a {cache} cache: {got.cpu().tolist()} != {expected.tolist()}"
+            assert torch.equal(got.cpu(), expected), (
+                f"{decoding} with a {cache} cache: {got.cpu().tolist()} != {expected.tolist()}"
+            )
     _note(kind, "generate", "equal tokens (4 of 4)", time.perf_counter() - start)

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("expecttest")  # torch.testing._internal needs it
 
-import opinfo_conformance as conformance  # noqa: E402
+import opinfo_conformance as conformance
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "CONFORMANCE.md"
 
@@ -32,8 +32,12 @@ def test_opinfo_database_matches_the_cpu(tmp_path):
         srv.stop()
     conformance.replace_section(DOC, "opinfo", conformance.document(results, seconds, "CPU"))
     rates = conformance.rates(results)
-    failing = {(r["op"], mode): conformance.outcome(r, mode) for r in results for mode in ("forward", "backward")
-               if conformance.outcome(r, mode)[0] in ("wrong", "crash")}
+    failing = {
+        (r["op"], mode): conformance.outcome(r, mode)
+        for r in results
+        for mode in ("forward", "backward")
+        if conformance.outcome(r, mode)[0] in ("wrong", "crash")
+    }
     assert not failing, f"wrong results or crashes: {failing}"
     assert len(results) >= 650, "op_db shrank or the harness lost ops"
     assert rates["forward"]["rate"] >= 0.98, rates["forward"]

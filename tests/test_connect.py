@@ -11,11 +11,11 @@ import time
 import psutil
 import pytest
 import zmq
-
 from conftest import STRESS, start_server
+from reliability import record
+
 from genie_core.client import Client
 from genie_core.errors import AuthenticationError, ConnectionFailed
-from reliability import record
 
 ROUNDS = 50
 TIMEOUT = 2.0
@@ -158,8 +158,12 @@ def test_each_connect_failure_is_its_own_error_within_the_timeout_50_times(serve
     finally:
         if case == "server paused mid-handshake":
             plain.proc.send_signal(signal.SIGCONT)
-    record("Connect failures (50 in a row each)", case, f"{error.__name__} every time; slowest {max(took):.2f} s "
-           f"(median {sorted(took)[len(took) // 2]:.3f} s); no thread or file descriptor left behind")
+    record(
+        "Connect failures (50 in a row each)",
+        case,
+        f"{error.__name__} every time; slowest {max(took):.2f} s "
+        f"(median {sorted(took)[len(took) // 2]:.3f} s); no thread or file descriptor left behind",
+    )
     good = plain.client()  # the server still serves
     assert good.ping() < 1
     good.close()

@@ -15,11 +15,11 @@ import time
 import pytest
 import torch
 import zmq
+from conftest import run, start_server, stdout_of
+from reliability import record
 
-from conftest import start_server, stdout_of, run
 from genie_core.client import Client
 from genie_core.errors import AuthenticationError, ConnectionFailed
-from reliability import record
 
 SECRET = "launch-code-" + os.urandom(6).hex()
 
@@ -81,15 +81,23 @@ def _session_through_relay(srv) -> bytes:
 def test_encrypted_traffic_shows_nothing_on_the_wire(tmp_path):
     plain_srv, enc_srv = start_server(tmp_path), start_server(tmp_path, "--encrypt")
     try:
-        assert plain_srv.info.curve is None and set(enc_srv.info.curve) == {"server_public", "client_public", "client_secret"}
+        assert plain_srv.info.curve is None and set(enc_srv.info.curve) == {
+            "server_public",
+            "client_public",
+            "client_secret",
+        }
         plain_wire, enc_wire = _session_through_relay(plain_srv), _session_through_relay(enc_srv)
         # The control: without --encrypt an eavesdropper reads the code, the output and the data.
         assert SECRET.encode() in plain_wire and SECRET.upper().encode() in plain_wire
         assert len(enc_wire) > 1000
         for needle in (SECRET, SECRET.upper(), "execute", "stdout", "small"):
             assert needle.encode() not in enc_wire, needle
-        record("Who gets in", "eavesdropper on the wire (--encrypt)", f"{len(enc_wire):,} bytes captured, the secret code/output/data "
-               f"found 0 times (same session unencrypted: {plain_wire.count(SECRET.encode())} times)")
+        record(
+            "Who gets in",
+            "eavesdropper on the wire (--encrypt)",
+            f"{len(enc_wire):,} bytes captured, the secret code/output/data "
+            f"found 0 times (same session unencrypted: {plain_wire.count(SECRET.encode())} times)",
+        )
     finally:
         plain_srv.stop()
         enc_srv.stop()
@@ -103,7 +111,11 @@ def test_an_encrypted_server_refuses_clients_without_its_keys_during_the_handsha
             Client("127.0.0.1", srv.info.port, srv.info.token, timeout=10).connect()
         took = time.monotonic() - start
         assert took < 3  # said at once, not after the 10 s timeout
-        record("Who gets in", "client without the keys (--encrypt)", f"refused in the handshake, AuthenticationError after {took:.2f} s")
+        record(
+            "Who gets in",
+            "client without the keys (--encrypt)",
+            f"refused in the handshake, AuthenticationError after {took:.2f} s",
+        )
         stranger = dict(srv.info.curve)
         stranger["client_public"], stranger["client_secret"] = (k.decode() for k in zmq.curve_keypair())
         with pytest.raises(AuthenticationError, match="refused this client's encryption key"):
@@ -145,8 +157,26 @@ def _serve_in_namespace(*args: str) -> subprocess.CompletedProcess:
         pytest.skip("cannot create a network namespace here (needs root and `ip netns`)")
     try:
         subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
-        return subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-m", "genie_core", "serve", "--ip", "0.0.0.0", "--port", "0", *args],
-                              capture_output=True, text=True, timeout=20)
+        return subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                sys.executable,
+                "-m",
+                "genie_core",
+                "serve",
+                "--ip",
+                "0.0.0.0",
+                "--port",
+                "0",
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
     finally:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
@@ -156,10 +186,12 @@ def test_listening_beyond_loopback_needs_a_real_token_and_warns_without_encrypti
     assert refused.returncode == 2
     lines = refused.stderr.strip().splitlines()
     assert len(lines) == 1 and "refusing to listen on 0.0.0.0 with a 7-character token" in lines[0], refused.stderr
-    script = ("import subprocess, sys, time, signal\n"
-              "p = subprocess.Popen([sys.executable, '-m', 'genie_core', 'serve', '--ip', '0.0.0.0', '--port', '0', *sys.argv[1:]],"
-              " stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)\n"
-              "p.stdout.readline(); time.sleep(0.5); p.send_signal(signal.SIGTERM); out, err = p.communicate(timeout=10); print(err)\n")
+    script = (
+        "import subprocess, sys, time, signal\n"
+        "p = subprocess.Popen([sys.executable, '-m', 'genie_core', 'serve', '--ip', '0.0.0.0', '--port', '0', *sys.argv[1:]],"
+        " stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)\n"
+        "p.stdout.readline(); time.sleep(0.5); p.send_signal(signal.SIGTERM); out, err = p.communicate(timeout=10); print(err)\n"
+    )
     env = dict(os.environ, GENIE_STATE_DIR=str(tmp_path / "state"), GENIE_RUNTIME_DIR=str(tmp_path / "rt"))
     for flags, warned in (((), True), (("--encrypt",), False)):
         ns = "genie-t" + os.urandom(2).hex()
@@ -167,7 +199,13 @@ def test_listening_beyond_loopback_needs_a_real_token_and_warns_without_encrypti
             pytest.skip("cannot create a network namespace here")
         try:
             subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
-            out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", script, *flags], capture_output=True, text=True, timeout=30, env=env)
+            out = subprocess.run(
+                ["ip", "netns", "exec", ns, sys.executable, "-c", script, *flags],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                env=env,
+            )
         finally:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         assert ("WITHOUT ENCRYPTION" in out.stdout) is warned, out.stdout + out.stderr
@@ -179,12 +217,22 @@ def test_genie_status_reaches_an_encrypted_server_through_its_connection_file(tm
     try:
         env = dict(os.environ, COLUMNS="160")
         env.pop("GENIE_TOKEN", None)
-        text = subprocess.run([sys.executable, "-m", "genie_core", "status", "--connection-file", str(srv.connection_file)],
-                              capture_output=True, text=True, timeout=30, env=env)
+        text = subprocess.run(
+            [sys.executable, "-m", "genie_core", "status", "--connection-file", str(srv.connection_file)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=env,
+        )
         assert text.returncode == 0, text.stderr
         assert "security  encrypted (CurveZMQ) and signed · per session: 40 remote tensors, 2.0 GiB" in text.stdout
-        other = subprocess.run([sys.executable, "-m", "genie_core", "status", "--connection-file", str(plain.connection_file)],
-                               capture_output=True, text=True, timeout=30, env=env)
+        other = subprocess.run(
+            [sys.executable, "-m", "genie_core", "status", "--connection-file", str(plain.connection_file)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=env,
+        )
         assert "security  signed, not encrypted · per session: 1,000,000 remote tensors, no byte limit" in other.stdout
     finally:
         srv.stop()

@@ -9,11 +9,11 @@ import time
 
 import pytest
 import torch
+from conftest import STRESS, run, start_server, stdout_of
+from reliability import record
 
 import genie_core
-from conftest import STRESS, run, start_server, stdout_of
 from genie_core.errors import ConnectionLost
-from reliability import record
 
 
 @pytest.mark.repeat(STRESS)
@@ -33,18 +33,26 @@ def test_server_killed_mid_transfer_is_a_clear_error(tmp_path, backend, directio
                 state.client.push({"big": big}) if direction == "push" else state.client.pull(["big"])
         took = time.monotonic() - start
         assert took < 8
-        record("Server killed (SIGKILL) during a 256 MiB transfer", f"{direction} over {backend}: seconds to ConnectionLost", f"{took:.2f}")
+        record(
+            "Server killed (SIGKILL) during a 256 MiB transfer",
+            f"{direction} over {backend}: seconds to ConnectionLost",
+            f"{took:.2f}",
+        )
     finally:
         genie_core.shutdown()
         srv.stop()
 
 
 @pytest.mark.repeat(STRESS)
-@pytest.mark.parametrize("code", [
-    "while True:\n    pass",
-    "import time\ntime.sleep(3600)",
-    "x = torch.randn(600, 600)\nfor _ in range(100000):\n    x = torch.tanh(x @ x)",
-], ids=["infinite-loop", "long-sleep", "long-torch-op"])
+@pytest.mark.parametrize(
+    "code",
+    [
+        "while True:\n    pass",
+        "import time\ntime.sleep(3600)",
+        "x = torch.randn(600, 600)\nfor _ in range(100000):\n    x = torch.tanh(x @ x)",
+    ],
+    ids=["infinite-loop", "long-sleep", "long-torch-op"],
+)
 def test_interrupts_stop_any_long_running_code(client, code, request):
     # Imported first: an interrupt that lands inside `import torch` is swallowed by torch's own
     # import of numpy (a C-level import that clears the error), as it would be in any kernel.
@@ -96,14 +104,20 @@ def test_a_worker_killed_for_lack_of_memory_is_named_as_such(server):
         pid = int(stdout_of(run(victim, "import os; x = 1; print(os.getpid())")))
         (group / "cgroup.procs").write_text(str(pid))
         start = time.monotonic()
-        with pytest.raises(WorkerDied, match=rf"pid {pid}\) was killed by the kernel's out-of-memory killer \(.*Killed process {pid} "):
+        with pytest.raises(
+            WorkerDied, match=rf"pid {pid}\) was killed by the kernel's out-of-memory killer \(.*Killed process {pid} "
+        ):
             run(victim, "hog = bytearray(b'1') * (1 << 30)")
         took = time.monotonic() - start
         assert stdout_of(run(bystander, "print(kept + 1)")) == "42\n"
         replies = run(victim, "print('fresh', 'x' in dir())")
         assert stdout_of(replies) == "fresh False\n"
-        record("Worker crashes", "out of memory (1 GiB in a 256 MiB cgroup)", f"WorkerDied naming the kernel's OOM kill after {took:.2f} s; "
-               "other session untouched; next cell ran on a fresh worker")
+        record(
+            "Worker crashes",
+            "out of memory (1 GiB in a 256 MiB cgroup)",
+            f"WorkerDied naming the kernel's OOM kill after {took:.2f} s; "
+            "other session untouched; next cell ran on a fresh worker",
+        )
     finally:
         victim.close()
         bystander.close()

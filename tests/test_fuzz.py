@@ -11,12 +11,12 @@ import time
 import numpy as np
 import psutil
 import zmq
+from conftest import run, start_server, stdout_of
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from conftest import run, start_server, stdout_of
-from genie_core.protocol import PROTOCOL, Codec, Message, derive_key
 from reliability import record
+
+from genie_core.protocol import PROTOCOL, Codec, Message, derive_key
 
 TOTAL = 100_000
 LIMIT = 1 << 20  # the server under test refuses messages over 1 MiB
@@ -48,7 +48,9 @@ def test_fuzzed_messages_are_dropped_and_the_server_keeps_serving(tmp_path):
             try:
                 sock.send_multipart(frames)
             except zmq.Again:
-                raise AssertionError(f"the server stopped reading after {sent} messages: {[bytes(f)[:20] for f in frames]}") from None
+                raise AssertionError(
+                    f"the server stopped reading after {sent} messages: {[bytes(f)[:20] for f in frames]}"
+                ) from None
             sent += 1
             if sent % 5000 == 0:  # a valid client is answered throughout
                 pings.append(client.ping(timeout=10))
@@ -64,13 +66,20 @@ def test_fuzzed_messages_are_dropped_and_the_server_keeps_serving(tmp_path):
             send(replay)
 
         # Structured junk from hypothesis: plausible headers, wrong or missing signatures, bad sequence numbers.
-        json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=20), lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3), max_leaves=8)
+        json_values = st.recursive(
+            st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+            lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3),
+            max_leaves=8,
+        )
 
         @settings(max_examples=3000, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-        @given(kind=st.sampled_from(["execute", "push", "pull", "hello", "ping", "interrupt", "close", "info", "x"]),
-               content=st.dictionaries(st.text(max_size=10), json_values, max_size=4),
-               seq=st.integers(min_value=-5, max_value=2), signer=st.sampled_from(["wrong", "none", "good-bad-seq"]),
-               buffers=st.lists(st.binary(max_size=64), max_size=3))
+        @given(
+            kind=st.sampled_from(["execute", "push", "pull", "hello", "ping", "interrupt", "close", "info", "x"]),
+            content=st.dictionaries(st.text(max_size=10), json_values, max_size=4),
+            seq=st.integers(min_value=-5, max_value=2),
+            signer=st.sampled_from(["wrong", "none", "good-bad-seq"]),
+            buffers=st.lists(st.binary(max_size=64), max_size=3),
+        )
         def structured(kind, content, seq, signer, buffers):
             content = dict(content, code=evil)
             msg = Message(kind, content, buffers, session=session if signer == "good-bad-seq" else "nope", seq=seq)
@@ -113,9 +122,16 @@ def test_fuzzed_messages_are_dropped_and_the_server_keeps_serving(tmp_path):
         record("Fuzzing (tests/test_fuzz.py)", "messages sent", f"{sent:,}")
         record("Fuzzing (tests/test_fuzz.py)", "executions of a captured execute replayed 500 times", str(len(ran)))
         record("Fuzzing (tests/test_fuzz.py)", "forged, unsigned or truncated executes run", "0")
-        record("Fuzzing (tests/test_fuzz.py)", "server RSS growth, whole run / second half (MiB)", f"{growth:.1f} / {second_half:.1f}")
-        record("Fuzzing (tests/test_fuzz.py)", "valid client's ping during the flood, median / max (ms)",
-               f"{statistics.median(pings) * 1e3:.1f} / {max(pings) * 1e3:.1f}")
+        record(
+            "Fuzzing (tests/test_fuzz.py)",
+            "server RSS growth, whole run / second half (MiB)",
+            f"{growth:.1f} / {second_half:.1f}",
+        )
+        record(
+            "Fuzzing (tests/test_fuzz.py)",
+            "valid client's ping during the flood, median / max (ms)",
+            f"{statistics.median(pings) * 1e3:.1f} / {max(pings) * 1e3:.1f}",
+        )
     finally:
         sock.close()
         ctx.term()

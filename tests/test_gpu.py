@@ -49,11 +49,20 @@ def test_opinfo_database_on_a_gpu_server(tmp_path):
         seconds = time.perf_counter() - start
     finally:
         srv.stop()
-    conformance.replace_section(DOC, "opinfo-gpu", conformance.document(
-        results, seconds, torch.cuda.get_device_name(0), title="PyTorch OpInfo database on a GPU server"))
+    conformance.replace_section(
+        DOC,
+        "opinfo-gpu",
+        conformance.document(
+            results, seconds, torch.cuda.get_device_name(0), title="PyTorch OpInfo database on a GPU server"
+        ),
+    )
     rates = conformance.rates(results)
-    failing = {(r["op"], mode): conformance.outcome(r, mode) for r in results for mode in ("forward", "backward")
-               if conformance.outcome(r, mode)[0] in ("wrong", "crash")}
+    failing = {
+        (r["op"], mode): conformance.outcome(r, mode)
+        for r in results
+        for mode in ("forward", "backward")
+        if conformance.outcome(r, mode)[0] in ("wrong", "crash")
+    }
     assert not failing, f"wrong results or crashes: {failing}"
     assert rates["forward"]["rate"] >= 0.98, rates["forward"]
     assert rates["backward"]["rate"] >= 0.95, rates["backward"]
@@ -93,16 +102,28 @@ def test_models_on_a_gpu_server(gpu_server, kind):
     if kind in ("gpt2", "llama", "qwen2", "t5"):
         local.eval(), model.eval()
         prompt = {k: v for k, v in inputs.items() if k != "labels"}
-        for options in (dict(do_sample=False), dict(num_beams=3, do_sample=False), dict(do_sample=False, cache_implementation="static")):
+        for options in (
+            dict(do_sample=False),
+            dict(num_beams=3, do_sample=False),
+            dict(do_sample=False, cache_implementation="static"),
+        ):
             kwargs = dict(max_new_tokens=6, min_new_tokens=6, **options)
-            assert torch.equal(model.generate(**models.on(prompt, DEV), **kwargs).cpu(), local.generate(**prompt, **kwargs)), options
+            assert torch.equal(
+                model.generate(**models.on(prompt, DEV), **kwargs).cpu(), local.generate(**prompt, **kwargs)
+            ), options
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_autocast_equals_the_servers_own_cuda_autocast(gpu_server, dtype):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.Flatten(),
-                                torch.nn.Linear(8 * 6 * 6, 10), torch.nn.LogSoftmax(-1))
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8 * 6 * 6, 10),
+        torch.nn.LogSoftmax(-1),
+    )
     inp = torch.randn(4, 3, 8, 8)
     client = genie_core.get_cluster_state().client
     client.push({"state": model.state_dict(), "inp": inp})

@@ -9,9 +9,8 @@ import random
 import time
 
 import pytest
-from jupyter_client.manager import start_new_kernel
-
 from conftest import STRESS, run, start_server, stdout_of
+from jupyter_client.manager import start_new_kernel
 from reliability import record
 
 CELLS = [
@@ -68,9 +67,12 @@ def test_200_interrupts_at_random_moments_through_the_client(tmp_path):
         srv.stop()
     log = "".join(p.read_text() for p in tmp_path.glob("*.log"))
     assert "was killed" not in log and "exited with code" not in log, log[-2000:]
-    record("Interrupts", "200 cells interrupted at random moments (0-500 ms), client API, 1 in 4 on a fresh worker",
-           f"worker deaths 0, hangs 0, every next cell answered; {', '.join(f'{k}: {v}' for k, v in sorted(outcomes.items()))}; "
-           f"slowest end after the interrupt {slowest:.2f} s")
+    record(
+        "Interrupts",
+        "200 cells interrupted at random moments (0-500 ms), client API, 1 in 4 on a fresh worker",
+        f"worker deaths 0, hangs 0, every next cell answered; {', '.join(f'{k}: {v}' for k, v in sorted(outcomes.items()))}; "
+        f"slowest end after the interrupt {slowest:.2f} s",
+    )
 
 
 def test_100_interrupt_button_presses_at_random_moments_in_a_real_kernel(tmp_path):
@@ -89,7 +91,9 @@ def test_100_interrupt_button_presses_at_random_moments_in_a_real_kernel(tmp_pat
         for _ in range(100):
             # The cell announces itself first: ipykernel loses a request whose interrupt lands in its
             # own dispatch code, before any cell code runs (ipykernel#845), which is not ours to test.
-            msg_id = kc.execute(f"print('go', flush=True)\nget_ipython().run_cell_magic('remote', '', {rng.choice(CELLS)!r})")
+            msg_id = kc.execute(
+                f"print('go', flush=True)\nget_ipython().run_cell_magic('remote', '', {rng.choice(CELLS)!r})"
+            )
             while True:
                 msg = kc.get_iopub_msg(timeout=15)
                 if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
@@ -117,9 +121,12 @@ def test_100_interrupt_button_presses_at_random_moments_in_a_real_kernel(tmp_pat
         kc.stop_channels()
         km.shutdown_kernel(now=True)
         srv.stop()
-    record("Interrupts", "100 interrupt-button presses at random moments (0-500 ms), real kernel",
-           f"worker deaths 0, hangs 0, every next cell answered with the namespace intact; "
-           f"{', '.join(f'{k}: {v}' for k, v in sorted(outcomes.items()))}")
+    record(
+        "Interrupts",
+        "100 interrupt-button presses at random moments (0-500 ms), real kernel",
+        f"worker deaths 0, hangs 0, every next cell answered with the namespace intact; "
+        f"{', '.join(f'{k}: {v}' for k, v in sorted(outcomes.items()))}",
+    )
 
 
 @pytest.mark.repeat(STRESS)
@@ -158,4 +165,8 @@ def test_an_interrupt_that_lands_as_a_blocking_call_starts_is_not_lost(client):
         last = list(cell.replies(5))[-1]
         slowest = max(slowest, time.monotonic() - start)
         assert last.content.get("ename") == "KeyboardInterrupt", last.content
-    record("Interrupts", "100 interrupts sent the moment a cell enters time.sleep", f"every one ended the cell; slowest {slowest:.2f} s")
+    record(
+        "Interrupts",
+        "100 interrupts sent the moment a cell enters time.sleep",
+        f"every one ended the cell; slowest {slowest:.2f} s",
+    )

@@ -6,9 +6,8 @@ import signal
 import time
 
 import pytest
-from jupyter_client.manager import start_new_kernel
-
 from conftest import STRESS, plain
+from jupyter_client.manager import start_new_kernel
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +43,9 @@ def reply_to(kc, msg_id: str, timeout: float = 10.0) -> dict:
 
 
 def stdout(messages) -> str:
-    return "".join(m["content"]["text"] for _, m in messages if m["msg_type"] == "stream" and m["content"]["name"] == "stdout")
+    return "".join(
+        m["content"]["text"] for _, m in messages if m["msg_type"] == "stream" and m["content"]["name"] == "stdout"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +120,11 @@ def test_embedded_local_server_in_a_kernel(kernel):
     execute(kc, "%load_ext genie_jupyter")
     reply, msgs = execute(kc, "%genie_init")
     assert reply["status"] == "ok" and "embedded local server" in stdout(msgs)
-    views = [m for _, m in msgs if m["msg_type"] == "display_data" and "application/vnd.jupyter.widget-view+json" in m["content"]["data"]]
+    views = [
+        m
+        for _, m in msgs
+        if m["msg_type"] == "display_data" and "application/vnd.jupyter.widget-view+json" in m["content"]["data"]
+    ]
     assert views and views[0]["content"]["data"]["text/plain"]  # the init widget, with a text fallback
     reply, msgs = execute(kc, "%%remote\nprint('from the embedded server')")
     assert stdout(msgs) == "from the embedded server\n"
@@ -150,10 +155,10 @@ def test_a_killed_kernel_has_its_session_reaped_and_its_worker_memory_freed(tmp_
     """The notebook's kernel dies (SIGKILL: no goodbye). Within the session lease the server
     ends the session: its worker exits, and the memory it held goes with it."""
     import psutil
-
     from conftest import start_server, wait_until
-    from genie_core.client import Client
     from reliability import record
+
+    from genie_core.client import Client
 
     srv = start_server(tmp_path, env={"GENIE_SESSION_LEASE": "3"})
     km, kc = start_new_kernel(kernel_name="python3")
@@ -161,7 +166,9 @@ def test_a_killed_kernel_has_its_session_reaped_and_its_worker_memory_freed(tmp_
         execute(kc, "%load_ext genie_jupyter")
         reply, msgs = execute(kc, f"%genie_init 127.0.0.1:{srv.info.port} --token {srv.info.token}")
         assert reply["status"] == "ok", msgs
-        reply, msgs = execute(kc, "%%remote\nimport os, torch\nheld = torch.ones(64 << 20)\nprint(os.getpid())")  # 256 MiB
+        reply, msgs = execute(
+            kc, "%%remote\nimport os, torch\nheld = torch.ones(64 << 20)\nprint(os.getpid())"
+        )  # 256 MiB
         worker = psutil.Process(int(stdout(msgs).strip()))
         assert worker.memory_info().rss > 256 << 20
         km.signal_kernel(signal.SIGKILL)  # as when the kernel process is killed or its machine drops off
@@ -173,8 +180,11 @@ def test_a_killed_kernel_has_its_session_reaped_and_its_worker_memory_freed(tmp_
         sessions = [s for s in probe.info()["sessions"] if s["client"].get("purpose") != "probe"]
         probe.close()
         assert sessions == []
-        record("Client vanishes", "kernel SIGKILLed while its worker held 256 MiB (lease 3 s)",
-               f"session ended and worker gone {took:.1f} s later, its memory with it")
+        record(
+            "Client vanishes",
+            "kernel SIGKILLed while its worker held 256 MiB (lease 3 s)",
+            f"session ended and worker gone {took:.1f} s later, its memory with it",
+        )
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)

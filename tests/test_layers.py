@@ -10,8 +10,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # What each part may import from genie_core (besides itself and the shared base modules).
-BASE = {"errors", "config", "events", "nodes", "gpus", "serialize", "loop", "lifeline", "version", "encryption", "monitoring",
-        "protocol"}
+BASE = {
+    "errors",
+    "config",
+    "events",
+    "nodes",
+    "gpus",
+    "serialize",
+    "loop",
+    "lifeline",
+    "version",
+    "encryption",
+    "monitoring",
+    "protocol",
+}
 ALLOWED = {
     "protocol": {"errors"},
     "dataplane": BASE,
@@ -35,8 +47,12 @@ def _modules() -> dict[str, Path]:
 
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     tree = ast.parse(path.read_text())
-    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-                   for n in ast.walk(node)}
+    typing_only = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for n in ast.walk(node)
+    }
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     out: set[str] = set()
     for node in ast.walk(tree):

@@ -8,12 +8,12 @@ import gc
 
 import pytest
 import torch
+from conftest import run, start_server, stdout_of
+from reliability import record
 
 import genie_core
-from conftest import start_server, stdout_of, run
-from genie_core.errors import LimitExceeded
 from genie_core.dataplane.segment import SHM_DIR
-from reliability import record
+from genie_core.errors import LimitExceeded
 
 SECTION = "Session limits"
 
@@ -34,10 +34,16 @@ def test_too_many_remote_tensors(limited):
     kept = [torch.full((4,), float(i), device=DEV) for i in range(30)]
     assert kept[29].cpu().tolist() == [29.0] * 4
     more = [torch.ones(4, device=DEV) for _ in range(20)]
-    with pytest.raises(LimitExceeded, match=r"hold 41 remote tensors; the server allows 40 \(--max-session-tensors\)") as caught:
+    with pytest.raises(
+        LimitExceeded, match=r"hold 41 remote tensors; the server allows 40 \(--max-session-tensors\)"
+    ) as caught:
         more[-1].cpu()
     assert kept[5].cpu().tolist() == [5.0] * 4  # what it held before is intact
-    record(SECTION, "41st remote tensor (--max-session-tensors 40)", f"LimitExceeded: {caught.value}; the 30 held before intact")
+    record(
+        SECTION,
+        "41st remote tensor (--max-session-tensors 40)",
+        f"LimitExceeded: {caught.value}; the 30 held before intact",
+    )
     del more
     gc.collect()
     assert (torch.ones(4, device=DEV) * 3).cpu().tolist() == [3.0] * 4  # freed: goes on
@@ -49,7 +55,9 @@ def test_too_many_bytes_of_remote_tensors(limited):
     a = torch.ones(10 * MiB, device=DEV)  # 40 MiB
     assert a.sum().item() == 10 * MiB
     b = torch.zeros(6 * MiB, device=DEV)  # 24 MiB more: 64 MiB + the sum's result > 64 MiB
-    with pytest.raises(LimitExceeded, match=r"would make this session hold 88\.0 MiB in remote tensors; the server allows 64\.0 MiB"):
+    with pytest.raises(
+        LimitExceeded, match=r"would make this session hold 88\.0 MiB in remote tensors; the server allows 64\.0 MiB"
+    ):
         (b + 1).cpu()
     assert a[:3].cpu().tolist() == [1.0, 1.0, 1.0]
     del b
@@ -62,7 +70,9 @@ def test_too_many_bytes_of_remote_tensors(limited):
 def test_pushes_over_the_limit(limited):
     client = genie_core.get_cluster_state().client
     before = set(SHM_DIR.glob("genie-*"))
-    with pytest.raises(LimitExceeded, match=r"push of 80\.0 MiB is more than the server lets a session hold \(64\.0 MiB") as caught:
+    with pytest.raises(
+        LimitExceeded, match=r"push of 80\.0 MiB is more than the server lets a session hold \(64\.0 MiB"
+    ) as caught:
         client.push({"big": torch.ones(20 * MiB)})
     record(SECTION, "80 MiB push (--max-session-bytes 64MiB)", f"LimitExceeded before a byte was sent: {caught.value}")
     assert set(SHM_DIR.glob("genie-*")) <= before  # refused before a byte was sent
@@ -101,7 +111,9 @@ def test_the_data_port_refuses_a_put_over_the_limit_before_taking_memory(limited
         transport.put([bytearray(65 * MiB)])
     transport.close()
     assert set(SHM_DIR.glob("genie-s-*")) <= before
-    ok = TcpChannel("127.0.0.1", port, client.connection.codec.key, client.session)  # the same put, under the limit, is taken
+    ok = TcpChannel(
+        "127.0.0.1", port, client.connection.codec.key, client.session
+    )  # the same put, under the limit, is taken
     assert ok.put([bytearray(MiB)])["sizes"] == [MiB]
     ok.close()
 

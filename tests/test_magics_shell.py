@@ -106,6 +106,7 @@ def test_the_next_magic_says_whether_a_cell_cut_off_by_a_lost_connection_ran(she
     import signal
 
     from conftest import start_server, wait_until
+
     from genie_core.errors import ConnectionLost
 
     monkeypatch.setenv("GENIE_HEARTBEAT_INTERVAL", "0.25")
@@ -115,16 +116,24 @@ def test_the_next_magic_says_whether_a_cell_cut_off_by_a_lost_connection_ran(she
         shell.run_line_magic("genie_init", f"127.0.0.1:{srv.info.port} --token {srv.info.token}")
         srv.proc.send_signal(signal.SIGSTOP)
         result = shell.run_cell("%%remote\nprint('made it')\nk = 7")
-        assert isinstance(result.error_in_exec, ConnectionLost) and "whether it ran is reported" in str(result.error_in_exec)
+        assert isinstance(result.error_in_exec, ConnectionLost) and "whether it ran is reported" in str(
+            result.error_in_exec
+        )
         srv.proc.send_signal(signal.SIGCONT)
         client = genie_core.get_cluster_state().client
         assert wait_until(lambda: client.connected and all(r.settled for r in client.lost_requests.values()), 10)
         capsys.readouterr()
         assert shell.run_cell("%remote print(k)").success
         out = capsys.readouterr()
-        assert "the cell sent at" in out.err and "(print('made it'))" in out.err and "ran on the server after all and finished ok" in out.err
+        assert (
+            "the cell sent at" in out.err
+            and "(print('made it'))" in out.err
+            and "ran on the server after all and finished ok" in out.err
+        )
         assert "made it" in out.err and out.out.strip() == "7"
-        assert shell.run_cell("%remote print(k)").success and "ran on the server" not in capsys.readouterr().err  # said once
+        assert (
+            shell.run_cell("%remote print(k)").success and "ran on the server" not in capsys.readouterr().err
+        )  # said once
     finally:
         srv.proc.send_signal(signal.SIGCONT)
         genie_core.shutdown()

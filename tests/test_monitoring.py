@@ -21,8 +21,17 @@ from genie_core.nodes import GPUInfo, NodeInfo
 
 
 def gpu(index=0, **kw) -> GPUInfo:
-    base = dict(name="Fake GPU (test)", utilization=10.0, memory_used=1 << 30, memory_total=16 << 30, temperature=50.0,
-                temperature_slowdown=90.0, temperature_shutdown=95.0, power_draw=100.0, power_limit=300.0)
+    base = dict(
+        name="Fake GPU (test)",
+        utilization=10.0,
+        memory_used=1 << 30,
+        memory_total=16 << 30,
+        temperature=50.0,
+        temperature_slowdown=90.0,
+        temperature_shutdown=95.0,
+        power_draw=100.0,
+        power_limit=300.0,
+    )
     base.update(kw)
     return GPUInfo(index=index, **base)
 
@@ -43,7 +52,9 @@ def rig(tmp_path):
     bus = EventBus()
     events = []
     bus.subscribe(events.append)
-    monitor = ResourceMonitor(NodeInfo("node-t", disk_path=str(tmp_path)), gpu_source=StaticGPUSource(script), bus=bus, interval=0.1)
+    monitor = ResourceMonitor(
+        NodeInfo("node-t", disk_path=str(tmp_path)), gpu_source=StaticGPUSource(script), bus=bus, interval=0.1
+    )
     return script, monitor, events
 
 
@@ -52,8 +63,18 @@ def kinds(events, kind):
 
 
 def test_node_info_round_trips_exactly():
-    node = NodeInfo("n", "host", gpus=[gpu(0, throttle_reasons=["hw_slowdown"], processes=[{"pid": 1, "memory_used": 5}]), gpu(1, lost=True, xid_errors=[79])],
-                    cpu_percent=12.5, load_avg=[0.1, 0.2, 0.3], memory_total=10, memory_available=4)
+    node = NodeInfo(
+        "n",
+        "host",
+        gpus=[
+            gpu(0, throttle_reasons=["hw_slowdown"], processes=[{"pid": 1, "memory_used": 5}]),
+            gpu(1, lost=True, xid_errors=[79]),
+        ],
+        cpu_percent=12.5,
+        load_avg=[0.1, 0.2, 0.3],
+        memory_total=10,
+        memory_available=4,
+    )
     again = NodeInfo.from_dict(json.loads(json.dumps(node.to_dict())))
     assert again == node and again.to_dict() == node.to_dict()
 
@@ -87,7 +108,10 @@ def test_availability_follows_utilization_with_hysteresis(rig):
     for util in [10, 95, 85, 92, 75, 65, 80]:
         script.next = [gpu(utilization=util)]
         monitor.poll_once()
-    assert [e.type for e in events if e.type in (EventType.GPU_AVAILABLE, EventType.GPU_UNAVAILABLE)] == [EventType.GPU_UNAVAILABLE, EventType.GPU_AVAILABLE]
+    assert [e.type for e in events if e.type in (EventType.GPU_AVAILABLE, EventType.GPU_UNAVAILABLE)] == [
+        EventType.GPU_UNAVAILABLE,
+        EventType.GPU_AVAILABLE,
+    ]
 
 
 def test_power_limit(rig):
@@ -109,7 +133,9 @@ def test_gpu_memory_pressure(rig):
 
 def test_host_memory_pressure_from_real_readings(rig):
     _, monitor, events = rig
-    monitor.thresholds = Thresholds(memory_pressure_percent=0.0, memory_clear_percent=0.0)  # any real reading is "pressure"
+    monitor.thresholds = Thresholds(
+        memory_pressure_percent=0.0, memory_clear_percent=0.0
+    )  # any real reading is "pressure"
     monitor.poll_once()
     host = [e for e in kinds(events, EventType.MEMORY_PRESSURE) if e.data["scope"] == "host"]
     assert len(host) == 1 and host[0].data["percent"] > 0
@@ -183,7 +209,15 @@ def test_gpu_health_rules(reading, grade, words):
 
 
 def node_with(**kw) -> NodeInfo:
-    base = dict(cpu_percent=10.0, memory_total=100, memory_available=60, disk_total=100, disk_used=50, disk_free=50, disk_path="/")
+    base = dict(
+        cpu_percent=10.0,
+        memory_total=100,
+        memory_available=60,
+        disk_total=100,
+        disk_used=50,
+        disk_free=50,
+        disk_path="/",
+    )
     base.update(kw)
     return NodeInfo("node-h", **base)
 
@@ -207,7 +241,9 @@ def test_host_health_rules(kw, name, grade):
 def test_network_and_peer_rules():
     report = HealthChecker("n").check(node_with(), rtt=0.9, peers_lost=["gpu-2"])
     grades = {c.name: c.grade for c in report.checks}
-    assert grades["network"] is Grade.DEGRADED and grades["peers"] is Grade.UNHEALTHY and report.grade is Grade.UNHEALTHY
+    assert (
+        grades["network"] is Grade.DEGRADED and grades["peers"] is Grade.UNHEALTHY and report.grade is Grade.UNHEALTHY
+    )
     assert HealthChecker("n").check(node_with(), rtt=0.001, peers_lost=[]).grade is Grade.HEALTHY
 
 
@@ -220,11 +256,17 @@ def test_grade_changes_emit_degraded_changed_and_recovered():
     checker.check(node_with(gpus=[gpu(ecc_volatile_dbe=1)]))
     checker.check(node_with(gpus=[gpu(ecc_volatile_dbe=1)]))  # no change, no event
     checker.check(node_with(gpus=[gpu()]))
-    assert [e.type for e in events] == [EventType.HEALTH_CHANGED, EventType.NODE_DEGRADED, EventType.HEALTH_CHANGED, EventType.NODE_RECOVERED]
+    assert [e.type for e in events] == [
+        EventType.HEALTH_CHANGED,
+        EventType.NODE_DEGRADED,
+        EventType.HEALTH_CHANGED,
+        EventType.NODE_RECOVERED,
+    ]
     assert "double-bit" in events[0].data["message"]
 
 
 # -- NVML ---------------------------------------------------------------------------------
+
 
 def test_nvml_on_this_machine_reports_zero_gpus_with_a_reason():
     gpus, reason = NvmlSource().read()
@@ -261,18 +303,41 @@ class FakeNvml:
     def _unsupported(self, *a):
         raise self.NVMLError_NotSupported("Not Supported")
 
-    def nvmlInit(self): pass
-    def nvmlShutdown(self): pass
-    def nvmlDeviceGetCount(self): return 1
-    def nvmlDeviceGetHandleByIndex(self, i): return "h0"
-    def nvmlDeviceGetUUID(self, h): return b"GPU-fake"
-    def nvmlDeviceGetName(self, h): return b"Fake A100 (test)"
-    def nvmlDeviceGetTemperatureThreshold(self, h, kind): return 88 if kind == 1 else 93
-    def nvmlDeviceGetEnforcedPowerLimit(self, h): return 400_000
-    def nvmlDeviceGetMaxClockInfo(self, h, kind): return 1410
-    def nvmlEventSetCreate(self): return "set"
-    def nvmlDeviceRegisterEvents(self, h, kinds, s): pass
-    def nvmlEventSetFree(self, s): pass
+    def nvmlInit(self):
+        pass
+
+    def nvmlShutdown(self):
+        pass
+
+    def nvmlDeviceGetCount(self):
+        return 1
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return "h0"
+
+    def nvmlDeviceGetUUID(self, h):
+        return b"GPU-fake"
+
+    def nvmlDeviceGetName(self, h):
+        return b"Fake A100 (test)"
+
+    def nvmlDeviceGetTemperatureThreshold(self, h, kind):
+        return 88 if kind == 1 else 93
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, h):
+        return 400_000
+
+    def nvmlDeviceGetMaxClockInfo(self, h, kind):
+        return 1410
+
+    def nvmlEventSetCreate(self):
+        return "set"
+
+    def nvmlDeviceRegisterEvents(self, h, kinds, s):
+        pass
+
+    def nvmlEventSetFree(self, s):
+        pass
 
     def nvmlEventSetWait_v2(self, s, timeout):
         if not self.xids:
@@ -284,18 +349,40 @@ class FakeNvml:
             raise self.NVMLError_GpuIsLost("GPU is lost")
         return SimpleNamespace(used=4 << 30, total=40 << 30)
 
-    def nvmlDeviceGetUtilizationRates(self, h): return SimpleNamespace(gpu=55, memory=20)
-    def nvmlDeviceGetTemperature(self, h, kind): return 61
-    def nvmlDeviceGetPowerUsage(self, h): return 123_456
-    def nvmlDeviceGetClockInfo(self, h, kind): return 1200 if kind == 1 else 1215
-    def nvmlDeviceGetCurrentClocksEventReasons(self, h): return 0x1 | 0x40
-    def nvmlDeviceGetTotalEccErrors(self, h, kind, counter): return 2 if kind == 1 and counter == 0 else 0
+    def nvmlDeviceGetUtilizationRates(self, h):
+        return SimpleNamespace(gpu=55, memory=20)
+
+    def nvmlDeviceGetTemperature(self, h, kind):
+        return 61
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        return 123_456
+
+    def nvmlDeviceGetClockInfo(self, h, kind):
+        return 1200 if kind == 1 else 1215
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, h):
+        return 0x1 | 0x40
+
+    def nvmlDeviceGetTotalEccErrors(self, h, kind, counter):
+        return 2 if kind == 1 and counter == 0 else 0
+
     nvmlDeviceGetRetiredPages = nvmlDeviceGetRetiredPagesPendingStatus = _unsupported
-    def nvmlDeviceGetRemappedRows(self, h): return (1, 0, True, False)
-    def nvmlDeviceGetCurrPcieLinkGeneration(self, h): return 4
-    def nvmlDeviceGetCurrPcieLinkWidth(self, h): return 16
-    def nvmlDeviceGetPcieThroughput(self, h, kind): return 1000
-    def nvmlDeviceGetComputeRunningProcesses(self, h): return [SimpleNamespace(pid=42, usedGpuMemory=1 << 30)]
+
+    def nvmlDeviceGetRemappedRows(self, h):
+        return (1, 0, True, False)
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, h):
+        return 4
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, h):
+        return 16
+
+    def nvmlDeviceGetPcieThroughput(self, h, kind):
+        return 1000
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h):
+        return [SimpleNamespace(pid=42, usedGpuMemory=1 << 30)]
 
 
 def test_nvml_source_maps_readings_and_keeps_unsupported_ones_unknown():
@@ -317,6 +404,7 @@ def test_nvml_source_maps_readings_and_keeps_unsupported_ones_unknown():
 
 
 # -- history survives a restart --------------------------------------------------------------
+
 
 def test_history_store_survives_reopen_and_stays_bounded(tmp_path):
     path = tmp_path / "h.sqlite"

@@ -14,8 +14,8 @@ import textwrap
 import time
 
 import pytest
-
 from conftest import STRESS
+
 from genie_core.local_server import start_server_process, stop_process
 
 RATE_MBIT = 200
@@ -44,8 +44,44 @@ def hosts():
             ("ip", "-n", cli, "link", "set", f"v{tag}c", "up"),
             ("ip", "-n", srv, "link", "set", "lo", "up"),
             ("ip", "-n", cli, "link", "set", "lo", "up"),
-            ("ip", "netns", "exec", srv, "tc", "qdisc", "add", "dev", f"v{tag}s", "root", "tbf", "rate", f"{RATE_MBIT}mbit", "burst", "64kb", "latency", "100ms"),
-            ("ip", "netns", "exec", cli, "tc", "qdisc", "add", "dev", f"v{tag}c", "root", "tbf", "rate", f"{RATE_MBIT}mbit", "burst", "64kb", "latency", "100ms"),
+            (
+                "ip",
+                "netns",
+                "exec",
+                srv,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                f"v{tag}s",
+                "root",
+                "tbf",
+                "rate",
+                f"{RATE_MBIT}mbit",
+                "burst",
+                "64kb",
+                "latency",
+                "100ms",
+            ),
+            (
+                "ip",
+                "netns",
+                "exec",
+                cli,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                f"v{tag}c",
+                "root",
+                "tbf",
+                "rate",
+                f"{RATE_MBIT}mbit",
+                "burst",
+                "64kb",
+                "latency",
+                "100ms",
+            ),
         ]
         for step in steps:
             result = sh(*step)
@@ -60,10 +96,20 @@ def hosts():
 @contextlib.contextmanager
 def server_in(namespace: str, tmp_path, **env: str):
     """`genie serve` on SERVER_IP inside `namespace` (its log in tmp_path); yields its ConnectionInfo."""
-    full_env = dict(os.environ, GENIE_TOKEN="netns-" + os.urandom(8).hex(), GENIE_STATE_DIR=str(tmp_path / "state"), **env)
+    full_env = dict(
+        os.environ, GENIE_TOKEN="netns-" + os.urandom(8).hex(), GENIE_STATE_DIR=str(tmp_path / "state"), **env
+    )
     with open(tmp_path / "server.log", "w") as log:  # a file, not a pipe nobody reads
-        server, info, _ = start_server_process("--ip", SERVER_IP, "--port", "0", env=full_env, connection_file=tmp_path / "server.json",
-                                               stderr=log, prefix=("ip", "netns", "exec", namespace))
+        server, info, _ = start_server_process(
+            "--ip",
+            SERVER_IP,
+            "--port",
+            "0",
+            env=full_env,
+            connection_file=tmp_path / "server.json",
+            stderr=log,
+            prefix=("ip", "netns", "exec", namespace),
+        )
     try:
         yield info
     finally:
@@ -90,7 +136,10 @@ def test_discovery_across_a_rate_limited_link(hosts, tmp_path):
         start = time.monotonic()
         result = subprocess.run(
             ["ip", "netns", "exec", cli_ns, "unshare", "--mount", "sh", "-c", inner],
-            capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=os.getcwd()),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(os.environ, PYTHONPATH=os.getcwd()),
         )
         assert result.returncode == 0, result.stderr[-2000:]
         out = json.loads(result.stdout.strip().splitlines()[-1])
@@ -100,10 +149,14 @@ def test_discovery_across_a_rate_limited_link(hosts, tmp_path):
         tcp = report["tcp"]
         assert tcp["available"] and tcp["details"]["payload_mac"] is True  # off loopback: payloads are MACed
         link = RATE_MBIT * 1e6 / 8
-        assert 0.3 * link < tcp["bandwidth"] < 1.3 * link, f"measured {tcp['bandwidth'] / 1e6:.1f} MB/s on a {link / 1e6:.0f} MB/s link"
+        assert 0.3 * link < tcp["bandwidth"] < 1.3 * link, (
+            f"measured {tcp['bandwidth'] / 1e6:.1f} MB/s on a {link / 1e6:.0f} MB/s link"
+        )
         assert out["report"]["chosen"] in ("tcp", "zmq", "ucx")
-        print(f"\nnetns link {link / 1e6:.0f} MB/s: tcp measured {tcp['bandwidth'] / 1e6:.1f} MB/s, rtt {tcp['rtt_s'] * 1e3:.2f} ms; "
-              f"zmq {report['zmq']['bandwidth'] / 1e6:.1f} MB/s; chose {out['report']['chosen']}: {out['report']['reason']}")
+        print(
+            f"\nnetns link {link / 1e6:.0f} MB/s: tcp measured {tcp['bandwidth'] / 1e6:.1f} MB/s, rtt {tcp['rtt_s'] * 1e3:.2f} ms; "
+            f"zmq {report['zmq']['bandwidth'] / 1e6:.1f} MB/s; chose {out['report']['chosen']}: {out['report']['reason']}"
+        )
         assert time.monotonic() - start < 60
 
 
@@ -118,27 +171,51 @@ def test_round_trips_reflect_a_delayed_link(hosts, tmp_path):
     with server_in(srv_ns, tmp_path, GENIE_DATA_PORT="17100") as info:
         try:
             relay = subprocess.Popen(
-                ["ip", "netns", "exec", cli_ns, sys.executable, os.path.join(os.path.dirname(__file__), "delay_relay.py"),
-                 "17001", SERVER_IP, str(info.port), str(DELAY_S), "17002", SERVER_IP, "17100", str(DELAY_S)],
-                stdout=subprocess.PIPE, text=True,
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    cli_ns,
+                    sys.executable,
+                    os.path.join(os.path.dirname(__file__), "delay_relay.py"),
+                    "17001",
+                    SERVER_IP,
+                    str(info.port),
+                    str(DELAY_S),
+                    "17002",
+                    SERVER_IP,
+                    "17100",
+                    str(DELAY_S),
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
             )
             assert relay.stdout.readline().strip() == "relaying"
             script = tmp_path / "client.py"
-            script.write_text(textwrap.dedent("""
+            script.write_text(
+                textwrap.dedent("""
                 import json, sys, genie_core
                 state = genie_core.init_sync(sys.argv[1], token=sys.argv[2], timeout=20, data_port=17002, discovery_budget=2.0)
                 print(json.dumps(state.backend_report.to_dict()))
                 genie_core.shutdown()
-            """))
+            """)
+            )
             inner = f"mount -t tmpfs tmpfs /dev/shm && exec {sys.executable} {script} 127.0.0.1:17001 {info.token}"
-            result = subprocess.run(["ip", "netns", "exec", cli_ns, "unshare", "--mount", "sh", "-c", inner],
-                                    capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+            result = subprocess.run(
+                ["ip", "netns", "exec", cli_ns, "unshare", "--mount", "sh", "-c", inner],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                env=dict(os.environ, PYTHONPATH=os.getcwd()),
+            )
             assert result.returncode == 0, result.stderr[-2000:]
             report = {c["name"]: c for c in json.loads(result.stdout.strip().splitlines()[-1])["candidates"]}
             for name in ("tcp", "zmq"):
                 assert report[name]["available"], report[name]["reason"]
                 assert 2 * DELAY_S <= report[name]["rtt_s"] < 2 * DELAY_S + 0.05, (name, report[name]["rtt_s"])
-            print(f"\nrelay delay {DELAY_S * 1e3:.0f} ms each way: tcp rtt {report['tcp']['rtt_s'] * 1e3:.1f} ms, zmq rtt {report['zmq']['rtt_s'] * 1e3:.1f} ms")
+            print(
+                f"\nrelay delay {DELAY_S * 1e3:.0f} ms each way: tcp rtt {report['tcp']['rtt_s'] * 1e3:.1f} ms, zmq rtt {report['zmq']['rtt_s'] * 1e3:.1f} ms"
+            )
         finally:
             if relay is not None:
                 relay.kill()
@@ -211,27 +288,38 @@ def _run_partitioned(hosts, tmp_path, client_code: str, server_env: dict[str, st
             script.write_text(client_code)
             client = subprocess.Popen(
                 ["ip", "netns", "exec", cli_ns, sys.executable, str(script), f"{SERVER_IP}:{info.port}", info.token],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=os.getcwd()),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=dict(os.environ, PYTHONPATH=os.getcwd()),
             )
             seen: list[str] = []
             for _ in range(200):  # bounded: the cuts, the heals, the result (and whatever else it prints)
                 line = client.stdout.readline().strip()
                 seen.append(line)
                 if line == "cut":
-                    r = subprocess.run(["ip", "netns", "exec", cli_ns, "nft", "-f", "-"], input=PARTITION.format(ip=SERVER_IP),
-                                       capture_output=True, text=True, timeout=10)
+                    r = subprocess.run(
+                        ["ip", "netns", "exec", cli_ns, "nft", "-f", "-"],
+                        input=PARTITION.format(ip=SERVER_IP),
+                        capture_output=True,
+                        text=True,
+                        timeout=10,
+                    )
                     assert r.returncode == 0, r.stderr
                 elif line == "heal":
                     r = sh("ip", "netns", "exec", cli_ns, "nft", "delete", "table", "inet", "genie_partition")
                     assert r.returncode == 0, r.stderr
                 elif line.startswith("RESULT "):
-                    return json.loads(line[len("RESULT "):])
+                    return json.loads(line[len("RESULT ") :])
                 elif not line and client.poll() is not None:
                     break
                 if line in ("cut", "heal"):
                     client.stdin.write("done\n")
                     client.stdin.flush()
-            raise AssertionError((seen[-20:], client.stderr.read()[-6000:] if client.poll() is not None else "no result"))
+            raise AssertionError(
+                (seen[-20:], client.stderr.read()[-6000:] if client.poll() is not None else "no result")
+            )
         finally:
             if client is not None and client.poll() is None:
                 client.kill()
@@ -253,14 +341,29 @@ def test_partition_then_heal_runs_each_cell_once_and_says_so(hosts, tmp_path):
         assert "whether it ran is reported" in r["message"], r["message"]
         assert r["recovered_s"] is not None and r["state"] == "finished" and r["status"] == "ok", r
         assert "ran " in r["output"] and "ran on the server after all and finished ok" in r["describe"], r
-    print("\npartition: " + "; ".join(f"{k}: lost after {v['detected_s']:.1f} s, back {v['recovered_s']:.1f} s after the heal, "
-                                      f"outcome known after {v['settled_s']:.1f} s" for k, v in result.items() if k != "runs"))
+    print(
+        "\npartition: "
+        + "; ".join(
+            f"{k}: lost after {v['detected_s']:.1f} s, back {v['recovered_s']:.1f} s after the heal, "
+            f"outcome known after {v['settled_s']:.1f} s"
+            for k, v in result.items()
+            if k != "runs"
+        )
+    )
     section = "Network partition (nftables drops all packets between two namespaces, then the link heals)"
     for case, what in (("sent_during", "cell sent while cut"), ("running_when_cut", "cell running when cut")):
         r = result[case]
-        record(section, what, f"ConnectionLost after {r['detected_s']:.1f} s; connected again {r['recovered_s']:.1f} s "
-                              f"after the heal; outcome known {r['settled_s']:.1f} s after it: {r['state']} {r['status']}")
-    record(section, "executions of the two cut-off cells", f"{len(result['runs'])} (each ran once: {', '.join(sorted(result['runs']))})")
+        record(
+            section,
+            what,
+            f"ConnectionLost after {r['detected_s']:.1f} s; connected again {r['recovered_s']:.1f} s "
+            f"after the heal; outcome known {r['settled_s']:.1f} s after it: {r['state']} {r['status']}",
+        )
+    record(
+        section,
+        "executions of the two cut-off cells",
+        f"{len(result['runs'])} (each ran once: {', '.join(sorted(result['runs']))})",
+    )
 
 
 EXPIRY_CLIENT = textwrap.dedent("""
@@ -308,13 +411,19 @@ EXPIRY_CLIENT = textwrap.dedent("""
 def test_a_partition_longer_than_the_lease_ends_the_session_and_says_what_ran(hosts, tmp_path):
     result = _run_partitioned(hosts, tmp_path, EXPIRY_CLIENT, {"GENIE_SESSION_LEASE": "2"})
     assert result["running"]["state"] == "stopped", result["running"]["describe"]
-    assert "was running on the server and was stopped part-way when the server ended the session" in result["running"]["describe"]
+    assert (
+        "was running on the server and was stopped part-way when the server ended the session"
+        in result["running"]["describe"]
+    )
     assert result["queued"]["state"] == "not run", result  # it reached the server after the session ended: refused
     assert "did not run" in result["queued"]["describe"], result
     assert "%genie_init" in result["after"], result["after"]
     assert result["fresh"] == ["NameError"]  # a new session: nothing of the old one, and nothing ran twice
     from reliability import record
 
-    record("Network partition (nftables drops all packets between two namespaces, then the link heals)",
-           "partition longer than the session lease (2 s)", "the running cell reported stopped part-way, the cell sent into "
-           "the cut reported not run; the next request says to run %genie_init, which starts a fresh session")
+    record(
+        "Network partition (nftables drops all packets between two namespaces, then the link heals)",
+        "partition longer than the session lease (2 s)",
+        "the running cell reported stopped part-way, the cell sent into "
+        "the cut reported not run; the next request says to run %genie_init, which starts a fresh session",
+    )

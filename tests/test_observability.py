@@ -9,8 +9,8 @@ import sys
 import time
 
 import pytest
-
 from conftest import run, start_server, wait_until
+
 from genie_core.client import Client
 from genie_core.config import ClusterConfig
 from genie_core.events import EventType
@@ -23,10 +23,21 @@ from genie_core.server import Server
 def injected(tmp_path):
     """An in-process server whose GPU readings the test sets (StaticGPUSource: a labelled fake),
     reached by a real client over TCP."""
-    readings = {"gpus": [GPUInfo(0, name="Fake GPU (test)", utilization=5.0, temperature=50.0, temperature_slowdown=90.0)]}
-    config = ClusterConfig.resolve(node_role="server", master_port=0, token="obs-token", gpu_poll_interval=0.1,
-                                   health_check_interval=0.1, state_dir=str(tmp_path), node_id="obs-node")
-    server = Server(config, gpu_source=StaticGPUSource(lambda: readings["gpus"]), spare_workers=0).start().start_in_thread()
+    readings = {
+        "gpus": [GPUInfo(0, name="Fake GPU (test)", utilization=5.0, temperature=50.0, temperature_slowdown=90.0)]
+    }
+    config = ClusterConfig.resolve(
+        node_role="server",
+        master_port=0,
+        token="obs-token",
+        gpu_poll_interval=0.1,
+        health_check_interval=0.1,
+        state_dir=str(tmp_path),
+        node_id="obs-node",
+    )
+    server = (
+        Server(config, gpu_source=StaticGPUSource(lambda: readings["gpus"]), spare_workers=0).start().start_in_thread()
+    )
     client = Client("127.0.0.1", server.port, "obs-token", timeout=10).connect()
     yield readings, server, client
     client.close()
@@ -39,11 +50,20 @@ def test_server_events_and_snapshots_reach_the_client(injected):
     client.events.subscribe(seen.append)
     assert wait_until(lambda: client.metrics is not None and client.server_health is not None, 5)
     assert client.metrics.gpus[0].name == "Fake GPU (test)" and client.metrics.memory_total > 0
-    readings["gpus"] = [GPUInfo(0, name="Fake GPU (test)", utilization=5.0, temperature=89.0, temperature_slowdown=90.0, ecc_volatile_dbe=2)]
-    assert wait_until(lambda: {EventType.GPU_OVERHEATED, EventType.HEALTH_CHANGED, EventType.NODE_DEGRADED} <= {e.type for e in seen}, 5)
+    readings["gpus"] = [
+        GPUInfo(
+            0, name="Fake GPU (test)", utilization=5.0, temperature=89.0, temperature_slowdown=90.0, ecc_volatile_dbe=2
+        )
+    ]
+    assert wait_until(
+        lambda: {EventType.GPU_OVERHEATED, EventType.HEALTH_CHANGED, EventType.NODE_DEGRADED} <= {e.type for e in seen},
+        5,
+    )
     assert wait_until(lambda: client.health.grade is Grade.UNHEALTHY, 5)
     assert any("double-bit" in r for r in client.health.reasons)
-    readings["gpus"] = [GPUInfo(0, name="Fake GPU (test)", utilization=5.0, temperature=50.0, temperature_slowdown=90.0)]
+    readings["gpus"] = [
+        GPUInfo(0, name="Fake GPU (test)", utilization=5.0, temperature=50.0, temperature_slowdown=90.0)
+    ]
     assert wait_until(lambda: EventType.NODE_RECOVERED in {e.type for e in seen}, 5)
     assert wait_until(lambda: client.health.grade is Grade.HEALTHY, 5)
 
@@ -54,7 +74,9 @@ def test_client_side_events(injected):
     types = [e.type for e in client.events.history()]
     assert types[:2] == [EventType.CONNECTED, EventType.BACKEND_SELECTED]
     backend = client.events.history(["BACKEND_SELECTED"])[0]
-    assert backend.data["backend"] in ("shm", "tcp", "zmq") and backend.data["report"]["chosen"] == backend.data["backend"]
+    assert (
+        backend.data["backend"] in ("shm", "tcp", "zmq") and backend.data["report"]["chosen"] == backend.data["backend"]
+    )
     assert "/s" in backend.message
     other = Client("127.0.0.1", server.port, "obs-token", timeout=10).connect()
     other.close()
@@ -78,8 +100,19 @@ def test_status_json_against_a_real_server(tmp_path):
         run(user, "x = 1")
         time.sleep(1.2)
         result = subprocess.run(
-            [sys.executable, "-m", "genie_core", "status", f"127.0.0.1:{srv.info.port}", "--token", srv.info.token, "--json"],
-            capture_output=True, text=True, timeout=30,
+            [
+                sys.executable,
+                "-m",
+                "genie_core",
+                "status",
+                f"127.0.0.1:{srv.info.port}",
+                "--token",
+                srv.info.token,
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
         )
         assert result.returncode == 0, result.stderr
         info = json.loads(result.stdout)
@@ -100,9 +133,17 @@ def test_status_text_and_top_with_simulated_gpus(tmp_path):
     try:
         env = dict(os.environ, GENIE_TOKEN=srv.info.token, COLUMNS="160")
         addr = f"127.0.0.1:{srv.info.port}"
-        text = subprocess.run([sys.executable, "-m", "genie_core", "status", addr], capture_output=True, text=True, timeout=30, env=env).stdout
+        text = subprocess.run(
+            [sys.executable, "-m", "genie_core", "status", addr], capture_output=True, text=True, timeout=30, env=env
+        ).stdout
         assert "health" in text and "SIMULATED" in text and "Simulated GPU 1 (fake)" in text
-        top = subprocess.run([sys.executable, "-m", "genie_core", "top", addr, "--iterations", "3"], capture_output=True, text=True, timeout=30, env=env)
+        top = subprocess.run(
+            [sys.executable, "-m", "genie_core", "top", addr, "--iterations", "3"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=env,
+        )
         assert top.returncode == 0 and "°C" in top.stdout
     finally:
         srv.stop()
@@ -110,7 +151,9 @@ def test_status_text_and_top_with_simulated_gpus(tmp_path):
 
 def test_status_without_a_server_is_one_clear_line(tmp_path):
     env = dict(os.environ, GENIE_RUNTIME_DIR=str(tmp_path))
-    result = subprocess.run([sys.executable, "-m", "genie_core", "status"], capture_output=True, text=True, timeout=30, env=env)
+    result = subprocess.run(
+        [sys.executable, "-m", "genie_core", "status"], capture_output=True, text=True, timeout=30, env=env
+    )
     assert result.returncode == 2 and "no running genie server" in result.stderr and "Traceback" not in result.stderr
 
 

@@ -10,9 +10,8 @@ import time
 
 import psutil
 import pytest
-from jupyter_client.manager import start_new_kernel
-
 from conftest import STRESS, run, start_server, stdout_of, wait_until
+from jupyter_client.manager import start_new_kernel
 from reliability import record
 
 HOLD = "import os, subprocess, torch\nheld = torch.ones(64 << 20)\nchild = subprocess.Popen(['sleep', '600'])\nprint(os.getpid(), child.pid)"
@@ -41,11 +40,15 @@ def test_a_sigkilled_server_leaves_no_worker_behind(tmp_path):
         assert worker in workers and len(workers) >= 2
         srv.proc.kill()
         killed = time.monotonic()
-        assert wait_until(lambda: all(_gone(p) for p in [*workers, child]), timeout=2.0), \
-            [p for p in [*workers, child] if not _gone(p)]
+        assert wait_until(lambda: all(_gone(p) for p in [*workers, child]), timeout=2.0), [
+            p for p in [*workers, child] if not _gone(p)
+        ]
         took = time.monotonic() - killed
-        record("No orphans", "server SIGKILLed, its session holding 256 MiB and a child process",
-               f"{len(workers)} workers and the cell's child ended {took:.3f} s later")
+        record(
+            "No orphans",
+            "server SIGKILLed, its session holding 256 MiB and a child process",
+            f"{len(workers)} workers and the cell's child ended {took:.3f} s later",
+        )
     finally:
         client.close(notify=False)
         srv.stop()
@@ -57,7 +60,9 @@ def test_a_worker_that_ignores_sigio_still_ends_with_its_server(tmp_path):
     srv = start_server(tmp_path)
     client = srv.client()
     try:
-        worker = int(stdout_of(run(client, "import os, signal\nsignal.signal(signal.SIGIO, signal.SIG_IGN)\nprint(os.getpid())")))
+        worker = int(
+            stdout_of(run(client, "import os, signal\nsignal.signal(signal.SIGIO, signal.SIG_IGN)\nprint(os.getpid())"))
+        )
         srv.proc.kill()
         assert wait_until(lambda: _gone(worker), timeout=3.0)  # its own check of its parent, once a second
     finally:
@@ -72,7 +77,9 @@ def test_the_start_up_sweep_ends_workers_whose_server_is_gone(tmp_path):
     srv = start_server(tmp_path)
     client = srv.client()
     try:
-        worker = int(stdout_of(run(client, "import os, signal\nsignal.signal(signal.SIGIO, signal.SIG_IGN)\nprint(os.getpid())")))
+        worker = int(
+            stdout_of(run(client, "import os, signal\nsignal.signal(signal.SIGIO, signal.SIG_IGN)\nprint(os.getpid())"))
+        )
         os.kill(worker, signal.SIGSTOP)  # no thread of it can run: only someone else can end it
         srv.proc.kill()
         time.sleep(0.5)
@@ -109,8 +116,11 @@ def test_a_sigkilled_kernel_takes_its_embedded_server_and_workers_along(tmp_path
         killed = time.monotonic()
         assert wait_until(lambda: all(_gone(p) for p in everyone), timeout=2.0), [p for p in everyone if not _gone(p)]
         took = time.monotonic() - killed
-        record("No orphans", "kernel SIGKILLed with an embedded server whose session held 256 MiB",
-               f"server, {len(everyone) - 2} workers and the cell's child ended {took:.3f} s later")
+        record(
+            "No orphans",
+            "kernel SIGKILLed with an embedded server whose session held 256 MiB",
+            f"server, {len(everyone) - 2} workers and the cell's child ended {took:.3f} s later",
+        )
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)

@@ -8,9 +8,18 @@ from genie_core.protocol import Codec, Message, derive_key
 
 def test_round_trip_keeps_content_and_buffers():
     codec = Codec(derive_key("secret"))
-    msg = Message("execute", {"code": "x = 1"}, [b"\x00\x01raw", memoryview(bytearray(b"abc"))], parent="p", session="s", seq=7)
+    msg = Message(
+        "execute", {"code": "x = 1"}, [b"\x00\x01raw", memoryview(bytearray(b"abc"))], parent="p", session="s", seq=7
+    )
     out = codec.unpack(codec.pack(msg))
-    assert (out.type, out.content, out.parent, out.session, out.seq, out.id) == ("execute", {"code": "x = 1"}, "p", "s", 7, msg.id)
+    assert (out.type, out.content, out.parent, out.session, out.seq, out.id) == (
+        "execute",
+        {"code": "x = 1"},
+        "p",
+        "s",
+        7,
+        msg.id,
+    )
     assert [bytes(b) for b in out.buffers] == [b"\x00\x01raw", b"abc"]
 
 
@@ -36,14 +45,21 @@ HEADER = b'{"id":"i","type":"ping","parent":"","session":"s","seq":1,"time":0.0}
 
 @pytest.mark.parametrize(
     "frames, why",
-    [([], "frames"), ([b"genie/2"], "frames"), ([b"genie/2", b"", HEADER], "frames"),
-     ([b"nope/9", b"", HEADER, b"{}"], "unknown protocol"), ([b"genie/1", b"", HEADER, b"{}"], "unknown protocol"),
-     ([b"a", b"", HEADER, b"{}"], "unknown protocol"), ([b"zzzzzzz", b"", HEADER, b"{}"], "unknown protocol"),
-     ([b"genie/2", b"", b"not json", b"{}"], "malformed"), ([b"genie/2", b"", b"[]", b"{}"], "malformed"),
-     ([b"genie/2", b"", HEADER, b"[]"], "malformed"),
-     ([b"genie/2", b"", HEADER.replace(b',"seq":1', b""), b"{}"], "malformed"),  # every header field is required
-     ([b"genie/2", b"", HEADER.replace(b',"time":0.0', b""), b"{}"], "malformed"),
-     ([b"genie/2", b"", HEADER.replace(b'"seq":1', b'"seq":"x"'), b"{}"], "malformed")],
+    [
+        ([], "frames"),
+        ([b"genie/2"], "frames"),
+        ([b"genie/2", b"", HEADER], "frames"),
+        ([b"nope/9", b"", HEADER, b"{}"], "unknown protocol"),
+        ([b"genie/1", b"", HEADER, b"{}"], "unknown protocol"),
+        ([b"a", b"", HEADER, b"{}"], "unknown protocol"),
+        ([b"zzzzzzz", b"", HEADER, b"{}"], "unknown protocol"),
+        ([b"genie/2", b"", b"not json", b"{}"], "malformed"),
+        ([b"genie/2", b"", b"[]", b"{}"], "malformed"),
+        ([b"genie/2", b"", HEADER, b"[]"], "malformed"),
+        ([b"genie/2", b"", HEADER.replace(b',"seq":1', b""), b"{}"], "malformed"),  # every header field is required
+        ([b"genie/2", b"", HEADER.replace(b',"time":0.0', b""), b"{}"], "malformed"),
+        ([b"genie/2", b"", HEADER.replace(b'"seq":1', b'"seq":"x"'), b"{}"], "malformed"),
+    ],
 )
 def test_malformed_messages_raise_protocol_error(frames, why):
     with pytest.raises(ProtocolError, match=why):
@@ -108,7 +124,13 @@ def test_values_the_client_did_not_ask_to_unpickle_are_refused():
 
     metas, buffers = serialize_namespace({"n": 3, "x": 2.5, "s": "ok", "none": None, "flag": True})
     assert all(m["kind"] == "plain" for m in metas) and buffers == []  # plain values travel as JSON
-    assert deserialize_namespace(metas, buffers, allow_pickle=False) == {"n": 3, "x": 2.5, "s": "ok", "none": None, "flag": True}
+    assert deserialize_namespace(metas, buffers, allow_pickle=False) == {
+        "n": 3,
+        "x": 2.5,
+        "s": "ok",
+        "none": None,
+        "flag": True,
+    }
     metas, buffers = serialize_namespace({"evil": {"a": 1}})
     assert metas[0]["kind"] == "pickle"
     with pytest.raises(ProtocolError, match="refused a pickled object for 'evil'"):
@@ -128,10 +150,20 @@ def test_the_wire_format_is_fixed_known_answers():
     assert key == hmac.new(b"known-answer-token", b"genie message signing v1", hashlib.sha256).digest()
     assert key.hex() == "0d9228c02d8fc77322ce7d5b536943131c38edebd536242618aee149a5803780"
     big = bytes(range(256)) * (9 * 4096)  # 9 MiB: chunks of 4, 4 and 1 MiB
-    msg = Message("execute", {"code": "x = 1"}, [big, b"tail"], parent="p", session="s", seq=7,
-                  id="0123456789abcdef01234567", time=1700000000.0)
+    msg = Message(
+        "execute",
+        {"code": "x = 1"},
+        [big, b"tail"],
+        parent="p",
+        session="s",
+        seq=7,
+        id="0123456789abcdef01234567",
+        time=1700000000.0,
+    )
     frames = Codec(key).pack(msg)
-    header = b'{"id":"0123456789abcdef01234567","type":"execute","parent":"p","session":"s","seq":7,"time":1700000000.0}'
+    header = (
+        b'{"id":"0123456789abcdef01234567","type":"execute","parent":"p","session":"s","seq":7,"time":1700000000.0}'
+    )
     assert bytes(frames[0]) == b"genie/2" and bytes(frames[2]) == header and bytes(frames[3]) == b'{"code":"x = 1"}'
     mac = hmac.new(key, digestmod=hashlib.sha256)
     for part in (header, b'{"code":"x = 1"}'):
@@ -145,17 +177,27 @@ def test_the_wire_format_is_fixed_known_answers():
 
 def test_the_message_table_says_who_sends_what():
     """Spot checks of the one table every side reads (genie_core/protocol/messages.py)."""
-    from genie_core.protocol import RUNS, TERMINAL, MessageType as T, Peer, accepted_from, for_worker, parse
+    from genie_core.protocol import RUNS, TERMINAL, Peer, accepted_from, for_worker, parse
+    from genie_core.protocol import MessageType as T
 
     assert accepted_from(Peer.HEARTBEAT) == {T.PING}
-    assert RUNS == {T.EXECUTE, T.PUSH, T.PULL, T.TENSOR_OPS}
-    assert TERMINAL == {t for t in T if t.value.endswith("_reply")} | {T.WELCOME, T.AUTH_FAILED, T.PONG}
+    assert {T.EXECUTE, T.PUSH, T.PULL, T.TENSOR_OPS} == RUNS
+    assert {t for t in T if t.value.endswith("_reply")} | {T.WELCOME, T.AUTH_FAILED, T.PONG} == TERMINAL
     assert parse("execute", Peer.CLIENT) is T.EXECUTE and parse("execute", Peer.HEARTBEAT) is None
     assert parse("welcome", Peer.CLIENT) is None and parse("welcome", Peer.SERVER) is T.WELCOME
     assert parse("ready", Peer.WORKER) is T.READY and parse("ready", Peer.CLIENT) is None
-    assert parse("event", Peer.WORKER) is None and parse("_on_event", Peer.CLIENT) is None and parse("", Peer.CLIENT) is None
+    assert (
+        parse("event", Peer.WORKER) is None
+        and parse("_on_event", Peer.CLIENT) is None
+        and parse("", Peer.CLIENT) is None
+    )
     assert {for_worker(t) for t in ("execute", "push", "pull", "tensor_ops", "interrupt")} == {
-        T.EXECUTE, T.PUSH, T.PULL, T.TENSOR_OPS, T.INTERRUPT}
+        T.EXECUTE,
+        T.PUSH,
+        T.PULL,
+        T.TENSOR_OPS,
+        T.INTERRUPT,
+    }
     assert for_worker("info") is None and for_worker("close") is None and for_worker("nope") is None
 
 
@@ -185,7 +227,11 @@ def test_sequence_numbers_must_rise_per_connection():
     from genie_core.server.sessions import Session
 
     session = Session(b"control", {}, -1, heartbeat_identity=b"beat")
-    assert session.peer(b"control") is Peer.CLIENT and session.peer(b"beat") is Peer.HEARTBEAT and session.peer(b"x") is None
+    assert (
+        session.peer(b"control") is Peer.CLIENT
+        and session.peer(b"beat") is Peer.HEARTBEAT
+        and session.peer(b"x") is None
+    )
     assert session.accept_seq(b"control", 0) and session.accept_seq(b"control", 5)
     assert not session.accept_seq(b"control", 5) and not session.accept_seq(b"control", 4)
     assert session.accept_seq(b"beat", 1)  # each connection counts on its own

@@ -99,10 +99,14 @@ def test_forward_matches_cpu(remote, cls, shape):
     assert torch.equal(model(inp.to(DEV)).cpu(), local(inp))
 
 
-@pytest.mark.parametrize("make_opt", [
-    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
-    lambda p: torch.optim.Adam(p, lr=1e-2),
-], ids=["sgd-momentum", "adam"])
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        lambda p: torch.optim.Adam(p, lr=1e-2),
+    ],
+    ids=["sgd-momentum", "adam"],
+)
 def test_training_steps_match_cpu(remote, make_opt):
     local, model = twins(CNN)
     opt_local, opt = make_opt(local.parameters()), make_opt(model.parameters())  # built after .to(), as with CUDA
@@ -183,7 +187,16 @@ def test_values_for_python(remote):
 
 
 def test_dtypes_round_trip_bit_exact(remote):
-    for dtype in (torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int64, torch.uint8, torch.bool, torch.complex64):
+    for dtype in (
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.int8,
+        torch.int64,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+    ):
         t = (torch.randn(33, 7) * 50).to(dtype) if not dtype.is_complex else torch.randn(5, dtype=dtype)
         back = t.to(DEV).cpu()
         assert back.dtype == dtype and torch.equal(back, t), dtype
@@ -235,9 +248,17 @@ def test_every_way_of_making_a_tensor(remote):
         "arange": torch.arange(5, device=DEV),
     }
     expected = {
-        "tensor": ref, "tensor-empty": torch.tensor([]), "tensor-scalar": torch.tensor(3.5), "tensor-int": torch.tensor([1, 2]),
-        "tensor-dtype": torch.tensor([1, 2], dtype=torch.float16), "new_tensor": ref, "as_tensor": ref, "from_numpy": ref,
-        "zeros_like": torch.zeros(2, 2), "full": torch.full((2, 2), 7), "arange": torch.arange(5),
+        "tensor": ref,
+        "tensor-empty": torch.tensor([]),
+        "tensor-scalar": torch.tensor(3.5),
+        "tensor-int": torch.tensor([1, 2]),
+        "tensor-dtype": torch.tensor([1, 2], dtype=torch.float16),
+        "new_tensor": ref,
+        "as_tensor": ref,
+        "from_numpy": ref,
+        "zeros_like": torch.zeros(2, 2),
+        "full": torch.full((2, 2), 7),
+        "arange": torch.arange(5),
     }
     for name, t in made.items():
         assert t.device == torch.device(DEV), name
@@ -255,13 +276,37 @@ def test_remote_to_remote_copies(remote):
     assert torch.equal(c.cpu(), torch.tensor([3.0, 4.0, 5.0]))
 
 
-@pytest.mark.parametrize("change", [
-    lambda t: t.t_(), lambda t: t.transpose_(0, 1), lambda t: t.unsqueeze_(1), lambda t: t.unsqueeze_(0).squeeze_(0),
-    lambda t: t.squeeze_(), lambda t: t.resize_(2, 2), lambda t: t.resize_(5, 5), lambda t: t.as_strided_((2, 2), (1, 3), 1),
-    lambda t: t.set_(t.untyped_storage(), 2, (2, 3), (1, 2)), lambda t: t.set_(), lambda t: t.swapdims_(0, 1),
-    lambda t: t.resize_as_(torch.empty(1, 6)),
-], ids=["t_", "transpose_", "unsqueeze_", "squeeze_dim", "squeeze_", "resize_smaller", "resize_larger", "as_strided_", "set_storage",
-        "set_empty", "swapdims_", "resize_as_"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda t: t.t_(),
+        lambda t: t.transpose_(0, 1),
+        lambda t: t.unsqueeze_(1),
+        lambda t: t.unsqueeze_(0).squeeze_(0),
+        lambda t: t.squeeze_(),
+        lambda t: t.resize_(2, 2),
+        lambda t: t.resize_(5, 5),
+        lambda t: t.as_strided_((2, 2), (1, 3), 1),
+        lambda t: t.set_(t.untyped_storage(), 2, (2, 3), (1, 2)),
+        lambda t: t.set_(),
+        lambda t: t.swapdims_(0, 1),
+        lambda t: t.resize_as_(torch.empty(1, 6)),
+    ],
+    ids=[
+        "t_",
+        "transpose_",
+        "unsqueeze_",
+        "squeeze_dim",
+        "squeeze_",
+        "resize_smaller",
+        "resize_larger",
+        "as_strided_",
+        "set_storage",
+        "set_empty",
+        "swapdims_",
+        "resize_as_",
+    ],
+)
 def test_in_place_shape_changes_are_recorded(remote, change):
     base = torch.arange(12.0).reshape(3, 4)
     local, r = base.clone(), base.clone().to(DEV)
@@ -293,7 +338,9 @@ def test_save_and_load_like_cuda(remote, tmp_path):
     on_device = torch.load(path)  # weights_only=True, PyTorch's default
     assert on_device["x"].device == torch.device(DEV) and torch.equal(on_device["x"].cpu(), torch.arange(4.0))
     for name, value in model.state_dict().items():
-        assert on_device["model"][name].device == torch.device(DEV) and torch.equal(on_device["model"][name].cpu(), value.cpu()), name
+        assert on_device["model"][name].device == torch.device(DEV) and torch.equal(
+            on_device["model"][name].cpu(), value.cpu()
+        ), name
     on_cpu = torch.load(path, map_location="cpu")
     assert type(on_cpu["x"]) is torch.Tensor and on_cpu["x"].device.type == "cpu"
     assert torch.equal(on_cpu["opt"]["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"].cpu())
@@ -322,7 +369,12 @@ def test_deepcopy_of_a_remote_model_stays_remote(remote):
     local, model = twins(MLP)
     twin = copy.deepcopy(model)
     for p, q in zip(model.parameters(), twin.parameters()):
-        assert isinstance(q, nn.Parameter) and q.device == torch.device(DEV) and q is not p and torch.equal(p.cpu(), q.cpu())
+        assert (
+            isinstance(q, nn.Parameter)
+            and q.device == torch.device(DEV)
+            and q is not p
+            and torch.equal(p.cpu(), q.cpu())
+        )
     with torch.no_grad():
         next(twin.parameters()).add_(1)
     assert torch.equal(next(model.parameters()).cpu(), next(local.parameters()))
@@ -384,8 +436,12 @@ def test_a_failure_during_backward_is_raised_later_not_fatal(remote, tmp_path):
 
     script = tmp_path / "backward_failure.py"
     script.write_text(_BACKWARD_FAILURE)
-    done = subprocess.run([sys.executable, str(script), f"127.0.0.1:{remote.info.port}", remote.info.token],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(script), f"127.0.0.1:{remote.info.port}", remote.info.token],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "raised: aten.cos.default failed during backward: RuntimeError: no cos today" in done.stdout
     assert "raised: the hook <lambda> failed during backward: ZeroDivisionError" in done.stdout

@@ -11,8 +11,8 @@ import psutil
 import pytest
 import torch
 import zmq
-
 from conftest import STRESS, plain, run, start_server, stdout_of, wait_until
+
 from genie_core.client import Client
 from genie_core.errors import AuthenticationError, ConnectionFailed, ConnectionLost, RemoteError, WorkerDied
 from genie_core.protocol import Codec, Message, derive_key
@@ -46,7 +46,10 @@ def test_remote_exception_comes_back_with_its_traceback(client):
 
 
 def test_magics_shell_commands_and_rich_output_work_remotely(client):
-    replies = run(client, "%time y = sum(range(10))\n!echo from-a-shell\nfrom IPython.display import HTML, display\ndisplay(HTML('<b>hi</b>'))")
+    replies = run(
+        client,
+        "%time y = sum(range(10))\n!echo from-a-shell\nfrom IPython.display import HTML, display\ndisplay(HTML('<b>hi</b>'))",
+    )
     out = stdout_of(replies)
     assert "Wall time" in out and "from-a-shell" in out
     assert any(t == "display_data" and c["data"]["text/html"] == "<b>hi</b>" for t, c in replies)
@@ -74,7 +77,9 @@ def test_wrong_token_is_an_authentication_error_and_runs_nothing(server, tmp_pat
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.connect(f"tcp://127.0.0.1:{server.info.port}")
-    sock.send_multipart(Codec(derive_key("wrong")).pack(Message("execute", {"code": f"open({str(marker)!r}, 'w')"}, session="x", seq=1)))
+    sock.send_multipart(
+        Codec(derive_key("wrong")).pack(Message("execute", {"code": f"open({str(marker)!r}, 'w')"}, session="x", seq=1))
+    )
     time.sleep(0.5)
     sock.close(0)
     assert not marker.exists()
@@ -109,7 +114,10 @@ def test_garbage_and_unsigned_frames_are_dropped_and_the_server_keeps_serving(se
     sock.connect(f"tcp://127.0.0.1:{server.info.port}")
     rng = np.random.default_rng(0)
     junk = [
-        [b""], [b"genie/2"], [b"genie/2", b"sig"], [b"genie/2", b"", b"{", b"}"],
+        [b""],
+        [b"genie/2"],
+        [b"genie/2", b"sig"],
+        [b"genie/2", b"", b"{", b"}"],
         Codec(None).pack(Message("execute", {"code": "1"}, session=client.session, seq=10**9)),
         Codec(None).pack(Message("hello")),
     ] + [[rng.bytes(int(n)) for n in rng.integers(0, 64, size=4)] for _ in range(200)]
@@ -174,7 +182,11 @@ def test_worker_crash_fails_the_cell_with_the_cause_and_the_session_recovers(cli
     took = time.monotonic() - start
     replies = run(client, "print('fresh worker', 'x' in globals())")
     assert stdout_of(replies) == "fresh worker False\n"
-    record("Worker crashes", request.node.callspec.id, f"WorkerDied ({cause}) after {took:.2f} s; next cell ran on a fresh worker")
+    record(
+        "Worker crashes",
+        request.node.callspec.id,
+        f"WorkerDied ({cause}) after {took:.2f} s; next cell ran on a fresh worker",
+    )
 
 
 @pytest.mark.repeat(STRESS)
@@ -302,8 +314,20 @@ def test_missing_gpu_is_a_clear_error(client):
         run(client, "1", gpu=3)
 
 
-DTYPES = [torch.float16, torch.float32, torch.float64, torch.bfloat16, torch.int8, torch.int16, torch.int32,
-          torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+DTYPES = [
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.bfloat16,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+]
 
 
 def test_push_pull_tensors_bit_exact(client):
@@ -320,7 +344,10 @@ def test_push_pull_tensors_bit_exact(client):
     back = client.pull(list(values))
     for name, t in values.items():
         assert back[name].dtype == t.dtype and back[name].shape == t.shape, name
-        assert torch.equal(back[name].view(-1).view(torch.uint8) if t.numel() else back[name], t.contiguous().view(-1).view(torch.uint8) if t.numel() else t), name
+        assert torch.equal(
+            back[name].view(-1).view(torch.uint8) if t.numel() else back[name],
+            t.contiguous().view(-1).view(torch.uint8) if t.numel() else t,
+        ), name
 
 
 def test_push_pull_arrays_and_python_objects(client):

@@ -3,9 +3,9 @@ error but the interrupts asked for, and the server's memory, descriptors, thread
 memory flat after the warm-up."""
 
 import pytest
+from reliability import record
 
 from benchmarks import soak
-from reliability import record
 
 
 @pytest.mark.timeout(600)
@@ -17,8 +17,11 @@ def test_a_two_minute_soak_stays_flat_and_error_free():
     assert left == {"fds": 0, "threads": 0, "workers": 0} or all(v <= 0 for v in left.values()), result
     assert result["shm_mib_left_after_clients_went"] <= 0, result
     assert all(result["operations"].get(op, 0) > 0 for op in soak.OPS), result["operations"]
-    record("Soak (benchmarks/soak.py)", f"{result['seconds']} s, {result['clients']} clients (in CI)",
-           f"{sum(result['operations'].values())} operations ({', '.join(f'{k} {v}' for k, v in sorted(result['operations'].items()))}), "
-           f"0 errors; server RSS {rss[0]} -> {rss[1]} MiB (first and last third after warm-up); once the clients "
-           f"had gone, fds, threads and workers {left} against the warm-up baseline, /dev/shm left "
-           f"{result['shm_mib_left_after_clients_went']} MiB")
+    record(
+        "Soak (benchmarks/soak.py)",
+        f"{result['seconds']} s, {result['clients']} clients (in CI)",
+        f"{sum(result['operations'].values())} operations ({', '.join(f'{k} {v}' for k, v in sorted(result['operations'].items()))}), "
+        f"0 errors; server RSS {rss[0]} -> {rss[1]} MiB (first and last third after warm-up); once the clients "
+        f"had gone, fds, threads and workers {left} against the warm-up baseline, /dev/shm left "
+        f"{result['shm_mib_left_after_clients_went']} MiB",
+    )

@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import start_server
 
 import genie_core
-from conftest import start_server
-from genie_core.errors import ConnectionLost, RemoteError
 from genie_core.dataplane import BackendUnavailable, hardware, wire
 from genie_core.dataplane.ucx import available as ucx_available
+from genie_core.errors import ConnectionLost, RemoteError
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,9 @@ def server(tmp_path_factory):
 @pytest.fixture
 def connect(server):
     def _connect(backend="auto"):
-        return genie_core.init_sync(f"127.0.0.1:{server.info.port}", token=server.info.token, backend=backend, timeout=20)
+        return genie_core.init_sync(
+            f"127.0.0.1:{server.info.port}", token=server.info.token, backend=backend, timeout=20
+        )
 
     yield _connect
     genie_core.shutdown()
@@ -46,7 +48,9 @@ def values():
     }
 
 
-UCX = pytest.param("ucx", marks=pytest.mark.skipif(not ucx_available()[0], reason="ucxx is not installed (the ucx extra)"))
+UCX = pytest.param(
+    "ucx", marks=pytest.mark.skipif(not ucx_available()[0], reason="ucxx is not installed (the ucx extra)")
+)
 
 
 @pytest.mark.parametrize("backend", ["shm", "tcp", "zmq", UCX])
@@ -75,7 +79,9 @@ def wait_for_detection(server) -> None:
 
     probe = server.client()
     try:
-        assert wait_until(lambda: {"ucx", "rdma", "dpdk", "gpudirect"} <= set(probe.info()["node"]["transport"]["detect"]), 30)
+        assert wait_until(
+            lambda: {"ucx", "rdma", "dpdk", "gpudirect"} <= set(probe.info()["node"]["transport"]["detect"]), 30
+        )
     finally:
         probe.close()
 
@@ -134,6 +140,7 @@ def test_a_session_cannot_read_or_adopt_another_sessions_data(server, connect):
 
 # -- detection against fixture trees (the fake sits at the hardware edge only) ---------------
 
+
 def make_ib(root: Path, state: str, link: str = "Ethernet") -> None:
     port = root / "class" / "infiniband" / "mlx5_0" / "ports" / "1"
     port.mkdir(parents=True)
@@ -155,7 +162,7 @@ def test_a_tampered_ucx_payload_is_refused(server, connect, monkeypatch):
     real = wire.PayloadMac.digest
     before = set(SHM_DIR.glob("genie-s-*"))
 
-    def forged(self):  # noqa: ANN001
+    def forged(self):
         return bytes(32)
 
     monkeypatch.setattr(wire.PayloadMac, "digest", forged)

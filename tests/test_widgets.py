@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import start_server, wait_until
 
 import genie_core
-from conftest import start_server, wait_until
 from genie_core.events import ClusterEvent, EventType, Severity
 from genie_jupyter.feed import HISTORY, MAX_RATE, ClusterFeed
 from genie_jupyter.widgets import Dashboard, InitProgress

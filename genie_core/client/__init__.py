@@ -21,12 +21,32 @@ T = MessageType
 
 
 class Client:
-    def __init__(self, host: str, port: int, token: str, *, timeout: float = 30.0, enable_heartbeat: bool = True,
-                 heartbeat_interval: float = 1.0, heartbeat_timeout: float = 4.0, events: EventBus | None = None,
-                 purpose: str = "session", data_port: int | None = None, curve: dict[str, str] | None = None) -> None:
-        self.connection = Connection(host, port, token, timeout=timeout, enable_heartbeat=enable_heartbeat,
-                                     heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout,
-                                     purpose=purpose, curve=curve)
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        token: str,
+        *,
+        timeout: float = 30.0,
+        enable_heartbeat: bool = True,
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float = 4.0,
+        events: EventBus | None = None,
+        purpose: str = "session",
+        data_port: int | None = None,
+        curve: dict[str, str] | None = None,
+    ) -> None:
+        self.connection = Connection(
+            host,
+            port,
+            token,
+            timeout=timeout,
+            enable_heartbeat=enable_heartbeat,
+            heartbeat_interval=heartbeat_interval,
+            heartbeat_timeout=heartbeat_timeout,
+            purpose=purpose,
+            curve=curve,
+        )
         self.events = events or EventBus()
         self.metrics: NodeInfo | None = None  # the newest snapshot the server pushed
         self.server_health: HealthReport | None = None
@@ -91,14 +111,20 @@ class Client:
     # -- the API --------------------------------------------------------------------------
     def connect(self) -> Client:
         self.connection.connect()
-        self._event(EventType.CONNECTED, Severity.INFO, f"connected to {self.address} (session {self.session[:8]})",
-                    session=self.session[:8])
+        self._event(
+            EventType.CONNECTED,
+            Severity.INFO,
+            f"connected to {self.address} (session {self.session[:8]})",
+            session=self.session[:8],
+        )
         return self
 
     def select_backend(self, requested: str = "auto", budget: float = 1.0) -> BackendReport:
         """Measure the data-plane backends to this server and use the best (or the one asked for)."""
         report = self.transfers.select(requested, budget)
-        self._event(EventType.BACKEND_SELECTED, Severity.INFO, report.reason, backend=report.chosen, report=report.to_dict())
+        self._event(
+            EventType.BACKEND_SELECTED, Severity.INFO, report.reason, backend=report.chosen, report=report.to_dict()
+        )
         return report
 
     def request(self, msg: Message) -> Request:
@@ -117,12 +143,21 @@ class Client:
         target = request.id if isinstance(request, Request) else request
         self.request(Message(T.INTERRUPT, {"request": target}))
 
-    def push(self, values: dict[str, Any], *, gpu: int | None = None, device: str | None = None, timeout: float | None = None,
-             progress: Any = None) -> list[str]:
+    def push(
+        self,
+        values: dict[str, Any],
+        *,
+        gpu: int | None = None,
+        device: str | None = None,
+        timeout: float | None = None,
+        progress: Any = None,
+    ) -> list[str]:
         """Send values to the session's worker. `progress(done, total)` follows the bytes (data plane only)."""
         return self.transfers.push(values, gpu=gpu, device=device, timeout=timeout, progress=progress)
 
-    def pull(self, names: list[str], *, gpu: int | None = None, timeout: float | None = None, progress: Any = None) -> dict[str, Any]:
+    def pull(
+        self, names: list[str], *, gpu: int | None = None, timeout: float | None = None, progress: Any = None
+    ) -> dict[str, Any]:
         """Bring values back from the session's worker. `progress(done, total)` as with `push`."""
         return self.transfers.pull(names, gpu=gpu, timeout=timeout, progress=progress)
 
@@ -147,7 +182,9 @@ class Client:
                 pass  # the server reaps the session after its lease anyway
         self.connection.session_closed()
         if self.session:
-            self._event(EventType.SESSION_CLOSED, Severity.INFO, f"session {self.session[:8]} closed", session=self.session[:8])
+            self._event(
+                EventType.SESSION_CLOSED, Severity.INFO, f"session {self.session[:8]} closed", session=self.session[:8]
+            )
         self.transfers.close()
         self.connection.close()
 
@@ -175,10 +212,20 @@ class Client:
         checks = list(base.checks) if base else []
         if self.rtt is not None:
             slow = self.rtt >= 0.5
-            checks.append(HealthCheck("network", Grade.DEGRADED if slow else Grade.HEALTHY,
-                                      f"network: heartbeat round trip {self.rtt * 1000:.1f} ms"))
+            checks.append(
+                HealthCheck(
+                    "network",
+                    Grade.DEGRADED if slow else Grade.HEALTHY,
+                    f"network: heartbeat round trip {self.rtt * 1000:.1f} ms",
+                )
+            )
         lost = self.lost_reason is not None
-        checks.append(HealthCheck("peers", Grade.UNHEALTHY if lost else Grade.HEALTHY,
-                                  self.lost_reason if lost else f"peers: {self.address} reachable"))
+        checks.append(
+            HealthCheck(
+                "peers",
+                Grade.UNHEALTHY if lost else Grade.HEALTHY,
+                self.lost_reason if lost else f"peers: {self.address} reachable",
+            )
+        )
         node = base.node if base else self.node.get("node_id", self.address)
         return HealthReport(node, worst([c.grade for c in checks]), checks)

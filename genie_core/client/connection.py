@@ -15,12 +15,21 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import zmq
 
-from ..errors import AuthenticationError, ConnectionFailed, ConnectionLost, GenieError, LimitExceeded, ProtocolError, size_text
+from ..errors import (
+    AuthenticationError,
+    ConnectionFailed,
+    ConnectionLost,
+    GenieError,
+    LimitExceeded,
+    ProtocolError,
+    size_text,
+)
 from ..loop import SocketLoop
 from ..protocol import TERMINAL, Codec, Message, MessageType, Peer, derive_key, error_from, parse
 from ..protocol.errors import SESSION_NOT_FOUND
@@ -28,7 +37,9 @@ from ..protocol.errors import SESSION_NOT_FOUND
 log = logging.getLogger("genie.client")
 
 T = MessageType
-HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 # The start of a ZMTP 3 greeting (signature, major version): a ZMTP server answers it with its
 # whole 64-byte greeting, which names its security mechanism at bytes 12-31.
 ZMTP_SIGNATURE = b"\xff" + bytes(8) + b"\x7f\x03"
@@ -96,9 +107,19 @@ class Connection:
     replies nobody waits for, events) goes to the owner through the `on_*` callbacks, which run
     on the loop thread."""
 
-    def __init__(self, host: str, port: int, token: str, *, timeout: float = 30.0, enable_heartbeat: bool = True,
-                 heartbeat_interval: float = 1.0, heartbeat_timeout: float = 4.0, purpose: str = "session",
-                 curve: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        token: str,
+        *,
+        timeout: float = 30.0,
+        enable_heartbeat: bool = True,
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float = 4.0,
+        purpose: str = "session",
+        curve: dict[str, str] | None = None,
+    ) -> None:
         self.host, self.port = host, port
         self.address = f"{host}:{port}"
         self.codec = Codec(derive_key(token))
@@ -140,17 +161,27 @@ class Connection:
         self._loop.add_socket(self.main, self._on_readable)
         self._loop.add_socket(self.heartbeat, self._on_readable)
         # Monitors before connecting: a handshake can fail before a later monitor would see it.
-        self._loop.add_socket(self.main.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED), self._on_connection_event)
+        self._loop.add_socket(
+            self.main.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED), self._on_connection_event
+        )
         if self.enable_heartbeat:  # a crashed server closes its connections: notice at once
             self._loop.add_socket(self.heartbeat.get_monitor_socket(zmq.EVENT_DISCONNECTED), self._on_disconnect)
         self._loop.on_exit.append(self._disable_monitors)
         self.main.connect(endpoint)
         self.heartbeat.connect(endpoint)
         self._loop.start()
-        hello = Message(T.HELLO, {
-            "client": {"host": socket.gethostname(), "pid": os.getpid(), "user": os.environ.get("USER", ""), "purpose": self.purpose},
-            "heartbeat": self.heartbeat.getsockopt(zmq.ROUTING_ID).hex(),  # pings come, and events go, there only
-        })
+        hello = Message(
+            T.HELLO,
+            {
+                "client": {
+                    "host": socket.gethostname(),
+                    "pid": os.getpid(),
+                    "user": os.environ.get("USER", ""),
+                    "purpose": self.purpose,
+                },
+                "heartbeat": self.heartbeat.getsockopt(zmq.ROUTING_ID).hex(),  # pings come, and events go, there only
+            },
+        )
         left = self.timeout - (time.monotonic() - start)
         try:
             request = self.request(hello)
@@ -193,29 +224,40 @@ class Connection:
                         break
                     greeting += chunk
         except ConnectionRefusedError:
-            raise ConnectionFailed(f"could not connect to {where}: connection refused (is `genie serve` running there?)") from None
+            raise ConnectionFailed(
+                f"could not connect to {where}: connection refused (is `genie serve` running there?)"
+            ) from None
         except socket.gaierror as exc:
             raise ConnectionFailed(f"could not connect to {where}: unknown host ({exc.strerror})") from None
-        except (socket.timeout, TimeoutError):
+        except TimeoutError:
             raise ConnectionFailed(
-                f"could not connect to {where}: no answer within {self.timeout:g} s" if not connected else
-                f"the server at {self.address} accepted a TCP connection but did not answer the Genie handshake "
-                f"within {self.timeout:g} s: is a genie server (protocol genie/2) listening there?") from None
+                f"could not connect to {where}: no answer within {self.timeout:g} s"
+                if not connected
+                else f"the server at {self.address} accepted a TCP connection but did not answer the Genie handshake "
+                f"within {self.timeout:g} s: is a genie server (protocol genie/2) listening there?"
+            ) from None
         except OSError as exc:
             raise ConnectionFailed(f"could not connect to {where}: {exc.strerror or exc}") from None
         if len(greeting) < GREETING_BYTES:
-            raise ConnectionFailed(f"the server at {self.address} closed the connection during the Genie handshake "
-                                   "(it stopped or crashed, or it is not a genie server)")
+            raise ConnectionFailed(
+                f"the server at {self.address} closed the connection during the Genie handshake "
+                "(it stopped or crashed, or it is not a genie server)"
+            )
         if greeting[0] != 0xFF or greeting[9] != 0x7F:
-            raise ConnectionFailed(f"the server at {self.address} does not speak ZMTP: is a genie server listening there?")
+            raise ConnectionFailed(
+                f"the server at {self.address} does not speak ZMTP: is a genie server listening there?"
+            )
         mechanism = greeting[12:32].rstrip(b"\0")
         if mechanism == b"CURVE" and not self.curve:
             raise AuthenticationError(
                 f"the server at {self.address} requires encryption (genie serve --encrypt): connect with its "
-                "connection file (--connection-file), which holds the keys")
+                "connection file (--connection-file), which holds the keys"
+            )
         if mechanism == b"NULL" and self.curve:
-            raise ConnectionFailed(f"the server at {self.address} does not encrypt (it was started without --encrypt), "
-                                   "but the connection file holds encryption keys: use its current connection file")
+            raise ConnectionFailed(
+                f"the server at {self.address} does not encrypt (it was started without --encrypt), "
+                "but the connection file holds encryption keys: use its current connection file"
+            )
 
     def _dealer(self, ctx: zmq.Context) -> zmq.Socket:
         sock = ctx.socket(zmq.DEALER)
@@ -239,7 +281,9 @@ class Connection:
             event = recv_monitor_message(monitor)
             if self.session:
                 if event["event"] == zmq.EVENT_DISCONNECTED and not self.closed:
-                    self.mark_lost(f"connection to genie server at {self.address} lost: the server closed the connection")
+                    self.mark_lost(
+                        f"connection to genie server at {self.address} lost: the server closed the connection"
+                    )
                 continue
             if self._handshake_error is not None:
                 continue  # the first event says why; a disconnect follows every failed handshake
@@ -247,17 +291,24 @@ class Connection:
             if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 error: GenieError = AuthenticationError(
                     f"the server at {self.address} refused this client's encryption key: use the connection file "
-                    "the server wrote this time it started (`genie serve --encrypt` makes new keys at each start)")
+                    "the server wrote this time it started (`genie serve --encrypt` makes new keys at each start)"
+                )
             elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-                error = ConnectionFailed(f"the handshake with {self.address} broke the ZMTP protocol (error {value:#x}): "
-                                         "is a genie server listening there?")
+                error = ConnectionFailed(
+                    f"the handshake with {self.address} broke the ZMTP protocol (error {value:#x}): "
+                    "is a genie server listening there?"
+                )
             elif self.curve:  # the server drops a client whose key exchange it cannot read
-                error = ConnectionFailed(f"the encryption handshake with {self.address} failed: the server there does not hold "
-                                         "the key in the connection file (a stale file, or someone in between), or it "
-                                         "stopped during the handshake")
+                error = ConnectionFailed(
+                    f"the encryption handshake with {self.address} failed: the server there does not hold "
+                    "the key in the connection file (a stale file, or someone in between), or it "
+                    "stopped during the handshake"
+                )
             else:
-                error = ConnectionFailed(f"the server at {self.address} closed the connection during the Genie handshake "
-                                         "(it stopped or crashed, or it is not a genie server)")
+                error = ConnectionFailed(
+                    f"the server at {self.address} closed the connection during the Genie handshake "
+                    "(it stopped or crashed, or it is not a genie server)"
+                )
             self._handshake_error = error  # first, then the hello: connect() checks in the other order
             for request in [r for r in list(self.pending.values()) if r.type == T.HELLO]:
                 self.pending.pop(request.id, None)
@@ -292,8 +343,10 @@ class Connection:
             size = sum(memoryview(f).nbytes for f in frames)
             if limit is not None and size > limit:  # the server would drop the connection instead
                 self.pending.pop(msg.id, None)
-                raise LimitExceeded(f"this {msg.type} message of {size_text(size)} is over the {size_text(limit)} the server "
-                                    f"at {self.address} takes in one message (GENIE_MAX_MESSAGE_BYTES there)")
+                raise LimitExceeded(
+                    f"this {msg.type} message of {size_text(size)} is over the {size_text(limit)} the server "
+                    f"at {self.address} takes in one message (GENIE_MAX_MESSAGE_BYTES there)"
+                )
             loop.call_soon(lambda: loop.send(target, frames))
         return request
 
@@ -339,9 +392,14 @@ class Connection:
             return
         request = self.pending.pop(msg.parent, None)
         if msg.type == T.AUTH_FAILED and request is not None and request.type == T.HELLO:
-            request.put(Closed(AuthenticationError(
-                f"authentication failed: the token does not match the server at {self.address} "
-                "(see the `genie serve` output or its connection file)")))
+            request.put(
+                Closed(
+                    AuthenticationError(
+                        f"authentication failed: the token does not match the server at {self.address} "
+                        "(see the `genie serve` output or its connection file)"
+                    )
+                )
+            )
         else:
             log.warning("dropped an unauthenticated message from %s: %s", self.address, exc)
 
@@ -352,8 +410,10 @@ class Connection:
         while monitor.poll(0):
             event = recv_monitor_message(monitor)
             if event["event"] == zmq.EVENT_DISCONNECTED and self.session and not self.closed:
-                self.mark_lost(f"connection to genie server at {self.address} lost: the server closed the connection "
-                               "(it stopped or crashed)")
+                self.mark_lost(
+                    f"connection to genie server at {self.address} lost: the server closed the connection "
+                    "(it stopped or crashed)"
+                )
 
     def _heartbeat(self) -> None:
         silent_for = time.monotonic() - self.last_heard

@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ..errors import ConnectionLost
 from ..events import EventType, Severity
@@ -51,7 +51,9 @@ class LostRequest:
         what = f"{'the cell' if self.type == 'execute' else 'the ' + self.type} sent at {time.strftime('%H:%M:%S', time.localtime(self.lost_at))}"
         what += f" ({self.summary})" if self.summary else ""
         if self.state == "finished":
-            return f"{what} ran on the server after all and finished {self.status}" + (f" ({self.error})" if self.error else "")
+            return f"{what} ran on the server after all and finished {self.status}" + (
+                f" ({self.error})" if self.error else ""
+            )
         if self.state == "stopped":
             return f"{what} was running on the server and was {self.error}"
         if self.state == "not run":
@@ -75,7 +77,9 @@ class Recovery:
         connection.on_lost = self._on_lost
         connection.on_back = self._on_back
         connection.on_orphan = self._on_orphan
-        connection.on_session_gone = lambda why: self._ask_in_background()  # the server keeps an ended session's record a while
+        connection.on_session_gone = lambda why: (
+            self._ask_in_background()
+        )  # the server keeps an ended session's record a while
 
     def _on_lost(self, reason: str, cut: list[Request]) -> None:
         for request in cut:
@@ -151,4 +155,3 @@ class Recovery:
         for r in done:
             r.reported = True
         return done
-

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from ..dataplane import DATA_THRESHOLD, BackendReport, Channel, InlineChannel, Link, backends, discover
 from ..errors import ConnectionLost, GenieError, LimitExceeded, size_text
@@ -34,8 +35,16 @@ class Transfers:
         def ping() -> None:
             c.request(Message(T.PING)).wait(10)
 
-        link = Link(c.host, c.codec.key or b"", c.session, c.node.get("transport") or {}, self.data_port, data_probe,
-                    ping, requested)
+        link = Link(
+            c.host,
+            c.codec.key or b"",
+            c.session,
+            c.node.get("transport") or {},
+            self.data_port,
+            data_probe,
+            ping,
+            requested,
+        )
         report, channel = discover(backends(), link, budget)
         with self._lock:
             self.channel.close()
@@ -43,14 +52,23 @@ class Transfers:
         c.request(Message(T.SET_BACKEND, {"backend": report.chosen})).wait(5)
         return report
 
-    def push(self, values: dict[str, Any], *, gpu: int | None = None, device: str | None = None,
-             timeout: float | None = None, progress: Any = None) -> list[str]:
+    def push(
+        self,
+        values: dict[str, Any],
+        *,
+        gpu: int | None = None,
+        device: str | None = None,
+        timeout: float | None = None,
+        progress: Any = None,
+    ) -> list[str]:
         metas, buffers = serialize_namespace(values)
         size = sum(memoryview(b).nbytes for b in buffers)
         limit = (self.connection.node.get("limits") or {}).get("session_bytes")
         if limit is not None and size > limit:  # said before a byte is sent
-            raise LimitExceeded(f"this push of {size_text(size)} is more than the server lets a session hold "
-                                f"({size_text(limit)}, --max-session-bytes)")
+            raise LimitExceeded(
+                f"this push of {size_text(size)} is more than the server lets a session hold "
+                f"({size_text(limit)}, --max-session-bytes)"
+            )
         content: dict[str, Any] = {"values": metas, "gpu": gpu, "device": device}
         with self._lock:  # the reply frees the channel's buffer for the next transfer
             ref = None
@@ -72,8 +90,9 @@ class Transfers:
             raise error_from(reply.content)
         return list(reply.content.get("names", []))
 
-    def pull(self, names: list[str], *, gpu: int | None = None, timeout: float | None = None,
-             progress: Any = None) -> dict[str, Any]:
+    def pull(
+        self, names: list[str], *, gpu: int | None = None, timeout: float | None = None, progress: Any = None
+    ) -> dict[str, Any]:
         with self._lock:
             content = {"names": list(names), "gpu": gpu, "staged": self.channel.staged}
             reply = self.connection.request(Message(T.PULL, content)).wait(timeout)

@@ -22,6 +22,16 @@ def backends() -> list[Backend]:
 
 
 __all__ = [
-    "DATA_THRESHOLD", "REGISTRY", "Backend", "BackendReport", "BackendUnavailable", "Candidate", "Channel", "InlineChannel",
-    "Link", "ServerSide", "backends", "discover",
+    "DATA_THRESHOLD",
+    "REGISTRY",
+    "Backend",
+    "BackendReport",
+    "BackendUnavailable",
+    "Candidate",
+    "Channel",
+    "InlineChannel",
+    "Link",
+    "ServerSide",
+    "backends",
+    "discover",
 ]

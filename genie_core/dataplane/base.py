@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import GenieError
 from .stream import DataHost
@@ -62,14 +63,22 @@ class BackendReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "chosen": self.chosen, "reason": self.reason, "requested": self.requested, "elapsed_s": round(self.elapsed_s, 4),
+            "chosen": self.chosen,
+            "reason": self.reason,
+            "requested": self.requested,
+            "elapsed_s": round(self.elapsed_s, 4),
             "candidates": [asdict(c) for c in self.candidates],
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> BackendReport:
-        return cls(d["chosen"], d["reason"], [Candidate(**c) for c in d["candidates"]], d.get("requested", "auto"),
-                   d.get("elapsed_s", 0.0))
+        return cls(
+            d["chosen"],
+            d["reason"],
+            [Candidate(**c) for c in d["candidates"]],
+            d.get("requested", "auto"),
+            d.get("elapsed_s", 0.0),
+        )
 
 
 class Channel:
@@ -136,7 +145,9 @@ class Backend:
     def stop(self) -> None:
         """Server: stop what `offer` started."""
 
-    def probe(self, link: Link, budget: float, found: dict[str, tuple[Candidate, Channel | None]]) -> tuple[Candidate, Channel | None]:
+    def probe(
+        self, link: Link, budget: float, found: dict[str, tuple[Candidate, Channel | None]]
+    ) -> tuple[Candidate, Channel | None]:
         """Client: measure this backend to the server within `budget` seconds and open a channel
         (None when unavailable). `found` holds the backends probed before this one."""
         raise NotImplementedError

@@ -27,7 +27,9 @@ def discover(backends: list[Backend], link: Link, budget: float) -> tuple[Backen
             usable = [c for c in candidates if c.available and c.bandwidth and found[c.name][1] is not None]
             chosen = max(usable, key=lambda c: c.bandwidth or 0.0)
             versus = ", ".join(f"{c.name} {rate(c.bandwidth or 0.0)}" for c in usable if c is not chosen)
-            reason = f"{chosen.name}: {chosen.reason}, {rate(chosen.bandwidth or 0.0)}" + (f" vs {versus}" if versus else "")
+            reason = f"{chosen.name}: {chosen.reason}, {rate(chosen.bandwidth or 0.0)}" + (
+                f" vs {versus}" if versus else ""
+            )
     except BaseException:
         _close_all(found, keep=None)
         raise

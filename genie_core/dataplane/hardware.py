@@ -34,12 +34,14 @@ def rdma(sys_root: str = "/sys") -> Finding:
     for dev in sorted(base.iterdir()):
         ports = []
         for port in sorted((dev / "ports").glob("*")):
-            ports.append({
-                "port": port.name,
-                "state": _read(port / "state"),  # e.g. "4: ACTIVE"
-                "link_layer": _read(port / "link_layer"),  # InfiniBand or Ethernet (RoCE)
-                "rate": _read(port / "rate"),
-            })
+            ports.append(
+                {
+                    "port": port.name,
+                    "state": _read(port / "state"),  # e.g. "4: ACTIVE"
+                    "link_layer": _read(port / "link_layer"),  # InfiniBand or Ethernet (RoCE)
+                    "rate": _read(port / "rate"),
+                }
+            )
         devices.append({"name": dev.name, "ports": ports})
     active = [d for d in devices if any("ACTIVE" in p["state"] for p in d["ports"])]
     if not devices:
@@ -52,7 +54,11 @@ def rdma(sys_root: str = "/sys") -> Finding:
         verbs = True
     except ImportError:
         verbs = False
-    return True, f"RDMA device(s) {', '.join(d['name'] for d in active)} with an ACTIVE port", {"devices": devices, "pyverbs": verbs}
+    return (
+        True,
+        f"RDMA device(s) {', '.join(d['name'] for d in active)} with an ACTIVE port",
+        {"devices": devices, "pyverbs": verbs},
+    )
 
 
 def dpdk(sys_root: str = "/sys", proc_root: str = "/proc") -> Finding:
@@ -74,7 +80,15 @@ def dpdk(sys_root: str = "/sys", proc_root: str = "/proc") -> Finding:
         if d.is_dir():
             bound += [f"{p.name} ({driver})" for p in d.iterdir() if p.name.count(":") == 2]
     details["bound_nics"] = bound
-    missing = [what for what, ok in (("libdpdk (pkg-config)", lib), ("hugepages", huge > 0), ("NICs bound to vfio-pci/uio", bool(bound))) if not ok]
+    missing = [
+        what
+        for what, ok in (
+            ("libdpdk (pkg-config)", lib),
+            ("hugepages", huge > 0),
+            ("NICs bound to vfio-pci/uio", bool(bound)),
+        )
+        if not ok
+    ]
     if missing:
         return False, "no " + ", no ".join(missing), details
     return True, f"libdpdk, {huge} hugepages, {len(bound)} bound NIC(s)", details
@@ -100,10 +114,20 @@ class _Detected(Backend):
 
     def offer(self, side: ServerSide) -> dict[str, Any]:
         ok, reason, details = self.find()
-        return {"detect": {self.name: {"available": ok, "reason": reason, "details": details}, "hostname": os.uname().nodename}}
+        return {
+            "detect": {
+                self.name: {"available": ok, "reason": reason, "details": details},
+                "hostname": os.uname().nodename,
+            }
+        }
 
-    def probe(self, link: Link, budget: float, found: dict[str, tuple[Candidate, Channel | None]]) -> tuple[Candidate, Channel | None]:
-        remote = (link.server.get("detect") or {}).get(self.name) or {"available": False, "reason": "not reported by the server"}
+    def probe(
+        self, link: Link, budget: float, found: dict[str, tuple[Candidate, Channel | None]]
+    ) -> tuple[Candidate, Channel | None]:
+        remote = (link.server.get("detect") or {}).get(self.name) or {
+            "available": False,
+            "reason": "not reported by the server",
+        }
         ok, reason, local = self.find()
         details = {"local": local, "server": remote.get("details", {})}
         if not ok:
@@ -112,7 +136,9 @@ class _Detected(Backend):
             return Candidate(self.name, False, f"server: {remote['reason']}", details=details), None
         return self.both(details, found)
 
-    def both(self, details: dict[str, Any], found: dict[str, tuple[Candidate, Channel | None]]) -> tuple[Candidate, Channel | None]:
+    def both(
+        self, details: dict[str, Any], found: dict[str, tuple[Candidate, Channel | None]]
+    ) -> tuple[Candidate, Channel | None]:
         need = "a data path Genie does not have (it is detected and reported only)"
         return Candidate(self.name, False, f"detected on both ends, but it needs {need}", details=details), None
 
@@ -123,12 +149,20 @@ class Rdma(_Detected):
     def find(self) -> Finding:
         return rdma()
 
-    def both(self, details: dict[str, Any], found: dict[str, tuple[Candidate, Channel | None]]) -> tuple[Candidate, Channel | None]:
+    def both(
+        self, details: dict[str, Any], found: dict[str, tuple[Candidate, Channel | None]]
+    ) -> tuple[Candidate, Channel | None]:
         ucx, channel = found.get("ucx", (None, None))
         if ucx is None or channel is None:
-            return Candidate(self.name, False, "detected on both ends, but it needs the ucx backend, which is unavailable",
-                             details=details), None
-        return Candidate(self.name, True, "RDMA devices on both ends, used through UCX", ucx.rtt_s, ucx.bandwidth, details), channel
+            return Candidate(
+                self.name,
+                False,
+                "detected on both ends, but it needs the ucx backend, which is unavailable",
+                details=details,
+            ), None
+        return Candidate(
+            self.name, True, "RDMA devices on both ends, used through UCX", ucx.rtt_s, ucx.bandwidth, details
+        ), channel
 
 
 class Dpdk(_Detected):

@@ -9,8 +9,9 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 SHM_DIR = Path("/dev/shm")
 
@@ -45,11 +46,11 @@ class Segment:
         self.view = memoryview(self.map)
 
     @classmethod
-    def create(cls, prefix: str, size: int) -> "Segment":
+    def create(cls, prefix: str, size: int) -> Segment:
         return cls(f"{prefix}-{os.getpid()}-{os.urandom(6).hex()}", size, create=True)
 
     @classmethod
-    def attach(cls, name: str) -> "Segment":
+    def attach(cls, name: str) -> Segment:
         if "/" in name or not name.startswith("genie-"):
             raise ValueError(f"not a genie segment name: {name!r}")
         return cls(name, 0, create=False)
@@ -91,7 +92,13 @@ class Spares:
     """One ready buffer of the size last asked for, made and faulted in on a background thread:
     fresh memory is slow to touch (page faults), so repeated transfers of a size find it warm."""
 
-    def __init__(self, make: "Callable[[int], Any]", release: "Callable[[Any], None]", view: "Callable[[Any], memoryview]", cap: int = 1 << 30) -> None:
+    def __init__(
+        self,
+        make: Callable[[int], Any],
+        release: Callable[[Any], None],
+        view: Callable[[Any], memoryview],
+        cap: int = 1 << 30,
+    ) -> None:
         self._make, self._release, self._view, self._cap = make, release, view, cap
         self._lock = threading.Lock()
         self._spare: Any = None
@@ -138,7 +145,7 @@ class Spares:
 
 
 def segment_spares(prefix: str) -> Spares:
-    def release(segment: "Segment") -> None:
+    def release(segment: Segment) -> None:
         segment.close()
         segment.unlink()
 

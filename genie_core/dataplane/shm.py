@@ -67,7 +67,9 @@ class Shm(Backend):
         if getattr(self, "probe_file", None) is not None:
             self.probe_file.unlink(missing_ok=True)
 
-    def probe(self, link: Link, budget: float, found: dict[str, tuple[Candidate, Channel | None]]) -> tuple[Candidate, Channel | None]:
+    def probe(
+        self, link: Link, budget: float, found: dict[str, tuple[Candidate, Channel | None]]
+    ) -> tuple[Candidate, Channel | None]:
         ok, why = shm_available()
         probe = link.server.get("shm_probe")
         if ok and probe:
@@ -76,7 +78,10 @@ class Shm(Backend):
                 ok = hashlib.sha256(content).hexdigest() == probe["sha256"]
                 why = "" if ok else "the server's shared-memory probe differs here: not the same host"
             except OSError:
-                ok, why = False, "the server's shared-memory probe is not visible here: a different host (or /dev/shm, or user)"
+                ok, why = (
+                    False,
+                    "the server's shared-memory probe is not visible here: a different host (or /dev/shm, or user)",
+                )
         elif ok:
             ok, why = False, "the server offers no shared-memory probe"
         if not ok:

@@ -20,8 +20,9 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generator
+from typing import Any
 
 from . import wire
 from .segment import Segment, segment_spares, split
@@ -80,6 +81,7 @@ def mac_matches(mac: wire.PayloadMac | None, trailer: bytes) -> bool:
 
 # -- the server's side ----------------------------------------------------------------------
 
+
 @dataclass
 class DataHost:
     """What a data listener needs from the server: the key, which sessions exist (and their
@@ -101,7 +103,9 @@ def serve(host: DataHost, mac_on: bool) -> Exchange:
         proof = bytes.fromhex(str(hello.get("proof", "")))
     except ValueError:
         proof = b""
-    if host.session_workers(session) is None or not hmac.compare_digest(proof, wire.handshake_mac(host.key, nonce, session)):
+    if host.session_workers(session) is None or not hmac.compare_digest(
+        proof, wire.handshake_mac(host.key, nonce, session)
+    ):
         log.warning("refused a data connection: bad proof or unknown session")
         yield SendHeader({"ok": False, "error": "authentication failed"})
         return
@@ -175,12 +179,13 @@ def _staged(host: DataHost, session: str, name: str) -> memoryview | None:
 
 # -- the client's side ----------------------------------------------------------------------
 
+
 def authenticate(key: bytes, session: str, want_mac: bool) -> Exchange:
     """Returns the connection's payload MACs, on if either end asked for them."""
     greeting = yield Receive(len(wire.GREETING) + 32)
     if not greeting.startswith(wire.GREETING):
         raise ConnectionError("not a genie data port (or another version of it)")
-    nonce = greeting[len(wire.GREETING):]
+    nonce = greeting[len(wire.GREETING) :]
     yield SendHeader({"session": session, "proof": wire.handshake_mac(key, nonce, session).hex(), "mac": want_mac})
     reply = yield ReceiveHeader()
     if not reply.get("ok"):

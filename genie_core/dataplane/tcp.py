@@ -183,7 +183,9 @@ class Tcp(Backend):
         if getattr(self, "listener", None) is not None:
             self.listener.stop()
 
-    def probe(self, link: Link, budget: float, found: dict[str, tuple[Candidate, Channel | None]]) -> tuple[Candidate, Channel | None]:
+    def probe(
+        self, link: Link, budget: float, found: dict[str, tuple[Candidate, Channel | None]]
+    ) -> tuple[Candidate, Channel | None]:
         port = link.data_port or link.server.get("data_port")
         if link.server.get("encrypted"):
             return Candidate(self.name, False, ENCRYPTED), None
@@ -195,7 +197,9 @@ class Tcp(Backend):
         except (ConnectionFailed, AuthenticationError, OSError, ConnectionError) as exc:
             return Candidate(self.name, False, f"data port {link.host}:{port} not usable: {exc}"), None
         reason = f"data port {port}" + (", payload HMAC on" if channel.mac_on else " (loopback: no payload HMAC)")
-        return Candidate(self.name, True, reason, rtt, bandwidth, {"port": int(port), "payload_mac": channel.mac_on}), channel
+        return Candidate(
+            self.name, True, reason, rtt, bandwidth, {"port": int(port), "payload_mac": channel.mac_on}
+        ), channel
 
 
 ENCRYPTED = "off: the server encrypts (--encrypt), and this backend would not; data goes over CURVE-encrypted zmq, or shm on one host"

@@ -216,14 +216,17 @@ class Ucx(Backend):
         if getattr(self, "runner", None) is not None:
             self.runner.stop()
 
-    def probe(self, link: Link, budget: float, found: dict[str, tuple[Candidate, Channel | None]]) -> tuple[Candidate, Channel | None]:
+    def probe(
+        self, link: Link, budget: float, found: dict[str, tuple[Candidate, Channel | None]]
+    ) -> tuple[Candidate, Channel | None]:
         port = link.server.get("ucx_port")
         shm = found.get("shm")
         if link.server.get("encrypted"):
             return Candidate(self.name, False, ENCRYPTED), None
         if not port:
-            reason = ((link.server.get("detect") or {}).get("ucx") or {}).get("reason") or \
-                "offers no UCX port (no ucxx there, or still starting)"
+            reason = ((link.server.get("detect") or {}).get("ucx") or {}).get(
+                "reason"
+            ) or "offers no UCX port (no ucxx there, or still starting)"
             return Candidate(self.name, False, f"server: {reason}"), None
         if shm is not None and shm[0].available and link.requested not in ("ucx", "rdma"):
             # On one host shared memory is faster: not measured (nor ucxx imported, about a second).

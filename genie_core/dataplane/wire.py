@@ -8,7 +8,8 @@ import hmac
 import json
 import socket
 import struct
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..protocol import chunk_digests
 
@@ -76,6 +77,7 @@ def check_put(sizes: list[int], limit: int) -> None:
 
 
 # -- plain sockets (the tcp backend) -----------------------------------------------------------
+
 
 def send_header(sock: socket.socket, header: dict[str, Any]) -> None:
     body = encode_header(header)

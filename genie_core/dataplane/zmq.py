@@ -19,7 +19,9 @@ class InlineChannel(Channel):
 class Zmq(Backend):
     name = "zmq"
 
-    def probe(self, link: Link, budget: float, found: dict[str, tuple[Candidate, Channel | None]]) -> tuple[Candidate, Channel | None]:
+    def probe(
+        self, link: Link, budget: float, found: dict[str, tuple[Candidate, Channel | None]]
+    ) -> tuple[Candidate, Channel | None]:
         rtt = median_time(link.ping, 5)
         small = bytes(256 << 10)
         guess = len(small) / max(median_time(lambda: link.data_probe(None, small), 1), 1e-6)

@@ -5,7 +5,15 @@ from .health import Grade, HealthCheck, HealthChecker, HealthReport
 from .resource_monitor import ResourceMonitor, Thresholds, create_resource_monitor
 
 __all__ = [
-    "GPUSource", "NvmlSource", "SimulatedGPUSource", "StaticGPUSource",
-    "Grade", "HealthCheck", "HealthChecker", "HealthReport",
-    "ResourceMonitor", "Thresholds", "create_resource_monitor",
+    "GPUSource",
+    "Grade",
+    "HealthCheck",
+    "HealthChecker",
+    "HealthReport",
+    "NvmlSource",
+    "ResourceMonitor",
+    "SimulatedGPUSource",
+    "StaticGPUSource",
+    "Thresholds",
+    "create_resource_monitor",
 ]

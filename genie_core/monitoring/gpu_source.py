@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from ..nodes import GPUInfo
 
@@ -93,8 +94,12 @@ class NvmlSource:
         return {
             "uuid": text(self._call(n.nvmlDeviceGetUUID, h)),
             "name": text(self._call(n.nvmlDeviceGetName, h)),
-            "temperature_slowdown": self._call(n.nvmlDeviceGetTemperatureThreshold, h, n.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN),
-            "temperature_shutdown": self._call(n.nvmlDeviceGetTemperatureThreshold, h, n.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN),
+            "temperature_slowdown": self._call(
+                n.nvmlDeviceGetTemperatureThreshold, h, n.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN
+            ),
+            "temperature_shutdown": self._call(
+                n.nvmlDeviceGetTemperatureThreshold, h, n.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN
+            ),
             "power_limit": None if mw is None else mw / 1000.0,
             "clock_sm_max": self._call(n.nvmlDeviceGetMaxClockInfo, h, n.NVML_CLOCK_SM),
         }
@@ -128,7 +133,9 @@ class NvmlSource:
 
     def _read_slow(self, h: Any) -> dict[str, Any]:
         n = self.nvml
-        retired_sbe = self._call(n.nvmlDeviceGetRetiredPages, h, n.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS)
+        retired_sbe = self._call(
+            n.nvmlDeviceGetRetiredPages, h, n.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS
+        )
         retired_dbe = self._call(n.nvmlDeviceGetRetiredPages, h, n.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR)
         pending = self._call(n.nvmlDeviceGetRetiredPagesPendingStatus, h)
         remap = self._call(n.nvmlDeviceGetRemappedRows, h)
@@ -136,8 +143,12 @@ class NvmlSource:
         rx = self._call(n.nvmlDeviceGetPcieThroughput, h, n.NVML_PCIE_UTIL_RX_BYTES)
         procs = self._call(n.nvmlDeviceGetComputeRunningProcesses, h)
         return {
-            "ecc_aggregate_sbe": self._call(n.nvmlDeviceGetTotalEccErrors, h, n.NVML_MEMORY_ERROR_TYPE_CORRECTED, n.NVML_AGGREGATE_ECC),
-            "ecc_aggregate_dbe": self._call(n.nvmlDeviceGetTotalEccErrors, h, n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, n.NVML_AGGREGATE_ECC),
+            "ecc_aggregate_sbe": self._call(
+                n.nvmlDeviceGetTotalEccErrors, h, n.NVML_MEMORY_ERROR_TYPE_CORRECTED, n.NVML_AGGREGATE_ECC
+            ),
+            "ecc_aggregate_dbe": self._call(
+                n.nvmlDeviceGetTotalEccErrors, h, n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, n.NVML_AGGREGATE_ECC
+            ),
             "retired_pages_sbe": None if retired_sbe is None else len(retired_sbe),
             "retired_pages_dbe": None if retired_dbe is None else len(retired_dbe),
             "retired_pages_pending": None if pending is None else bool(pending),
@@ -176,25 +187,33 @@ class NvmlSource:
                 mem = self._call(n.nvmlDeviceGetMemoryInfo, h)
                 util = self._call(n.nvmlDeviceGetUtilizationRates, h)
                 mw = self._call(n.nvmlDeviceGetPowerUsage, h)
-                gpus.append(GPUInfo(
-                    index=i,
-                    **static,
-                    memory_used=None if mem is None else int(mem.used),
-                    memory_total=None if mem is None else int(mem.total),
-                    utilization=None if util is None else float(util.gpu),
-                    memory_utilization=None if util is None else float(util.memory),
-                    temperature=self._call(n.nvmlDeviceGetTemperature, h, n.NVML_TEMPERATURE_GPU),
-                    power_draw=None if mw is None else mw / 1000.0,
-                    clock_sm=self._call(n.nvmlDeviceGetClockInfo, h, n.NVML_CLOCK_SM),
-                    clock_memory=self._call(n.nvmlDeviceGetClockInfo, h, n.NVML_CLOCK_MEM),
-                    throttle_reasons=self._throttle(h),
-                    ecc_volatile_sbe=self._call(n.nvmlDeviceGetTotalEccErrors, h, n.NVML_MEMORY_ERROR_TYPE_CORRECTED, n.NVML_VOLATILE_ECC),
-                    ecc_volatile_dbe=self._call(n.nvmlDeviceGetTotalEccErrors, h, n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, n.NVML_VOLATILE_ECC),
-                    xid_errors=xids.get(i, []),
-                    **self._slow[i],
-                ))
+                gpus.append(
+                    GPUInfo(
+                        index=i,
+                        **static,
+                        memory_used=None if mem is None else int(mem.used),
+                        memory_total=None if mem is None else int(mem.total),
+                        utilization=None if util is None else float(util.gpu),
+                        memory_utilization=None if util is None else float(util.memory),
+                        temperature=self._call(n.nvmlDeviceGetTemperature, h, n.NVML_TEMPERATURE_GPU),
+                        power_draw=None if mw is None else mw / 1000.0,
+                        clock_sm=self._call(n.nvmlDeviceGetClockInfo, h, n.NVML_CLOCK_SM),
+                        clock_memory=self._call(n.nvmlDeviceGetClockInfo, h, n.NVML_CLOCK_MEM),
+                        throttle_reasons=self._throttle(h),
+                        ecc_volatile_sbe=self._call(
+                            n.nvmlDeviceGetTotalEccErrors, h, n.NVML_MEMORY_ERROR_TYPE_CORRECTED, n.NVML_VOLATILE_ECC
+                        ),
+                        ecc_volatile_dbe=self._call(
+                            n.nvmlDeviceGetTotalEccErrors, h, n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, n.NVML_VOLATILE_ECC
+                        ),
+                        xid_errors=xids.get(i, []),
+                        **self._slow[i],
+                    )
+                )
             except Exception:  # NVMLError_GpuIsLost: it fell off the bus
-                gpus.append(GPUInfo(index=i, uuid=static["uuid"], name=static["name"], lost=True, xid_errors=xids.get(i, [])))
+                gpus.append(
+                    GPUInfo(index=i, uuid=static["uuid"], name=static["name"], lost=True, xid_errors=xids.get(i, []))
+                )
         return gpus, "" if gpus else self.reason
 
     def close(self) -> None:
@@ -238,15 +257,28 @@ class SimulatedGPUSource:
         for i in range(self.count):
             wave = 0.5 + 0.5 * math.sin(t / 3.0 + i)
             total = 80 * 1024**3
-            gpus.append(GPUInfo(
-                index=i, uuid=f"GPU-simulated-{i}", name=f"Simulated GPU {i} (fake)",
-                memory_used=int(total * (0.2 + 0.5 * wave)), memory_total=total,
-                utilization=round(100 * wave, 1), memory_utilization=round(60 * wave, 1),
-                temperature=round(40 + 35 * wave, 1), temperature_slowdown=87.0, temperature_shutdown=92.0,
-                power_draw=round(80 + 500 * wave, 1), power_limit=700.0,
-                clock_sm=int(1000 + 980 * wave), clock_memory=2619, clock_sm_max=1980,
-                throttle_reasons=[], ecc_volatile_sbe=0, ecc_volatile_dbe=0,
-            ))
+            gpus.append(
+                GPUInfo(
+                    index=i,
+                    uuid=f"GPU-simulated-{i}",
+                    name=f"Simulated GPU {i} (fake)",
+                    memory_used=int(total * (0.2 + 0.5 * wave)),
+                    memory_total=total,
+                    utilization=round(100 * wave, 1),
+                    memory_utilization=round(60 * wave, 1),
+                    temperature=round(40 + 35 * wave, 1),
+                    temperature_slowdown=87.0,
+                    temperature_shutdown=92.0,
+                    power_draw=round(80 + 500 * wave, 1),
+                    power_limit=700.0,
+                    clock_sm=int(1000 + 980 * wave),
+                    clock_memory=2619,
+                    clock_sm_max=1980,
+                    throttle_reasons=[],
+                    ecc_volatile_sbe=0,
+                    ecc_volatile_dbe=0,
+                )
+            )
         return gpus, ""
 
     def close(self) -> None:

@@ -62,10 +62,15 @@ class HealthReport:
         return [c.reason for c in self.checks if c.grade is not Grade.HEALTHY]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"node": self.node, "grade": self.grade.value, "checks": [c.to_dict() for c in self.checks], "time": self.time}
+        return {
+            "node": self.node,
+            "grade": self.grade.value,
+            "checks": [c.to_dict() for c in self.checks],
+            "time": self.time,
+        }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "HealthReport":
+    def from_dict(cls, d: dict[str, Any]) -> HealthReport:
         checks = [HealthCheck(c["name"], Grade(c["grade"]), c["reason"]) for c in d.get("checks", [])]
         return cls(d["node"], Grade(d["grade"]), checks, float(d["time"]))
 
@@ -103,9 +108,13 @@ def check_gpu(gpu: GPUInfo, t: HealthThresholds) -> HealthCheck:
         shutdown = gpu.temperature_shutdown
         slowdown = gpu.temperature_slowdown or t.temperature_fallback_slowdown
         if shutdown is not None and gpu.temperature >= shutdown:
-            findings.append((Grade.CRITICAL, f"{label}: {gpu.temperature:.0f} °C, at its shutdown threshold ({shutdown:.0f} °C)"))
+            findings.append(
+                (Grade.CRITICAL, f"{label}: {gpu.temperature:.0f} °C, at its shutdown threshold ({shutdown:.0f} °C)")
+            )
         elif gpu.temperature >= slowdown:
-            findings.append((Grade.UNHEALTHY, f"{label}: {gpu.temperature:.0f} °C, past its slowdown threshold ({slowdown:.0f} °C)"))
+            findings.append(
+                (Grade.UNHEALTHY, f"{label}: {gpu.temperature:.0f} °C, past its slowdown threshold ({slowdown:.0f} °C)")
+            )
     throttled = sorted(set(gpu.throttle_reasons or []) & THROTTLE_WARNINGS)
     if throttled:
         findings.append((Grade.DEGRADED, f"{label}: clocks throttled ({', '.join(throttled)})"))
@@ -115,7 +124,9 @@ def check_gpu(gpu: GPUInfo, t: HealthThresholds) -> HealthCheck:
     return HealthCheck(name, grade, "; ".join(r for g, r in sorted(findings, key=lambda f: -f[0].rank)))
 
 
-def _percent_check(name: str, label: str, percent: float | None, degraded: float, unhealthy: float, detail: str) -> HealthCheck:
+def _percent_check(
+    name: str, label: str, percent: float | None, degraded: float, unhealthy: float, detail: str
+) -> HealthCheck:
     if percent is None:
         return HealthCheck(name, Grade.HEALTHY, f"{label}: unknown")
     grade = Grade.UNHEALTHY if percent >= unhealthy else Grade.DEGRADED if percent >= degraded else Grade.HEALTHY
@@ -135,24 +146,54 @@ class HealthChecker:
         t = self.thresholds
         checks = [check_gpu(g, t) for g in node.gpus]
         cpu = node.cpu_percent
-        checks.append(HealthCheck(
-            "cpu",
-            Grade.DEGRADED if cpu is not None and cpu >= t.cpu_busy_percent else Grade.HEALTHY,
-            f"CPU: {cpu:.0f}% busy" if cpu is not None else "CPU: unknown",
-        ))
+        checks.append(
+            HealthCheck(
+                "cpu",
+                Grade.DEGRADED if cpu is not None and cpu >= t.cpu_busy_percent else Grade.HEALTHY,
+                f"CPU: {cpu:.0f}% busy" if cpu is not None else "CPU: unknown",
+            )
+        )
         gib = 1024**3
-        mem_detail = f" ({(node.memory_total - node.memory_available) / gib:.1f} of {node.memory_total / gib:.1f} GiB)" if node.memory_total and node.memory_available is not None else ""
-        checks.append(_percent_check("memory", "memory", node.memory_percent, t.memory_degraded_percent, t.memory_unhealthy_percent, mem_detail))
-        disk_detail = f" ({node.disk_free / gib:.1f} GiB free on {node.disk_path})" if node.disk_free is not None else ""
-        checks.append(_percent_check("disk", "disk", node.disk_percent, t.disk_degraded_percent, t.disk_unhealthy_percent, disk_detail))
+        mem_detail = (
+            f" ({(node.memory_total - node.memory_available) / gib:.1f} of {node.memory_total / gib:.1f} GiB)"
+            if node.memory_total and node.memory_available is not None
+            else ""
+        )
+        checks.append(
+            _percent_check(
+                "memory",
+                "memory",
+                node.memory_percent,
+                t.memory_degraded_percent,
+                t.memory_unhealthy_percent,
+                mem_detail,
+            )
+        )
+        disk_detail = (
+            f" ({node.disk_free / gib:.1f} GiB free on {node.disk_path})" if node.disk_free is not None else ""
+        )
+        checks.append(
+            _percent_check(
+                "disk", "disk", node.disk_percent, t.disk_degraded_percent, t.disk_unhealthy_percent, disk_detail
+            )
+        )
         if rtt is not None:
             slow = rtt >= t.rtt_degraded_s
-            checks.append(HealthCheck("network", Grade.DEGRADED if slow else Grade.HEALTHY, f"network: heartbeat round trip {rtt * 1000:.1f} ms"))
+            checks.append(
+                HealthCheck(
+                    "network",
+                    Grade.DEGRADED if slow else Grade.HEALTHY,
+                    f"network: heartbeat round trip {rtt * 1000:.1f} ms",
+                )
+            )
         if peers_lost is not None:
-            checks.append(HealthCheck(
-                "peers", Grade.UNHEALTHY if peers_lost else Grade.HEALTHY,
-                f"peers: lost {', '.join(peers_lost)}" if peers_lost else "peers: all reachable",
-            ))
+            checks.append(
+                HealthCheck(
+                    "peers",
+                    Grade.UNHEALTHY if peers_lost else Grade.HEALTHY,
+                    f"peers: lost {', '.join(peers_lost)}" if peers_lost else "peers: all reachable",
+                )
+            )
         report = HealthReport(self.node_id, worst([c.grade for c in checks]), checks)
         self._emit_changes(report)
         self.last = report
@@ -162,10 +203,19 @@ class HealthChecker:
         before = self.last.grade if self.last is not None else Grade.HEALTHY
         if self.bus is None or report.grade is before:
             return
-        severity = {Grade.HEALTHY: Severity.INFO, Grade.DEGRADED: Severity.WARNING, Grade.UNHEALTHY: Severity.ERROR, Grade.CRITICAL: Severity.CRITICAL}[report.grade]
+        severity = {
+            Grade.HEALTHY: Severity.INFO,
+            Grade.DEGRADED: Severity.WARNING,
+            Grade.UNHEALTHY: Severity.ERROR,
+            Grade.CRITICAL: Severity.CRITICAL,
+        }[report.grade]
         reasons = report.reasons
-        data = {"grade": report.grade.value, "previous": before.value, "reasons": reasons,
-                "message": f"health {before.value} → {report.grade.value}" + (f": {reasons[0]}" if reasons else "")}
+        data = {
+            "grade": report.grade.value,
+            "previous": before.value,
+            "reasons": reasons,
+            "message": f"health {before.value} → {report.grade.value}" + (f": {reasons[0]}" if reasons else ""),
+        }
         self.bus.emit(ClusterEvent(EventType.HEALTH_CHANGED, self.node_id, severity, data))
         if before is Grade.HEALTHY:
             self.bus.emit(ClusterEvent(EventType.NODE_DEGRADED, self.node_id, severity, data))

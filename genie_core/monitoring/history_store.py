@@ -22,7 +22,9 @@ class HistoryStore:
         self.conn = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("PRAGMA synchronous=NORMAL")
-        self.conn.execute("CREATE TABLE IF NOT EXISTS metrics (t REAL NOT NULL, key TEXT NOT NULL, value REAL NOT NULL)")
+        self.conn.execute(
+            "CREATE TABLE IF NOT EXISTS metrics (t REAL NOT NULL, key TEXT NOT NULL, value REAL NOT NULL)"
+        )
         self.conn.execute("CREATE INDEX IF NOT EXISTS metrics_key_t ON metrics (key, t)")
         self.conn.execute("CREATE TABLE IF NOT EXISTS events (t REAL NOT NULL, event TEXT NOT NULL)")
 
@@ -38,7 +40,9 @@ class HistoryStore:
 
     def add_event(self, event: ClusterEvent) -> None:
         with self._lock:
-            self.conn.execute("INSERT INTO events VALUES (?, ?)", (event.time, json.dumps(event.to_dict(), default=str)))
+            self.conn.execute(
+                "INSERT INTO events VALUES (?, ?)", (event.time, json.dumps(event.to_dict(), default=str))
+            )
 
     def _prune(self) -> None:
         self.conn.execute("DELETE FROM metrics WHERE rowid <= (SELECT MAX(rowid) FROM metrics) - ?", (self.max_rows,))
@@ -50,7 +54,9 @@ class HistoryStore:
             keys = [k for (k,) in self.conn.execute("SELECT DISTINCT key FROM metrics")]
             out = {}
             for key in keys:
-                rows = self.conn.execute("SELECT t, value FROM metrics WHERE key = ? ORDER BY t DESC LIMIT ?", (key, limit_per_key)).fetchall()
+                rows = self.conn.execute(
+                    "SELECT t, value FROM metrics WHERE key = ? ORDER BY t DESC LIMIT ?", (key, limit_per_key)
+                ).fetchall()
                 out[key] = rows[::-1]
         return out
 
@@ -61,7 +67,10 @@ class HistoryStore:
 
     def count(self) -> tuple[int, int]:
         with self._lock:
-            return (self.conn.execute("SELECT COUNT(*) FROM metrics").fetchone()[0], self.conn.execute("SELECT COUNT(*) FROM events").fetchone()[0])
+            return (
+                self.conn.execute("SELECT COUNT(*) FROM metrics").fetchone()[0],
+                self.conn.execute("SELECT COUNT(*) FROM events").fetchone()[0],
+            )
 
     def close(self) -> None:
         with self._lock:

@@ -10,8 +10,9 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 
@@ -109,7 +110,9 @@ class ResourceMonitor:
         on_reading: Callable[[NodeInfo], None] | None = None,
     ) -> None:
         if interval < MIN_INTERVAL:
-            raise ConfigError(f"gpu_poll_interval {interval} s is too fast: NVML calls serialize in the driver; use {MIN_INTERVAL} s or more")
+            raise ConfigError(
+                f"gpu_poll_interval {interval} s is too fast: NVML calls serialize in the driver; use {MIN_INTERVAL} s or more"
+            )
         self.local_node = local_node
         self.gpu_source = gpu_source if gpu_source is not None else NvmlSource()
         self.interval = interval
@@ -141,9 +144,17 @@ class ResourceMonitor:
         gpus, reason = self.gpu_source.read()
         gpus = self._mark_missing(gpus)
         node = NodeInfo(
-            node_id=base.node_id, hostname=base.hostname or socket.gethostname(), role=base.role, address=base.address,
-            backend=base.backend, status="online", time=t, disk_path=base.disk_path or os.path.expanduser("~"),
-            gpus=gpus, gpu_reason=reason, gpu_source=getattr(self.gpu_source, "name", ""),
+            node_id=base.node_id,
+            hostname=base.hostname or socket.gethostname(),
+            role=base.role,
+            address=base.address,
+            backend=base.backend,
+            status="online",
+            time=t,
+            disk_path=base.disk_path or os.path.expanduser("~"),
+            gpus=gpus,
+            gpu_reason=reason,
+            gpu_source=getattr(self.gpu_source, "name", ""),
         )
         for key, value in read_host(node.disk_path).items():
             setattr(node, key, value)
@@ -158,7 +169,9 @@ class ResourceMonitor:
             except Exception:
                 log.exception("could not write metric history")
         self._emit_threshold_events(node)
-        if self.health is not None and (time.monotonic() - self._last_health >= self.health_interval or self.health_report is None):
+        if self.health is not None and (
+            time.monotonic() - self._last_health >= self.health_interval or self.health_report is None
+        ):
             self._last_health = time.monotonic()
             self.health_report = self.health.check(node)
         if self.on_reading is not None:
@@ -171,7 +184,11 @@ class ResourceMonitor:
         for g in gpus:
             if not g.lost:
                 self._known_gpus[g.index] = g
-        missing = [GPUInfo(index=i, uuid=old.uuid, name=old.name, lost=True) for i, old in self._known_gpus.items() if i not in present]
+        missing = [
+            GPUInfo(index=i, uuid=old.uuid, name=old.name, lost=True)
+            for i, old in self._known_gpus.items()
+            if i not in present
+        ]
         return sorted(gpus + missing, key=lambda g: g.index)
 
     def _emit(self, kind: EventType, severity: Severity, message: str, **data: Any) -> None:
@@ -184,39 +201,78 @@ class ResourceMonitor:
             label = f"GPU {g.index}"
             if g.lost:
                 if latch.update(f"gpu{g.index}.lost", 1.0, 1.0, 1.0) is True:
-                    self._emit(EventType.GPU_UNAVAILABLE, Severity.CRITICAL, f"{label} can no longer be read", gpu=g.index, lost=True)
+                    self._emit(
+                        EventType.GPU_UNAVAILABLE,
+                        Severity.CRITICAL,
+                        f"{label} can no longer be read",
+                        gpu=g.index,
+                        lost=True,
+                    )
                 continue
             if latch.update(f"gpu{g.index}.lost", 0.0, 1.0, 1.0) is False:
                 self._emit(EventType.GPU_AVAILABLE, Severity.INFO, f"{label} is readable again", gpu=g.index)
-            edge = latch.update(f"gpu{g.index}.busy", g.utilization, th.gpu_busy_percent, th.gpu_free_percent, initial=None)
+            edge = latch.update(
+                f"gpu{g.index}.busy", g.utilization, th.gpu_busy_percent, th.gpu_free_percent, initial=None
+            )
             if edge is not None:
                 kind = EventType.GPU_UNAVAILABLE if edge else EventType.GPU_AVAILABLE
-                self._emit(kind, Severity.INFO, f"{label} {'busy' if edge else 'available'}: {g.utilization:.0f}% utilization", gpu=g.index, utilization=g.utilization)
+                self._emit(
+                    kind,
+                    Severity.INFO,
+                    f"{label} {'busy' if edge else 'available'}: {g.utilization:.0f}% utilization",
+                    gpu=g.index,
+                    utilization=g.utilization,
+                )
             limit = (g.temperature_slowdown or th.overheat_fallback + th.overheat_margin) - th.overheat_margin
             edge = latch.update(f"gpu{g.index}.hot", g.temperature, limit, limit - th.cool_down)
             if edge is not None:
-                self._emit(EventType.GPU_OVERHEATED, Severity.WARNING if edge else Severity.INFO,
-                           f"{label} {'overheating' if edge else 'cooled down'}: {g.temperature:.0f} °C (limit {limit:.0f} °C)",
-                           gpu=g.index, active=edge, temperature=g.temperature, limit=limit)
+                self._emit(
+                    EventType.GPU_OVERHEATED,
+                    Severity.WARNING if edge else Severity.INFO,
+                    f"{label} {'overheating' if edge else 'cooled down'}: {g.temperature:.0f} °C (limit {limit:.0f} °C)",
+                    gpu=g.index,
+                    active=edge,
+                    temperature=g.temperature,
+                    limit=limit,
+                )
             ratio = None if g.power_draw is None or not g.power_limit else g.power_draw / g.power_limit
             edge = latch.update(f"gpu{g.index}.power", ratio, th.power_limit_ratio, th.power_clear_ratio)
             if edge is not None:
-                self._emit(EventType.GPU_POWER_LIMIT, Severity.WARNING if edge else Severity.INFO,
-                           f"{label} {'at' if edge else 'below'} its power limit: {g.power_draw:.0f} of {g.power_limit:.0f} W",
-                           gpu=g.index, active=edge, power_draw=g.power_draw, power_limit=g.power_limit)
-            edge = latch.update(f"gpu{g.index}.memory", g.memory_percent, th.memory_pressure_percent, th.memory_clear_percent)
+                self._emit(
+                    EventType.GPU_POWER_LIMIT,
+                    Severity.WARNING if edge else Severity.INFO,
+                    f"{label} {'at' if edge else 'below'} its power limit: {g.power_draw:.0f} of {g.power_limit:.0f} W",
+                    gpu=g.index,
+                    active=edge,
+                    power_draw=g.power_draw,
+                    power_limit=g.power_limit,
+                )
+            edge = latch.update(
+                f"gpu{g.index}.memory", g.memory_percent, th.memory_pressure_percent, th.memory_clear_percent
+            )
             if edge is not None:
-                self._emit(EventType.MEMORY_PRESSURE, Severity.WARNING if edge else Severity.INFO,
-                           f"{label} memory {'nearly full' if edge else 'pressure eased'}: {g.memory_percent:.0f}% used",
-                           scope="gpu", gpu=g.index, active=edge, percent=g.memory_percent)
+                self._emit(
+                    EventType.MEMORY_PRESSURE,
+                    Severity.WARNING if edge else Severity.INFO,
+                    f"{label} memory {'nearly full' if edge else 'pressure eased'}: {g.memory_percent:.0f}% used",
+                    scope="gpu",
+                    gpu=g.index,
+                    active=edge,
+                    percent=g.memory_percent,
+                )
         edge = latch.update("host.memory", node.memory_percent, th.memory_pressure_percent, th.memory_clear_percent)
         if edge is not None:
-            self._emit(EventType.MEMORY_PRESSURE, Severity.WARNING if edge else Severity.INFO,
-                       f"host memory {'nearly full' if edge else 'pressure eased'}: {node.memory_percent:.0f}% used",
-                       scope="host", active=edge, percent=node.memory_percent)
+            self._emit(
+                EventType.MEMORY_PRESSURE,
+                Severity.WARNING if edge else Severity.INFO,
+                f"host memory {'nearly full' if edge else 'pressure eased'}: {node.memory_percent:.0f}% used",
+                scope="host",
+                active=edge,
+                percent=node.memory_percent,
+            )
 
     # -- the background thread --------------------------------------------------------------
-    def start(self) -> "ResourceMonitor":
+    def start(self) -> ResourceMonitor:
         self._thread = threading.Thread(target=self._run, name="genie-monitor", daemon=True)
         self._thread.start()
         return self
@@ -262,6 +318,12 @@ def create_resource_monitor(
     bus = bus or EventBus()
     health = HealthChecker(local_node.node_id, bus) if config.enable_health_checks else None
     return ResourceMonitor(
-        local_node, gpu_source=gpu_source, interval=config.gpu_poll_interval, bus=bus, health=health,
-        health_interval=config.health_check_interval, store=store, on_reading=on_reading,
+        local_node,
+        gpu_source=gpu_source,
+        interval=config.gpu_poll_interval,
+        bus=bus,
+        health=health,
+        health_interval=config.health_check_interval,
+        store=store,
+        on_reading=on_reading,
     )

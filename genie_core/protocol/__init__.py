@@ -5,7 +5,23 @@ from .errors import error_content, error_from, error_text
 from .messages import RUNS, TABLE, TERMINAL, MessageType, Peer, accepted_from, for_worker, parse
 
 __all__ = [
-    "PROTOCOL", "PROTOCOL_VERSION", "Codec", "Message", "chunk_digests", "derive_key", "new_id", "split_identities",
-    "error_content", "error_from", "error_text",
-    "RUNS", "TABLE", "TERMINAL", "MessageType", "Peer", "accepted_from", "for_worker", "parse",
+    "PROTOCOL",
+    "PROTOCOL_VERSION",
+    "RUNS",
+    "TABLE",
+    "TERMINAL",
+    "Codec",
+    "Message",
+    "MessageType",
+    "Peer",
+    "accepted_from",
+    "chunk_digests",
+    "derive_key",
+    "error_content",
+    "error_from",
+    "error_text",
+    "for_worker",
+    "new_id",
+    "parse",
+    "split_identities",
 ]

@@ -14,9 +14,10 @@ import hmac
 import json
 import os
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from ..errors import ProtocolError
 

@@ -67,7 +67,9 @@ class HostTensor:
 
         t = tensor.detach().resolve_conj().resolve_neg()
         if t.layout != torch.strided:
-            raise NotImplementedError(f"{t.layout} tensors are not supported on remote_accelerator; convert with .to_dense() first")
+            raise NotImplementedError(
+                f"{t.layout} tensors are not supported on remote_accelerator; convert with .to_dense() first"
+            )
         if t.is_quantized:
             raise NotImplementedError("quantized tensors are not supported on remote_accelerator")
         self.tensor = t.clone()  # a snapshot (later local changes must not leak in); dense, offset 0
@@ -78,7 +80,10 @@ class HostTensor:
         t = self.tensor
         data = t.untyped_storage()
         raw = memoryview(torch_bytes(t)) if data.nbytes() else b""
-        return (_rebuild_host_tensor, (str(t.dtype).removeprefix("torch."), tuple(t.shape), t.stride(), pickle.PickleBuffer(raw)))
+        return (
+            _rebuild_host_tensor,
+            (str(t.dtype).removeprefix("torch."), tuple(t.shape), t.stride(), pickle.PickleBuffer(raw)),
+        )
 
 
 def torch_bytes(t: Any) -> Any:

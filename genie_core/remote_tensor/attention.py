@@ -28,7 +28,9 @@ def _meta(t: Any) -> Any:
 _outputs: dict[Any, Any] = {}
 
 
-def _output(query: Any, key: Any, value: Any, mask: Any, dropout_p: float, is_causal: bool, scale: Any, gqa: bool) -> Any:
+def _output(
+    query: Any, key: Any, value: Any, mask: Any, dropout_p: float, is_causal: bool, scale: Any, gqa: bool
+) -> Any:
     """The output's metadata (a meta tensor), cached by signature: PyTorch's meta path decomposes
     the whole math attention, about 5 ms a call. Argument errors are raised here, as PyTorch would."""
     sig = tuple((t.shape, t.stride(), t.dtype) if isinstance(t, torch.Tensor) else t for t in (query, key, value, mask))
@@ -36,8 +38,15 @@ def _output(query: Any, key: Any, value: Any, mask: Any, dropout_p: float, is_ca
     out = _outputs.get(k)
     if out is None:
         out = torch.nn.functional.scaled_dot_product_attention(
-            _meta(query), _meta(key), _meta(value), attn_mask=_meta(mask), dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-            enable_gqa=gqa)
+            _meta(query),
+            _meta(key),
+            _meta(value),
+            attn_mask=_meta(mask),
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=gqa,
+        )
         if query._stream.device_kind == "cpu" and out.dim() == query.dim():
             # The CPU kernels lay the output out in the query's dimension order (a query that is a
             # transposed (batch, length, heads, dim) tensor gives an output laid out the same way).
@@ -59,16 +68,28 @@ class _Graph:
 
 class _ServerAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, query: Any, key: Any, value: Any, mask: Any, dropout_p: float, is_causal: bool, scale: Any, gqa: bool) -> Any:
+    def forward(
+        ctx: Any, query: Any, key: Any, value: Any, mask: Any, dropout_p: float, is_causal: bool, scale: Any, gqa: bool
+    ) -> Any:
         from .stream import new_id
         from .tensor import record_call
 
         needs = tuple(bool(n) for n in ctx.needs_input_grad[:4])
         expected = _output(query, key, value, mask, dropout_p, is_causal, scale, gqa)
         gid = new_id() if any(needs) else None
-        (out,), stream = record_call("sdpa", (query, key, value, mask), {
-            "dropout_p": dropout_p, "is_causal": is_causal, "scale": scale, "enable_gqa": gqa, "graph": gid, "needs": needs,
-        }, [expected])
+        (out,), stream = record_call(
+            "sdpa",
+            (query, key, value, mask),
+            {
+                "dropout_p": dropout_p,
+                "is_causal": is_causal,
+                "scale": scale,
+                "enable_gqa": gqa,
+                "graph": gid,
+                "needs": needs,
+            },
+            [expected],
+        )
         if gid is not None:
             ctx.graph = _Graph(stream, gid)
             ctx.inputs = [_meta(t) if n else None for t, n in zip((query, key, value, mask), needs)]
@@ -82,8 +103,17 @@ class _ServerAttention(torch.autograd.Function):
         return (*grads, None, None, None, None)
 
 
-def _attention(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False, *,
-               scale: Any = None, enable_gqa: bool = False) -> Any:
+def _attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    scale: Any = None,
+    enable_gqa: bool = False,
+) -> Any:
     return _ServerAttention.apply(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 

@@ -32,17 +32,24 @@ class _Probe(torch.Tensor):
 
     @staticmethod
     def __new__(cls, like: torch.Tensor, device: str, slot: int | None, casts: dict[int, torch.dtype]):
-        p = torch.Tensor._make_wrapper_subclass(cls, like.shape, strides=like.stride(), dtype=like.dtype, device=torch.device(device))
+        p = torch.Tensor._make_wrapper_subclass(
+            cls, like.shape, strides=like.stride(), dtype=like.dtype, device=torch.device(device)
+        )
         p._slot, p._casts = slot, casts
         return p
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         src = args[0] if args else None
-        if func is torch.ops.aten._to_copy.default and isinstance(src, _Probe) and src._slot is not None and "dtype" in kwargs:
+        if (
+            func is torch.ops.aten._to_copy.default
+            and isinstance(src, _Probe)
+            and src._slot is not None
+            and "dtype" in kwargs
+        ):
             src._casts[src._slot] = kwargs["dtype"]
             return _Probe(src, src.device.type, None, src._casts)
         raise _Stop
@@ -120,7 +127,8 @@ def register() -> None:
     _lib = torch.library.Library("aten", "IMPL")
     for name in torch._C._dispatch_get_all_op_names():
         if not name.startswith("aten::") or not any(
-                torch._C._dispatch_has_kernel_for_dispatch_key(name, key) for key in ("AutocastCPU", "AutocastCUDA")):
+            torch._C._dispatch_has_kernel_for_dispatch_key(name, key) for key in ("AutocastCPU", "AutocastCUDA")
+        ):
             continue
         packet, _, overload = name.removeprefix("aten::").partition(".")
         op = getattr(getattr(torch.ops.aten, packet), overload or "default")

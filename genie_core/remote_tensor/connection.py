@@ -5,7 +5,8 @@ the layer above it."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 DEVICE_TYPE = "remote_accelerator"
 _streams: dict[tuple[int, int], Any] = {}
@@ -22,7 +23,9 @@ def stream_for(index: int | None) -> Any:
     index = 0 if index is None else index
     count = device_count()
     if not 0 <= index < count:
-        raise RuntimeError(f"{DEVICE_TYPE}:{index} does not exist: the server has {count} device(s) ({DEVICE_TYPE}:0..{count - 1})")
+        raise RuntimeError(
+            f"{DEVICE_TYPE}:{index} does not exist: the server has {count} device(s) ({DEVICE_TYPE}:0..{count - 1})"
+        )
     key = (id(client), index)
     stream = _streams.get(key)
     if stream is None or stream.client is not client:

@@ -7,12 +7,15 @@ import importlib.abc
 import importlib.machinery
 import sys
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .connection import DEVICE_TYPE, _index, device_count, live_streams, set_client, stream_for
 
 _registered = False
 _lock = threading.Lock()
+
+
 class _DeviceModule:
     """`torch.remote_accelerator`: what `torch.cuda` offers, for the remote devices."""
 
@@ -108,8 +111,15 @@ class _DeviceModule:
         """Per device index: round trips (batches waited for), messages (all batches sent), ops sent,
         and the worker's time running them (for benchmarks and curiosity)."""
         return {
-            f"{s.index}": {"round_trips": s.round_trips, "messages": s.messages, "ops_sent": s.ops_sent, "pending": s.pending(), "server_tensors": s.server_tensors,
-                           "server_seconds": round(s.server_seconds, 6), "wait_seconds": round(s.wait_seconds, 6)}
+            f"{s.index}": {
+                "round_trips": s.round_trips,
+                "messages": s.messages,
+                "ops_sent": s.ops_sent,
+                "pending": s.pending(),
+                "server_tensors": s.server_tensors,
+                "server_seconds": round(s.server_seconds, 6),
+                "wait_seconds": round(s.wait_seconds, 6),
+            }
             for s in live_streams()
         }
 
@@ -120,7 +130,7 @@ def _factory_kernels(lib: Any) -> None:
     from ..protocol.tensor_ops import RemoteDevice, encode_value
     from .tensor import RemoteTensor
 
-    def make(name: str, runs: str | None = None):  # noqa: ANN202
+    def make(name: str, runs: str | None = None):
         packet, overload = name.split(".")
         op = getattr(getattr(torch.ops.aten, packet), overload)
         recorded = str(op) if runs is None else runs
@@ -164,7 +174,9 @@ def _factory_kernels(lib: Any) -> None:
 
         return kernel
 
-    lib.impl("silu_backward", whole(torch.ops.aten.silu_backward.default), "PrivateUse1")  # (mish_backward has no meta kernel)
+    lib.impl(
+        "silu_backward", whole(torch.ops.aten.silu_backward.default), "PrivateUse1"
+    )  # (mish_backward has no meta kernel)
 
     # Autograd's zeros that carry no memory (ZeroTensor): plain zeros on the server.
     lib.impl("_efficientzerotensor", make("_efficientzerotensor.default", "aten.zeros.default"), "PrivateUse1")
@@ -172,9 +184,23 @@ def _factory_kernels(lib: Any) -> None:
     lib.impl("_copy_from_and_resize", copy_from_and_resize, "PrivateUse1")
 
     for name in (
-        "empty.memory_format", "empty_strided.default", "arange.start_step", "arange.start", "arange.default", "eye.default", "eye.m",
-        "linspace.default", "logspace.default", "randperm.default", "range.step", "tril_indices.default", "triu_indices.default",
-        "full.default", "zeros.default", "ones.default", "scalar_tensor.default",
+        "empty.memory_format",
+        "empty_strided.default",
+        "arange.start_step",
+        "arange.start",
+        "arange.default",
+        "eye.default",
+        "eye.m",
+        "linspace.default",
+        "logspace.default",
+        "randperm.default",
+        "range.step",
+        "tril_indices.default",
+        "triu_indices.default",
+        "full.default",
+        "zeros.default",
+        "ones.default",
+        "scalar_tensor.default",
     ):
         packet, overload = name.split(".")
         if hasattr(torch.ops.aten, packet) and overload in getattr(torch.ops.aten, packet).overloads():
@@ -191,7 +217,9 @@ def register() -> None:
         from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
         if torch._C._get_privateuse1_backend_name() not in ("privateuseone", DEVICE_TYPE):
-            raise RuntimeError(f"PyTorch's PrivateUse1 backend is already taken by {torch._C._get_privateuse1_backend_name()!r}")
+            raise RuntimeError(
+                f"PyTorch's PrivateUse1 backend is already taken by {torch._C._get_privateuse1_backend_name()!r}"
+            )
         _setup_privateuseone_for_python_backend(DEVICE_TYPE, backend_module=_DeviceModule())
         _lib = torch.library.Library("aten", "IMPL")
         _factory_kernels(_lib)

@@ -22,7 +22,7 @@ _LOCATION = re.compile(rf"{DEVICE_TYPE}(:\d+)?$")
 class LoadedBytes:
     """The CPU bytes behind one device-tagged storage, and their id on the server once uploaded."""
 
-    __slots__ = ("cpu", "rid", "stream", "__weakref__")
+    __slots__ = ("__weakref__", "cpu", "rid", "stream")
 
     def __init__(self, cpu: Any) -> None:
         self.cpu = cpu
@@ -53,9 +53,13 @@ def _restore(storage: Any, location: str) -> Any:
     device = torch.device(location)
     index = device.index or 0
     if index >= device_count():
-        raise RuntimeError(f"Attempting to deserialize object on {location} but the connected server has {device_count()} "
-                           f"{DEVICE_TYPE} device(s); run %genie_init first, or pass map_location to torch.load")
-    tagged = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), torch.device(DEVICE_TYPE, index), storage.nbytes())
+        raise RuntimeError(
+            f"Attempting to deserialize object on {location} but the connected server has {device_count()} "
+            f"{DEVICE_TYPE} device(s); run %genie_init first, or pass map_location to torch.load"
+        )
+    tagged = torch._C._construct_storage_from_data_pointer(
+        storage.data_ptr(), torch.device(DEVICE_TYPE, index), storage.nbytes()
+    )
     entry = LoadedBytes(storage)
     loaded[storage.data_ptr()] = entry
     weakref.finalize(tagged, _forget, storage.data_ptr(), entry)

@@ -58,7 +58,9 @@ class OpStream:
         # than it saves (benchmarks/llm.py measures both).
         from ..config import is_loopback
 
-        self.pipelined = not is_loopback(str(getattr(client, "host", "127.0.0.1"))) or (os.cpu_count() or 1) >= self.SPARE_CORES
+        self.pipelined = (
+            not is_loopback(str(getattr(client, "host", "127.0.0.1"))) or (os.cpu_count() or 1) >= self.SPARE_CORES
+        )
         self._deferred: tuple[str, BaseException] | None = None
         self.profile: dict[str, list[float]] | None = None  # set to {} to have the worker time each op (benchmarks)
 
@@ -91,29 +93,39 @@ class OpStream:
         if self.profile is not None:
             request["profile"] = True
         if not self.alive:
-            raise ConnectionLost("this remote tensor belongs to a Genie session that has ended; run %genie_init and make it again")
+            raise ConnectionLost(
+                "this remote tensor belongs to a Genie session that has ended; run %genie_init and make it again"
+            )
         oob: list[Any] = []
         payload = pickle.dumps(request, protocol=5, buffer_callback=oob.append)
         from ..protocol import Message
 
         self.messages += 1
         self.ops_sent += n
-        return self.client.request(Message("tensor_ops", {"gpu": self.index, "n": n}, [payload, *(b.raw() for b in oob)]))
+        return self.client.request(
+            Message("tensor_ops", {"gpu": self.index, "n": n}, [payload, *(b.raw() for b in oob)])
+        )
 
     def _submit(self) -> None:
         """Send what was recorded; the reply is read at the next flush."""
         with self._lock:
             records, self._records = self._records, []
         if records:
-            self._inflight.append((self._send({"ops": records, "fetch": [], "eager_last": False, "sync": False}, len(records)),
-                                   len(records)))
+            self._inflight.append(
+                (
+                    self._send({"ops": records, "fetch": [], "eager_last": False, "sync": False}, len(records)),
+                    len(records),
+                )
+            )
 
     def flush(self, fetch: list[int] | None = None, *, eager: bool = False, sync: bool = False) -> dict[str, Any]:
         """Send what was recorded (and fetch these ids), wait; raise the first failure: one kept
         from backward (see defer), else the first the server reports."""
         with self._lock:
             records, self._records = self._records, []
-        request = self._send({"ops": records, "fetch": list(fetch or []), "eager_last": eager, "sync": sync}, len(records))
+        request = self._send(
+            {"ops": records, "fetch": list(fetch or []), "eager_last": eager, "sync": sync}, len(records)
+        )
         earlier, self._inflight = self._inflight, []
         failure = None
         for sent, n in earlier:  # answered before the last one: the worker runs batches in order
@@ -142,7 +154,9 @@ class OpStream:
                 f"remote op {bad.get('op')} (op {bad.get('index', 0) + 1} of {n} sent together) failed: {bad.get('evalue')}",
             )
         if content.get("fetch"):
-            content["values"] = deserialize_namespace(content["fetch"], reply.buffers, allow_pickle=False)  # tensors and numbers only
+            content["values"] = deserialize_namespace(
+                content["fetch"], reply.buffers, allow_pickle=False
+            )  # tensors and numbers only
         return content
 
     def _account(self, content: dict[str, Any]) -> None:

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch.utils._mode_utils import no_dispatch
 
-from . import serialization
 from ..protocol.tensor_ops import HostTensor, Ref, RemoteDevice, StorageOf, encode_value
+from . import serialization
 from .stream import OpStream, new_id, new_ids
 
 aten = torch.ops.aten
@@ -34,7 +34,7 @@ class _Handle:
     """Frees the server's tensor when the last local reference goes. It lives in the tensor's
     __dict__ (no weakref on the tensor), so `torch.utils.swap_tensors` carries it along."""
 
-    __slots__ = ("rid", "stream", "__weakref__")
+    __slots__ = ("__weakref__", "rid", "stream")
 
     def __init__(self, stream: OpStream, rid: int) -> None:
         self.rid, self.stream = rid, stream
@@ -48,9 +48,17 @@ class RemoteTensor(torch.Tensor):
     _stream: OpStream
 
     @staticmethod
-    def __new__(cls, shape, stride, offset, dtype, stream: OpStream, rid: int | None = None, requires_grad: bool = False):
+    def __new__(
+        cls, shape, stride, offset, dtype, stream: OpStream, rid: int | None = None, requires_grad: bool = False
+    ):
         r = torch.Tensor._make_wrapper_subclass(
-            cls, shape, strides=stride, storage_offset=offset, dtype=dtype, device=stream.device, requires_grad=requires_grad,
+            cls,
+            shape,
+            strides=stride,
+            storage_offset=offset,
+            dtype=dtype,
+            device=stream.device,
+            requires_grad=requires_grad,
         )
         r._rid = rid = new_id() if rid is None else rid
         r._ref = Ref(rid)  # how ops name it (one object, so a batch pickles it once)
@@ -118,14 +126,19 @@ class RemoteTensor(torch.Tensor):
         `map_location` says."""
         if getattr(self, "_is_param", False):
             return (torch._utils._rebuild_parameter, (self.detach(), self.requires_grad, OrderedDict()))
-        return (torch._utils._rebuild_device_tensor_from_cpu_tensor, (self.detach().cpu(), self.dtype, str(self.device), self.requires_grad))
+        return (
+            torch._utils._rebuild_device_tensor_from_cpu_tensor,
+            (self.detach().cpu(), self.dtype, str(self.device), self.requires_grad),
+        )
 
     def __deepcopy__(self, memo: dict) -> Any:
         """A copy on the same device (recorded, no round trip); Parameters stay Parameters."""
         if id(self) in memo:
             return memo[id(self)]
         if not self.is_leaf:
-            raise RuntimeError("Only Tensors created explicitly by the user (graph leaves) support the deepcopy protocol at the moment")
+            raise RuntimeError(
+                "Only Tensors created explicitly by the user (graph leaves) support the deepcopy protocol at the moment"
+            )
         with torch.no_grad():
             copy = self.clone(memory_format=torch.preserve_format)
         if getattr(self, "_is_param", False):
@@ -136,7 +149,7 @@ class RemoteTensor(torch.Tensor):
         return copy
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         if torch._C._current_graph_task_id() < 0:
             return dispatch(func, args, kwargs or {})
         try:
@@ -145,7 +158,7 @@ class RemoteTensor(torch.Tensor):
             return _failed_in_backward(func, args, kwargs or {}, exc)
 
 
-def _failed_in_backward(func, args: tuple, kwargs: dict, exc: Exception) -> Any:  # noqa: ANN001
+def _failed_in_backward(func, args: tuple, kwargs: dict, exc: Exception) -> Any:
     """An op that failed while autograd ran backward. A Python exception leaving an op there ends
     the process (PyTorch's Python device guard is called while the error is still set, in a
     noexcept destructor), so the error is kept on the stream and raised at the next value needed,
@@ -228,7 +241,9 @@ def set_metadata(t: torch.Tensor, size: Any, stride: Any, offset: int) -> None:
         was = torch._C._meta_in_tls_dispatch_include()
         torch._C._set_meta_in_tls_dispatch_include(True)
         try:
-            aten.set_.source_Storage_storage_offset(t, torch.Tensor.untyped_storage(t), offset, list(size), list(stride))
+            aten.set_.source_Storage_storage_offset(
+                t, torch.Tensor.untyped_storage(t), offset, list(size), list(stride)
+            )
         finally:
             torch._C._set_meta_in_tls_dispatch_include(was)
 
@@ -236,9 +251,9 @@ def set_metadata(t: torch.Tensor, size: Any, stride: Any, offset: int) -> None:
 class _OpInfo:
     """What dispatch needs to know of an op, worked out once."""
 
-    __slots__ = ("name", "aliases", "special", "foreign", "learn")
+    __slots__ = ("aliases", "foreign", "learn", "name", "special")
 
-    def __init__(self, func) -> None:  # noqa: ANN001
+    def __init__(self, func) -> None:
         self.name = str(func)
         self.learn = func in _DEVICE_DEPENDENT
         self.aliases = _aliases(func)
@@ -288,7 +303,7 @@ def _scan(args: tuple, kwargs: dict) -> tuple[OpStream | None, list[Any], bool]:
     return stream, sig, local
 
 
-def dispatch(func, args: tuple, kwargs: dict) -> Any:  # noqa: ANN001
+def dispatch(func, args: tuple, kwargs: dict) -> Any:
     info = func.__dict__.get("_genie")  # (not a dict keyed by the op: its __hash__ is Python code)
     if info is None:
         info = func._genie = _OpInfo(func)
@@ -318,11 +333,17 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:  # noqa: ANN001
     out_meta, aliases, expect, plain = outputs
     if plain:  # fresh outputs only, no conjugate or negative views: the common case, kept short
         if type(out_meta) in (tuple, list):
-            results = [RemoteTensor(m.shape, m.stride(), m.storage_offset(), m.dtype, stream) if isinstance(m, torch.Tensor) else m
-                       for m in out_meta]
+            results = [
+                RemoteTensor(m.shape, m.stride(), m.storage_offset(), m.dtype, stream)
+                if isinstance(m, torch.Tensor)
+                else m
+                for m in out_meta
+            ]
             out_ids = [r._rid if type(r) is RemoteTensor else None for r in results]
         elif isinstance(out_meta, torch.Tensor):
-            results = [RemoteTensor(out_meta.shape, out_meta.stride(), out_meta.storage_offset(), out_meta.dtype, stream)]
+            results = [
+                RemoteTensor(out_meta.shape, out_meta.stride(), out_meta.storage_offset(), out_meta.dtype, stream)
+            ]
             out_ids = [results[0]._rid]
         else:  # no tensor out (a check, like _linalg_check_errors)
             results, out_ids = [out_meta], [None]
@@ -359,7 +380,9 @@ def _encode_other(a: Any) -> Any:
     if _is_remote_device(a):
         return RemoteDevice()
     if isinstance(a, torch.Generator):
-        raise NotImplementedError("explicit torch.Generator objects are not supported on remote tensors; use torch.manual_seed")
+        raise NotImplementedError(
+            "explicit torch.Generator objects are not supported on remote tensors; use torch.manual_seed"
+        )
     return encode_value(a)
 
 
@@ -374,7 +397,10 @@ def _outputs(out_meta: Any, aliases: dict, args: tuple, kwargs: dict, stream: Op
         if alias is not None:  # an in-place or out= op: the result *is* that argument
             target = _argument(alias, args, kwargs)
             if isinstance(m, torch.Tensor) and (tuple(m.shape), tuple(m.stride()), m.storage_offset()) != (
-                    tuple(target.shape), tuple(target.stride()), target.storage_offset()):
+                tuple(target.shape),
+                tuple(target.stride()),
+                target.storage_offset(),
+            ):
                 reshaped.append((target, m))  # resize_, t_, set_, out= resized: the wrapper follows
             results.append(target)
             out_ids.append(None)
@@ -409,7 +435,9 @@ def _encoder(stream: OpStream, uploads: list[int]) -> Any:
         if _is_remote_device(a):
             return RemoteDevice()
         if isinstance(a, torch.Generator):
-            raise NotImplementedError("explicit torch.Generator objects are not supported on remote tensors; use torch.manual_seed")
+            raise NotImplementedError(
+                "explicit torch.Generator objects are not supported on remote tensors; use torch.manual_seed"
+            )
         if isinstance(a, torch.UntypedStorage):
             return _encode_storage(a, stream)
         return encode_value(a)
@@ -426,7 +454,9 @@ def record_call(name: str, args: tuple, kwargs: dict, expected: list[Any]) -> tu
     for m in expected:
         outs.append(None if m is None else RemoteTensor(m.shape, m.stride(), m.storage_offset(), m.dtype, stream))
     enc_args, enc_kwargs = _map(_encoder(stream, uploads), args, kwargs)
-    stream.record(("call", name, enc_args, enc_kwargs, [None if r is None else r._rid for r in outs], _expectations(expected)))
+    stream.record(
+        ("call", name, enc_args, enc_kwargs, [None if r is None else r._rid for r in outs], _expectations(expected))
+    )
     for rid in uploads:
         stream.record(("free", rid))
     return outs, stream
@@ -444,8 +474,10 @@ def _encode_storage(storage: Any, stream: OpStream) -> StorageOf:
             loaded.rid, loaded.stream = new_id(), stream
             stream.record(("put", loaded.rid, HostTensor(torch.empty(0, dtype=torch.uint8).set_(loaded.cpu))))
         return StorageOf(Ref(loaded.rid))
-    raise RuntimeError(f"set_: this {storage.device} storage is not the storage of a remote tensor; use a remote tensor's "
-                       "untyped_storage(), or copy the values to the device first")
+    raise RuntimeError(
+        f"set_: this {storage.device} storage is not the storage of a remote tensor; use a remote tensor's "
+        "untyped_storage(), or copy the values to the device first"
+    )
 
 
 def _argument(alias: Any, args: tuple, kwargs: dict) -> Any:
@@ -454,7 +486,7 @@ def _argument(alias: Any, args: tuple, kwargs: dict) -> Any:
     return kwargs[alias[-1]]
 
 
-def _aliases(func) -> dict[int, Any]:  # noqa: ANN001
+def _aliases(func) -> dict[int, Any]:
     """Which outputs are written-to arguments (in-place and out= ops), from the op's schema."""
     found = _alias_cache.get(func)
     if found is None:
@@ -474,8 +506,13 @@ def _aliases(func) -> dict[int, Any]:  # noqa: ANN001
 
 def _to_meta(a: Any) -> Any:
     if isinstance(a, torch.Tensor):
-        return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta").as_strided(a.shape, a.stride(), a.storage_offset()) \
-            if a.storage_offset() else torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+        return (
+            torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta").as_strided(
+                a.shape, a.stride(), a.storage_offset()
+            )
+            if a.storage_offset()
+            else torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+        )
     if _is_remote_device(a):
         return torch.device("meta")
     if isinstance(a, torch.UntypedStorage):
@@ -493,7 +530,10 @@ def _expectations(out: Any) -> tuple:
     """What the server must find in each output (shape, strides, offset, dtype): a meta kernel that
     disagrees with the device's kernel then fails the op instead of giving a wrong result."""
     outs = out if type(out) in (tuple, list) else (out,)
-    return tuple((tuple(m.shape), tuple(m.stride()), m.storage_offset(), m.dtype) if isinstance(m, torch.Tensor) else None for m in outs)
+    return tuple(
+        (tuple(m.shape), tuple(m.stride()), m.storage_offset(), m.dtype) if isinstance(m, torch.Tensor) else None
+        for m in outs
+    )
 
 
 class _Learn(tuple):
@@ -507,15 +547,21 @@ class _Learn(tuple):
 # call with a signature runs eagerly and its outputs' shapes and dtypes, as the server's device
 # made them, are cached for later calls.
 _DEVICE_DEPENDENT = {
-    aten.native_layer_norm.default, aten.native_batch_norm.default, aten._native_batch_norm_legit.default,
-    aten._native_batch_norm_legit.no_stats, aten._native_batch_norm_legit_no_training.default,
-    aten._batch_norm_with_update.default, aten._batch_norm_no_update.default, aten._embedding_bag.default,
-    aten._embedding_bag_forward_only.default, aten._grouped_mm.default,
+    aten.native_layer_norm.default,
+    aten.native_batch_norm.default,
+    aten._native_batch_norm_legit.default,
+    aten._native_batch_norm_legit.no_stats,
+    aten._native_batch_norm_legit_no_training.default,
+    aten._batch_norm_with_update.default,
+    aten._batch_norm_no_update.default,
+    aten._embedding_bag.default,
+    aten._embedding_bag_forward_only.default,
+    aten._grouped_mm.default,
     aten.addbmm_.default,  # the CPU and CUDA kernels resize a (1,) self; the meta kernel refuses
 }
 
 
-def _import_on_server(func, stream: OpStream) -> None:  # noqa: ANN001
+def _import_on_server(func, stream: OpStream) -> None:
     """A custom op (torch.library.custom_op) exists on the server once its module is imported there."""
     from torch._library.custom_ops import OPDEFS
 
@@ -526,12 +572,12 @@ def _import_on_server(func, stream: OpStream) -> None:  # noqa: ANN001
         stream.record(("import", module))
 
 
-def _output_specs(func, sig: list[Any], args: tuple, kwargs: dict, stream: OpStream, info: Any = None) -> Any:  # noqa: ANN001
+def _output_specs(func, sig: list[Any], args: tuple, kwargs: dict, stream: OpStream, info: Any = None) -> Any:
     """Output shapes from the op's meta kernel (cached), None when they depend on data, or a
     _Learn key when the device must say (see _DEVICE_DEPENDENT)."""
     try:
         key = (info if info is not None else func, *sig, *kwargs)
-        if (info.learn if info is not None else func in _DEVICE_DEPENDENT):
+        if info.learn if info is not None else func in _DEVICE_DEPENDENT:
             key = _Learn((*key, stream.device_kind))
         cached = _meta_cache.get(key)
     except TypeError:  # something unhashable in the arguments: no caching
@@ -548,8 +594,13 @@ def _output_specs(func, sig: list[Any], args: tuple, kwargs: dict, stream: OpStr
             if "meta" in str(exc).lower() and ("cannot" in str(exc).lower() or "not implemented" in str(exc).lower()):
                 return None
             raise  # a real error (shapes, dtypes): raised here, at the op, as PyTorch would
-        if any(isinstance(m, torch.Tensor) and m.layout != torch.strided for m in (out if type(out) in (tuple, list) else (out,))):
-            raise NotImplementedError(f"{func}: sparse and other non-strided layouts are not supported on remote_accelerator")
+        if any(
+            isinstance(m, torch.Tensor) and m.layout != torch.strided
+            for m in (out if type(out) in (tuple, list) else (out,))
+        ):
+            raise NotImplementedError(
+                f"{func}: sparse and other non-strided layouts are not supported on remote_accelerator"
+            )
         cached = (out, _aliases(func), _expectations(out), _plain(out, func))
         if key is not None:
             if len(_meta_cache) > 50_000:
@@ -558,7 +609,9 @@ def _output_specs(func, sig: list[Any], args: tuple, kwargs: dict, stream: OpStr
     return cached
 
 
-def _run_eagerly(func, stream: OpStream, args: tuple, kwargs: dict, encode, uploads: list[int], learn: Any = None) -> Any:  # noqa: ANN001
+def _run_eagerly(
+    func, stream: OpStream, args: tuple, kwargs: dict, encode, uploads: list[int], learn: Any = None
+) -> Any:
     """Ops whose output shape depends on the data (nonzero, masked_select, unique, ...), or on the
     device (`learn`, a meta-cache key to fill): one round trip."""
     returns = func._schema.returns
@@ -580,10 +633,20 @@ def _run_eagerly(func, stream: OpStream, args: tuple, kwargs: dict, encode, uplo
             stream.record(("free", item["id"]))
             results.append(target)
         else:
-            results.append(RemoteTensor(item["shape"], item["stride"], item["offset"], getattr(torch, item["dtype"]), stream, rid=item["id"]))
+            results.append(
+                RemoteTensor(
+                    item["shape"], item["stride"], item["offset"], getattr(torch, item["dtype"]), stream, rid=item["id"]
+                )
+            )
     if learn is not None:
-        metas = [torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device="meta").as_strided(r.shape, r.stride(), r.storage_offset())
-                 if isinstance(r, torch.Tensor) else r for r in results]
+        metas = [
+            torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device="meta").as_strided(
+                r.shape, r.stride(), r.storage_offset()
+            )
+            if isinstance(r, torch.Tensor)
+            else r
+            for r in results
+        ]
         out = (metas if is_list else tuple(metas)) if described["tuple"] else metas[0]
         _meta_cache[learn] = (out, aliases, _expectations(out), _plain(out, func))
     if described["tuple"]:

@@ -13,9 +13,10 @@ import json
 import logging
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import ProtocolError
 from ..protocol import RUNS, Codec, Message, MessageType, Peer, parse, split_identities
@@ -42,9 +43,16 @@ Reply = Callable[[bytes, Message, str, dict[str, Any]], None]
 
 
 class Admission:
-    def __init__(self, codec: Codec, sessions: dict[str, Session], ended: OrderedDict[str, Session],
-                 call_soon: Callable[[Callable[[], None]], None], admit: Callable[[Admitted], None],
-                 reply: Reply, send_raw: Callable[[bytes, list[Any]], None]) -> None:
+    def __init__(
+        self,
+        codec: Codec,
+        sessions: dict[str, Session],
+        ended: OrderedDict[str, Session],
+        call_soon: Callable[[Callable[[], None]], None],
+        admit: Callable[[Admitted], None],
+        reply: Reply,
+        send_raw: Callable[[bytes, list[Any]], None],
+    ) -> None:
         self.codec = codec
         self.sessions, self.ended = sessions, ended
         self._call_soon = call_soon  # back onto the loop thread
@@ -117,8 +125,15 @@ class Admission:
                 # "Did it run?" from a client whose session ended while it was cut off: answer from the record.
                 self._admit(Admitted(identity, msg, MessageType.OUTCOME, Peer.CLIENT, ended))
                 return
-            self._reply(identity, msg, MessageType.ERROR_REPLY, error_content(
-                SESSION_NOT_FOUND, "this session is unknown to the server (it ended, expired, or the server restarted)"))
+            self._reply(
+                identity,
+                msg,
+                MessageType.ERROR_REPLY,
+                error_content(
+                    SESSION_NOT_FOUND,
+                    "this session is unknown to the server (it ended, expired, or the server restarted)",
+                ),
+            )
             return
         peer = session.peer(identity)
         if peer is None:
@@ -129,15 +144,25 @@ class Admission:
             return
         kind = parse(msg.type, peer)
         if kind is None:
-            self._refuse(f"a {msg.type!r} message from session {session.id[:8]}'s {peer.value} connection, which may not send it")
+            self._refuse(
+                f"a {msg.type!r} message from session {session.id[:8]}'s {peer.value} connection, which may not send it"
+            )
             if peer is Peer.CLIENT:  # a client that waits for an answer gets one
-                self._reply(identity, msg, MessageType.ERROR_REPLY,
-                            error_content("ProtocolError", f"unknown request type {msg.type!r}"))
+                self._reply(
+                    identity,
+                    msg,
+                    MessageType.ERROR_REPLY,
+                    error_content("ProtocolError", f"unknown request type {msg.type!r}"),
+                )
             return
         session.last_seen = time.monotonic()
         if kind in RUNS and not session.received(msg.id, kind):
-            self._reply(identity, msg, MessageType.ERROR_REPLY, error_content(
-                "DuplicateRequest", f"request {msg.id} was received before and runs at most once"))
+            self._reply(
+                identity,
+                msg,
+                MessageType.ERROR_REPLY,
+                error_content("DuplicateRequest", f"request {msg.id} was received before and runs at most once"),
+            )
             return
         self._admit(Admitted(identity, msg, kind, peer, session))
 
@@ -154,8 +179,11 @@ class Admission:
             header = json.loads(bytes(body[2].buffer if hasattr(body[2], "buffer") else body[2]))
             if header.get("type") != MessageType.HELLO:
                 return
-            reply = Message(MessageType.AUTH_FAILED, {"reason": "signature does not match: wrong token"},
-                            parent=str(header.get("id", "")))
+            reply = Message(
+                MessageType.AUTH_FAILED,
+                {"reason": "signature does not match: wrong token"},
+                parent=str(header.get("id", "")),
+            )
             self._send_raw(identity, Codec(None).pack(reply))
         except Exception:
             return

@@ -11,8 +11,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import zmq
 
@@ -41,19 +42,33 @@ Handler = Callable[[Session, Message], None]
 class Server:
     """`Server(config).start()` binds and returns; `serve_forever()` or `start_in_thread()` runs it."""
 
-    def __init__(self, config: ClusterConfig | None = None, *, parent_lifeline: int | None = None,
-                 spare_workers: int | None = None, gpu_source: GPUSource | None = None) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig | None = None,
+        *,
+        parent_lifeline: int | None = None,
+        spare_workers: int | None = None,
+        gpu_source: GPUSource | None = None,
+    ) -> None:
         self.config = config or ClusterConfig.resolve(node_role="server")
-        if self.config.token is not None and len(self.config.token) < MIN_NETWORK_TOKEN and not is_loopback(self.config.ip):
+        if (
+            self.config.token is not None
+            and len(self.config.token) < MIN_NETWORK_TOKEN
+            and not is_loopback(self.config.ip)
+        ):
             raise ConfigError(
                 f"refusing to listen on {self.config.ip} with a {len(self.config.token)}-character token: anyone who can "
                 f"reach the port could guess it. Use at least {MIN_NETWORK_TOKEN} characters, or leave --token out to have "
-                "one generated")
+                "one generated"
+            )
         self.token = self.config.token or new_token()
         self.keys: Any = None
         self.gate: Any = None
-        self.limits = {"session_tensors": self.config.max_session_tensors, "session_bytes": self.config.max_session_bytes,
-                       "message_bytes": self.config.max_message_bytes}
+        self.limits = {
+            "session_tensors": self.config.max_session_tensors,
+            "session_bytes": self.config.max_session_bytes,
+            "message_bytes": self.config.max_message_bytes,
+        }
         self.node_id = self.config.resolved_node_id()
         self.codec = Codec(derive_key(self.token), max_bytes=self.config.max_message_bytes)
         self.parent_lifeline = parent_lifeline  # a pipe from whoever embeds us: we stop when it closes
@@ -75,8 +90,15 @@ class Server:
         self._seq = 0
         self._lifeline = Lifeline()  # every worker holds its read end
         self._handlers = self._handler_table()
-        self.admission = Admission(self.codec, self.sessions.live, self.sessions.ended, self._loop.call_soon,
-                                   self._on_admitted, self._reply, self._send_raw)
+        self.admission = Admission(
+            self.codec,
+            self.sessions.live,
+            self.sessions.ended,
+            self._loop.call_soon,
+            self._on_admitted,
+            self._reply,
+            self._send_raw,
+        )
 
     @property
     def bus(self) -> Any:
@@ -123,8 +145,16 @@ class Server:
         worker_router.setsockopt(zmq.LINGER, 0)
         endpoint = f"ipc://{self._worker_dir}/workers"
         worker_router.bind(endpoint)
-        self.pool = WorkerPool(worker_router, endpoint, self._lifeline.fd, self.limits, self.gpus, self.spare_workers,
-                               self._from_worker, self.address)
+        self.pool = WorkerPool(
+            worker_router,
+            endpoint,
+            self._lifeline.fd,
+            self.limits,
+            self.gpus,
+            self.spare_workers,
+            self._from_worker,
+            self.address,
+        )
         self.pool.sessions = self.sessions.live
         self._loop.add_socket(self.router, self._on_client_readable)
         self._loop.add_socket(worker_router, self.pool.on_readable)
@@ -132,22 +162,40 @@ class Server:
             self._loop.add_socket(self.parent_lifeline, self._on_parent_gone)
         sweep_orphans()
         self._loop.call_every(0.2, self._housekeeping)
-        info = ConnectionInfo(self.config.ip, self.port, self.token, self.node_id, os.getpid(), PROTOCOL_VERSION,
-                              self.keys.for_clients() if self.keys else None)
+        info = ConnectionInfo(
+            self.config.ip,
+            self.port,
+            self.token,
+            self.node_id,
+            os.getpid(),
+            PROTOCOL_VERSION,
+            self.keys.for_clients() if self.keys else None,
+        )
         path = self.config.connection_file or runtime_dir() / f"genie-server-{self.node_id}-{self.port}.json"
         self.connection_file = info.write(path)
         self.telemetry.start(self.address, self._broadcast)
         max_put = min(self.config.max_session_bytes or self.config.max_message_bytes, self.config.max_message_bytes)
-        self.data = DataPlane(ServerSide(
-            self.config.ip, self.port, fixed_port=bool(self.config.master_port), data_port=self.config.data_port,
-            host=DataHost(self.codec.key, self.pool.worker_pids, max_put=max_put), encrypted=self.config.encrypt,
-            enable_ucx=self.config.enable_ucx))
+        self.data = DataPlane(
+            ServerSide(
+                self.config.ip,
+                self.port,
+                fixed_port=bool(self.config.master_port),
+                data_port=self.config.data_port,
+                host=DataHost(self.codec.key, self.pool.worker_pids, max_put=max_put),
+                encrypted=self.config.encrypt,
+                enable_ucx=self.config.enable_ucx,
+            )
+        )
         self.data.start()
         self.pool.refill_spares()
         return self
 
     def ready_line(self) -> str:
-        gpus = f"{len(self.gpus)} GPU{'s' if len(self.gpus) != 1 else ''}" if self.gpus else f"no GPU: {self.telemetry.gpu_reason}"
+        gpus = (
+            f"{len(self.gpus)} GPU{'s' if len(self.gpus) != 1 else ''}"
+            if self.gpus
+            else f"no GPU: {self.telemetry.gpu_reason}"
+        )
         return f"genie server ready at {self.address} (node {self.node_id}, {gpus}); connection file: {self.connection_file}"
 
     def node_info(self) -> dict[str, Any]:
@@ -204,7 +252,9 @@ class Server:
         msg.seq = self._seq
         self.router.send_multipart([identity, *self.codec.pack(msg)], copy=False)
 
-    def _reply(self, identity: bytes, request: Message, kind: str, content: dict[str, Any], buffers: list[Any] | None = None) -> None:
+    def _reply(
+        self, identity: bytes, request: Message, kind: str, content: dict[str, Any], buffers: list[Any] | None = None
+    ) -> None:
         self._send(identity, Message(kind, content, buffers or [], parent=request.id, session=request.session))
 
     def _send_raw(self, identity: bytes, frames: list[Any]) -> None:
@@ -244,9 +294,16 @@ class Server:
         """What each request a client may send does; checked against the protocol's table, so a
         type without a handler is caught at start-up and nothing is ever looked up by name."""
         handlers: dict[MessageType, Handler] = {
-            T.EXECUTE: self._to_worker, T.PULL: self._to_worker, T.TENSOR_OPS: self._to_worker, T.PUSH: self._on_push,
-            T.INTERRUPT: self._on_interrupt, T.OUTCOME: self._on_outcome, T.INFO: self._on_info,
-            T.DATA_PROBE: self._on_data_probe, T.SET_BACKEND: self._on_set_backend, T.CLOSE: self._on_close,
+            T.EXECUTE: self._to_worker,
+            T.PULL: self._to_worker,
+            T.TENSOR_OPS: self._to_worker,
+            T.PUSH: self._on_push,
+            T.INTERRUPT: self._on_interrupt,
+            T.OUTCOME: self._on_outcome,
+            T.INFO: self._on_info,
+            T.DATA_PROBE: self._on_data_probe,
+            T.SET_BACKEND: self._on_set_backend,
+            T.CLOSE: self._on_close,
         }
         unhandled = accepted_from(Peer.CLIENT) - {T.HELLO, T.PING} - set(handlers)
         assert not unhandled, f"client requests without a handler: {sorted(unhandled)}"
@@ -282,7 +339,12 @@ class Server:
         cancelled, forwarded = self.pool.interrupt(session, str(target)[:64] if target else None)
         evalue = "interrupted before it started: the cell did not run"
         for request in cancelled:  # answered as its worker would have
-            self._reply(session.identity, request, T.ERROR, error_content("KeyboardInterrupt", evalue, [f"KeyboardInterrupt: {evalue}"]))
+            self._reply(
+                session.identity,
+                request,
+                T.ERROR,
+                error_content("KeyboardInterrupt", evalue, [f"KeyboardInterrupt: {evalue}"]),
+            )
             content = {"status": "error", "ename": "KeyboardInterrupt", "evalue": evalue, "ran": False}
             session.finished(request.id, content)
             self._reply(session.identity, request, T.EXECUTE_REPLY, content)
@@ -293,7 +355,9 @@ class Server:
 
     def _on_info(self, session: Session, msg: Message) -> None:
         report = self.telemetry.report(int(msg.content.get("history_points", 60)), int(msg.content.get("events", 50)))
-        sessions = [dict(s.info(), workers=[w.info() for w in self.pool.of(s).values()]) for s in self.sessions.live.values()]
+        sessions = [
+            dict(s.info(), workers=[w.info() for w in self.pool.of(s).values()]) for s in self.sessions.live.values()
+        ]
         self._reply(session.identity, msg, T.INFO_REPLY, {"node": self.node_info(), "sessions": sessions, **report})
 
     def _on_data_probe(self, session: Session, msg: Message) -> None:
@@ -317,8 +381,18 @@ class Server:
         log.info("session %s closed: %s", session.id[:8], why)
         self.sessions.end(session, why)
         if session.client.get("purpose") != "probe":
-            self.bus.emit(ClusterEvent(EventType.SESSION_CLOSED, self.node_id, Severity.INFO, {
-                "session": session.id[:8], "client": session.client, "message": f"session {session.id[:8]} closed: {why}"}))
+            self.bus.emit(
+                ClusterEvent(
+                    EventType.SESSION_CLOSED,
+                    self.node_id,
+                    Severity.INFO,
+                    {
+                        "session": session.id[:8],
+                        "client": session.client,
+                        "message": f"session {session.id[:8]} closed: {why}",
+                    },
+                )
+            )
         self.pool.release(session)
 
 
@@ -341,7 +415,8 @@ def run_server(config: ClusterConfig, parent_lifeline: int | None = None) -> int
         print(
             f"WARNING: listening on {config.ip} WITHOUT ENCRYPTION: messages are signed, but code, outputs and data "
             "are readable by anyone on the network path. Use `genie serve --encrypt`, or 127.0.0.1 and an SSH tunnel.",
-            file=sys.stderr, flush=True,
+            file=sys.stderr,
+            flush=True,
         )
     server.serve_forever()
     print("genie server stopped", flush=True)

@@ -81,4 +81,3 @@ class DataPlane:
         int(np.frombuffer(view, dtype=np.uint8, count=size)[::4096].sum())
         view.release()
         return size
-

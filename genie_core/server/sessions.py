@@ -15,7 +15,9 @@ ENDED_REMEMBERED = 64  # ended sessions whose request records are kept
 
 
 class Session:
-    def __init__(self, identity: bytes, client: dict[str, Any], slot: int, heartbeat_identity: bytes | None = None) -> None:
+    def __init__(
+        self, identity: bytes, client: dict[str, Any], slot: int, heartbeat_identity: bytes | None = None
+    ) -> None:
         self.id = secrets.token_urlsafe(18)  # unguessable: it is half of what binds a client to its worker
         self.identity = identity
         self.client = client
@@ -40,8 +42,16 @@ class Session:
         """Its terminal reply went out: `content` has its status (an error reply has none: error)."""
         entry = self.requests.get(request_id)
         if entry is not None:
-            entry.update(state="finished", status=str(content.get("status", "error")), finished=time.time(),
-                         **({"error": f"{content.get('ename', '')}: {content.get('evalue', '')}"[:500]} if content.get("ename") else {}))
+            entry.update(
+                state="finished",
+                status=str(content.get("status", "error")),
+                finished=time.time(),
+                **(
+                    {"error": f"{content.get('ename', '')}: {content.get('evalue', '')}"[:500]}
+                    if content.get("ename")
+                    else {}
+                ),
+            )
 
     def ended(self, why: str) -> None:
         """The session is closing: requests still running are stopped with it."""
@@ -98,8 +108,12 @@ class SessionTable:
             heartbeat: bytes | None = bytes.fromhex(str(hello.content.get("heartbeat") or ""))[:255] or None
         except ValueError:
             heartbeat = None
-        session = Session(identity, {k: str(v)[:200] for k, v in dict(client).items()}, slot,
-                          heartbeat if heartbeat != identity else None)
+        session = Session(
+            identity,
+            {k: str(v)[:200] for k, v in dict(client).items()},
+            slot,
+            heartbeat if heartbeat != identity else None,
+        )
         session.accept_seq(identity, hello.seq)
         self.live[session.id] = session
         return session
@@ -119,7 +133,7 @@ class SessionTable:
 
 
 def outcomes(session: Session, msg: Message) -> dict[str, Any]:
-    """"Did it run?": for each request id asked about, running, finished (with status), stopped,
+    """ "Did it run?": for each request id asked about, running, finished (with status), stopped,
     or not received."""
     ids = [str(i)[:64] for i in list(msg.content.get("ids") or [])[:1000]]
     return {"outcomes": {i: session.outcome(i) for i in ids}}

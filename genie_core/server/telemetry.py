@@ -9,15 +9,16 @@ import os
 import platform
 import socket
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from ..version import __version__
 from ..config import ClusterConfig, state_dir
 from ..events import ClusterEvent, EventBus, EventType
 from ..monitoring import GPUSource, NvmlSource, SimulatedGPUSource, create_resource_monitor
 from ..monitoring.history_store import HistoryStore
 from ..nodes import NodeInfo
 from ..protocol import PROTOCOL_VERSION, MessageType
+from ..version import __version__
 
 log = logging.getLogger("genie.server")
 
@@ -25,8 +26,14 @@ Broadcast = Callable[[MessageType, dict[str, Any]], None]  # to every session, o
 
 
 class Telemetry:
-    def __init__(self, config: ClusterConfig, node_id: str, gpus: list[dict[str, Any]], gpu_reason: str,
-                 gpu_source: GPUSource | None = None) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        node_id: str,
+        gpus: list[dict[str, Any]],
+        gpu_reason: str,
+        gpu_source: GPUSource | None = None,
+    ) -> None:
         self.config, self.node_id, self.gpus, self.gpu_reason = config, node_id, gpus, gpu_reason
         self.bus = EventBus()
         self.monitor: Any = None
@@ -60,10 +67,15 @@ class Telemetry:
             log.warning("metric history will not survive a restart: %s", exc)
         source = self._gpu_source
         if source is None:
-            source = SimulatedGPUSource(self.config.simulate_gpus) if self.config.simulate_gpus else NvmlSource(indices=self.config.gpus)
+            source = (
+                SimulatedGPUSource(self.config.simulate_gpus)
+                if self.config.simulate_gpus
+                else NvmlSource(indices=self.config.gpus)
+            )
         local = NodeInfo(self.node_id, socket.gethostname(), "server", address, "tcp", disk_path=str(folder))
-        self.monitor = create_resource_monitor(local, self.config, bus=self.bus, gpu_source=source, store=self.store,
-                                               on_reading=on_reading)
+        self.monitor = create_resource_monitor(
+            local, self.config, bus=self.bus, gpu_source=source, store=self.store, on_reading=on_reading
+        )
         self.monitor.start()
 
     def stop(self) -> None:
@@ -101,6 +113,9 @@ class Telemetry:
             "health": health.to_dict() if health else None,
             "history": monitor.history_all(points=history_points) if monitor else {},
             "events": [e.to_dict() for e in self.bus.history(limit=events)],
-            "monitoring": {"enabled": monitor is not None, "interval": self.config.gpu_poll_interval,
-                           "source": getattr(monitor.gpu_source, "name", "") if monitor else ""},
+            "monitoring": {
+                "enabled": monitor is not None,
+                "interval": self.config.gpu_poll_interval,
+                "source": getattr(monitor.gpu_source, "name", "") if monitor else "",
+            },
         }

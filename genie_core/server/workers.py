@@ -14,8 +14,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import zmq
 
@@ -99,7 +100,9 @@ def sweep_orphans() -> int:
 
 
 class WorkerProcess:
-    def __init__(self, worker_id: str, slot: int, endpoint: str, lifeline: int, limits: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, worker_id: str, slot: int, endpoint: str, lifeline: int, limits: dict[str, Any] | None = None
+    ) -> None:
         self.id = worker_id
         self.slot = slot
         env = dict(os.environ)
@@ -170,8 +173,17 @@ class WorkerPool:
     the ones ending. Requests go to a session's worker (started if needed); its messages come back
     through `reply`; a worker that dies fails what it was running, naming why."""
 
-    def __init__(self, sock: zmq.Socket, endpoint: str, lifeline: int, limits: dict[str, Any], gpus: list[dict[str, Any]],
-                 spares: int, reply: Reply, address: str) -> None:
+    def __init__(
+        self,
+        sock: zmq.Socket,
+        endpoint: str,
+        lifeline: int,
+        limits: dict[str, Any],
+        gpus: list[dict[str, Any]],
+        spares: int,
+        reply: Reply,
+        address: str,
+    ) -> None:
         self.sock, self.endpoint, self.lifeline, self.limits = sock, endpoint, lifeline, limits
         self.gpus, self.spare_count, self.reply, self.address = gpus, spares, reply, address
         self.codec = Codec(key=None)  # a private Unix socket in a 0700 folder
@@ -351,8 +363,11 @@ class WorkerPool:
             if session is not None and self.of(session).get(worker.slot) is worker:
                 del self.assigned[session.id][worker.slot]
                 for request in list(worker.inflight.values()) + worker.waiting:
-                    content = error_content("WorkerDied", f"the session's worker process (pid {worker.pid}) {why} while running "
-                                            "this request; its variables are lost, and the next request starts a fresh worker")
+                    content = error_content(
+                        "WorkerDied",
+                        f"the session's worker process (pid {worker.pid}) {why} while running "
+                        "this request; its variables are lost, and the next request starts a fresh worker",
+                    )
                     session.finished(request.id, content)
                     self.reply(session, Message(T.ERROR_REPLY, content, parent=request.id))
         still = []

@@ -20,13 +20,13 @@ from typing import Any
 
 import zmq
 
+from ..dataplane.base import DATA_THRESHOLD
+from ..dataplane.segment import Segment, pack_into, segment_spares, split
+from ..errors import size_text
 from ..lifeline import die_with_parent
 from ..loop import SocketLoop
 from ..protocol import Codec, Message, MessageType, error_content, for_worker
 from ..serialize import deserialize_namespace, serialize_namespace
-from ..errors import size_text
-from ..dataplane.base import DATA_THRESHOLD
-from ..dataplane.segment import Segment, pack_into, segment_spares, split
 from .streams import FLUSH_INTERVAL, OutStream, capture_fd
 
 log = logging.getLogger("genie.worker")
@@ -63,7 +63,9 @@ class Worker:
         self.staged: list[Segment] = []  # a pull's segment, until the client adopts it
         self.spares = segment_spares("genie-w")
         self.max_tensors = int(os.environ.get("GENIE_LIMIT_SESSION_TENSORS") or 1_000_000)
-        self.max_bytes = int(os.environ["GENIE_LIMIT_SESSION_BYTES"]) if os.environ.get("GENIE_LIMIT_SESSION_BYTES") else None
+        self.max_bytes = (
+            int(os.environ["GENIE_LIMIT_SESSION_BYTES"]) if os.environ.get("GENIE_LIMIT_SESSION_BYTES") else None
+        )
 
     # -- I/O (loop thread) --------------------------------------------------------------
     def _on_readable(self, sock: zmq.Socket) -> None:
@@ -121,7 +123,9 @@ class Worker:
             self.armed = False
             raise KeyboardInterrupt
 
-    def send(self, kind: str, content: dict[str, Any], buffers: list[Any] | None = None, parent: str | None = None) -> None:
+    def send(
+        self, kind: str, content: dict[str, Any], buffers: list[Any] | None = None, parent: str | None = None
+    ) -> None:
         msg = Message(kind, content, buffers or [], parent=self.current if parent is None else parent)
         frames = self.codec.pack(msg)
         self.loop.call_soon(lambda: self.loop.send(self.sock, frames))
@@ -134,7 +138,9 @@ class Worker:
         out, err = OutStream("stdout", emit_stream), OutStream("stderr", emit_stream)
         saved_err = capture_fd(2, err)
         capture_fd(1, out)
-        logging.basicConfig(stream=os.fdopen(saved_err, "w", buffering=1), level=os.environ.get("GENIE_LOG_LEVEL", "WARNING"))
+        logging.basicConfig(
+            stream=os.fdopen(saved_err, "w", buffering=1), level=os.environ.get("GENIE_LOG_LEVEL", "WARNING")
+        )
         sys.stdout, sys.stderr = out, err
         self.loop.call_every(FLUSH_INTERVAL, lambda: (out.flush(), err.flush()))
         sys.stdin = open(os.devnull)
@@ -144,9 +150,9 @@ class Worker:
 
         builtins.input = no_input
         os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
-        from .shell import WorkerShell
-
         from traitlets.config import Config
+
+        from .shell import WorkerShell
 
         config = Config()
         config.HistoryManager.enabled = False  # no SQLite write per cell (0.4 ms); the notebook keeps the history
@@ -170,10 +176,19 @@ class Worker:
         self.setup()
         self.send(
             T.READY,
-            {"pid": os.getpid(), "python": sys.version.split()[0], "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")},
+            {
+                "pid": os.getpid(),
+                "python": sys.version.split()[0],
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            },
             parent="",
         )
-        handlers = {T.EXECUTE: self.on_execute, T.PUSH: self.on_push, T.PULL: self.on_pull, T.TENSOR_OPS: self.on_tensor_ops}
+        handlers = {
+            T.EXECUTE: self.on_execute,
+            T.PUSH: self.on_push,
+            T.PULL: self.on_pull,
+            T.TENSOR_OPS: self.on_tensor_ops,
+        }
         while True:
             try:
                 msg = self.inbox.get()
@@ -182,13 +197,17 @@ class Worker:
                 handler = handlers.get(kind) if kind is not None else None
                 if handler is None:
                     log.error("refused a %r message: the server does not send that to workers", msg.type)
-                    self.send(T.ERROR_REPLY, error_content("ProtocolError", f"a worker does not take {msg.type!r} requests"))
+                    self.send(
+                        T.ERROR_REPLY, error_content("ProtocolError", f"a worker does not take {msg.type!r} requests")
+                    )
                     continue
                 handler(msg)
             except KeyboardInterrupt:
                 continue  # an interrupt that arrived just as a cell ended
             except Exception as exc:  # a failure of ours, not of user code: report it, keep serving
-                self.send(T.ERROR_REPLY, error_content(type(exc).__name__, str(exc), traceback.format_exc().splitlines()))
+                self.send(
+                    T.ERROR_REPLY, error_content(type(exc).__name__, str(exc), traceback.format_exc().splitlines())
+                )
 
     def on_execute(self, msg: Message) -> None:
         """Run a cell; whatever happens, exactly one execute_reply goes back."""
@@ -200,8 +219,12 @@ class Worker:
             self.sigints_seen = self.sigints_sent  # nothing sent for an earlier cell is resent into this one
         if cancelled:
             evalue = "interrupted before it started: the cell did not run"
-            self.send("error", {"ename": "KeyboardInterrupt", "evalue": evalue, "traceback": [f"KeyboardInterrupt: {evalue}"]})
-            self.send("execute_reply", {"status": "error", "ename": "KeyboardInterrupt", "evalue": evalue, "ran": False})
+            self.send(
+                "error", {"ename": "KeyboardInterrupt", "evalue": evalue, "traceback": [f"KeyboardInterrupt: {evalue}"]}
+            )
+            self.send(
+                "execute_reply", {"status": "error", "ename": "KeyboardInterrupt", "evalue": evalue, "ran": False}
+            )
             return
         reply: dict[str, Any]
         try:
@@ -228,9 +251,17 @@ class Worker:
         if self.max_bytes is not None and held + incoming > self.max_bytes:
             if ref:
                 Segment.discard(ref["segment"])  # it will not be used
-            self.send("push_reply", {"status": "error", "ename": "LimitExceeded", "evalue": (
-                f"this push of {size_text(incoming)} would make this session hold {size_text(held + incoming)}; the server "
-                f"allows {size_text(self.max_bytes)} (--max-session-bytes): free some (del)")})
+            self.send(
+                "push_reply",
+                {
+                    "status": "error",
+                    "ename": "LimitExceeded",
+                    "evalue": (
+                        f"this push of {size_text(incoming)} would make this session hold {size_text(held + incoming)}; the server "
+                        f"allows {size_text(self.max_bytes)} (--max-session-bytes): free some (del)"
+                    ),
+                },
+            )
             return
         if ref:  # the bytes came by the data plane: the tensors are built on that memory, no copy
             buffers = split(Segment.adopt(ref["segment"]), [int(n) for n in ref["sizes"]])
@@ -242,7 +273,10 @@ class Worker:
         names = list(msg.content.get("names", []))
         missing = [n for n in names if n not in self.shell.user_ns]
         if missing:
-            self.send("pull_reply", {"status": "error", "ename": "NameError", "evalue": f"not defined on the server: {', '.join(missing)}"})
+            self.send(
+                "pull_reply",
+                {"status": "error", "ename": "NameError", "evalue": f"not defined on the server: {', '.join(missing)}"},
+            )
             return
         metas, buffers = serialize_namespace({n: self.shell.user_ns[n] for n in names})
         total = sum(memoryview(b).nbytes for b in buffers)
@@ -253,7 +287,9 @@ class Worker:
             sizes = pack_into(segment.view, buffers)
             segment.close()
             self.staged = [segment]
-            self.send("pull_reply", {"status": "ok", "values": metas, "data": {"segment": segment.name, "sizes": sizes}})
+            self.send(
+                "pull_reply", {"status": "ok", "values": metas, "data": {"segment": segment.name, "sizes": sizes}}
+            )
             self.spares.refill(total)
             return
         self.send("pull_reply", {"status": "ok", "values": metas}, buffers)

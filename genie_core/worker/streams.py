@@ -6,7 +6,7 @@ import codecs
 import io
 import os
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 FLUSH_INTERVAL = 0.05  # seconds: output appears live, but a tight print loop is batched
 FLUSH_BYTES = 64 * 1024

@@ -13,8 +13,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ..errors import LimitExceeded, size_text
-from ..serialize import serialize_namespace
 from ..protocol.tensor_ops import MemoryFormat, Ref, RemoteDevice, StorageOf
+from ..serialize import serialize_namespace
 
 
 class _Failed:
@@ -38,8 +38,10 @@ def _agree(name: str, value: torch.Tensor, want: tuple, inputs: Any) -> torch.Te
     shape or dtype (or layout of a view) fails the op: guessing would give wrong results later."""
     shape, stride, offset, dtype = want
     if value.layout != torch.strided:
-        raise NotImplementedError(f"it made a {value.layout} tensor: sparse and other non-strided layouts are not "
-                                  "supported on remote_accelerator")
+        raise NotImplementedError(
+            f"it made a {value.layout} tensor: sparse and other non-strided layouts are not "
+            "supported on remote_accelerator"
+        )
     if value.dtype == dtype and value.shape == shape and value.stride() == stride and value.storage_offset() == offset:
         return value
     expected = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
@@ -48,7 +50,12 @@ def _agree(name: str, value: torch.Tensor, want: tuple, inputs: Any) -> torch.Te
     if _layout(value) == _layout(expected):
         return value
     storages = {t.untyped_storage().data_ptr() for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)}
-    if value.dtype == dtype and tuple(value.shape) == shape and not offset and value.untyped_storage().data_ptr() not in storages:
+    if (
+        value.dtype == dtype
+        and tuple(value.shape) == shape
+        and not offset
+        and value.untyped_storage().data_ptr() not in storages
+    ):
         return torch.empty_strided(shape, stride, dtype=dtype, device=value.device).copy_(value)
     raise RuntimeError(
         f"{name} gave a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)} (strides {value.stride()}) "
@@ -57,7 +64,7 @@ def _agree(name: str, value: torch.Tensor, want: tuple, inputs: Any) -> torch.Te
     )
 
 
-def _histc(x: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0) -> torch.Tensor:  # noqa: A002
+def _histc(x: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0) -> torch.Tensor:
     """CUDA counts integer tensors, the CPU kernel refuses them (model code written for "not CPU"
     relies on it): counted in float64, exact below 2**53, returned in the input's dtype."""
     if x.is_floating_point():
@@ -141,11 +148,15 @@ class TensorExecutor:
     def _check_limits(self, made: str) -> None:
         """After an op stored its outputs: over a limit, the op fails (and its outputs are dropped)."""
         if len(self.store) > self.max_tensors:
-            raise LimitExceeded(f"{made} would make this session hold {len(self.store):,} remote tensors; the server allows "
-                                f"{self.max_tensors:,} (--max-session-tensors): free some (del)")
+            raise LimitExceeded(
+                f"{made} would make this session hold {len(self.store):,} remote tensors; the server allows "
+                f"{self.max_tensors:,} (--max-session-tensors): free some (del)"
+            )
         if self.max_bytes is not None and self.store.bytes_held > self.max_bytes:
-            raise LimitExceeded(f"{made} would make this session hold {size_text(self.store.bytes_held)} in remote tensors; the server "
-                                f"allows {size_text(self.max_bytes)} (--max-session-bytes): free some (del)")
+            raise LimitExceeded(
+                f"{made} would make this session hold {size_text(self.store.bytes_held)} in remote tensors; the server "
+                f"allows {size_text(self.max_bytes)} (--max-session-bytes): free some (del)"
+            )
 
     def _resolve_all(self, values: Any) -> Any:
         """Arguments as recorded (tuples and lists one level deep, a kwargs dict) with their
@@ -174,7 +185,9 @@ class TensorExecutor:
         if isinstance(value, Ref):
             t = self.store.get(value.id)
             if t is None:
-                raise RuntimeError(f"remote tensor {value.id} does not exist on the server (freed, or made in another session)")
+                raise RuntimeError(
+                    f"remote tensor {value.id} does not exist on the server (freed, or made in another session)"
+                )
             if isinstance(t, _Failed):
                 raise RuntimeError(f"depends on a remote op that failed earlier: {t.op}: {t.error}") from t.error
             return t
@@ -218,7 +231,9 @@ class TensorExecutor:
                     self.store[rid] = _Failed(record[2], RuntimeError(record[3]))
                 continue
             if failure is not None:  # skip the rest, poisoning what they would have made
-                if kind in ("op", "call") and not isinstance(record[4], range):  # (a range: a list op's ids, never named unless described)
+                if kind in ("op", "call") and not isinstance(
+                    record[4], range
+                ):  # (a range: a list op's ids, never named unless described)
                     for rid in record[4]:
                         if rid is not None:
                             self.store[rid] = _Failed(failure["op"], failure["error"])
@@ -235,7 +250,9 @@ class TensorExecutor:
                     self._run_call(record)
                     self._check_limits(f"remote call {record[1]}")
                 elif kind == "rng_get":
-                    state = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
+                    state = (
+                        torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
+                    )
                     self.store[record[1]] = state
                 elif kind == "rng_set":
                     if self.device.type == "cuda":
@@ -260,15 +277,26 @@ class TensorExecutor:
             self.ops_run += 1
         if self.device.type == "cuda" and request.get("sync"):
             torch.cuda.synchronize()
-        content: dict[str, Any] = {"status": "ok", "eager": eager, "stored": len(self.store), "run_s": time.perf_counter() - start}
+        content: dict[str, Any] = {
+            "status": "ok",
+            "eager": eager,
+            "stored": len(self.store),
+            "run_s": time.perf_counter() - start,
+        }
         if timing is not None:
             if records:
                 _note_time(timing, records[-1], tick)
             content["profile"] = timing
         if failure is not None:
             error = failure["error"]
-            content = {"status": "error", "op": failure["op"], "index": failure["index"],
-                       "ename": type(error).__name__, "evalue": str(error), "stored": len(self.store)}
+            content = {
+                "status": "error",
+                "op": failure["op"],
+                "index": failure["index"],
+                "ename": type(error).__name__,
+                "evalue": str(error),
+                "stored": len(self.store),
+            }
             return content, []
         fetch = {}
         for rid in request.get("fetch", []):
@@ -293,7 +321,9 @@ class TensorExecutor:
         if type(out) is torch.Tensor and len(out_ids) == 1:  # the common case: one tensor out
             rid = out_ids[0]
             if rid is not None:
-                self.store[rid] = out if expect is None or expect[0] is None else _agree(name, out, expect[0], (args, kwargs))
+                self.store[rid] = (
+                    out if expect is None or expect[0] is None else _agree(name, out, expect[0], (args, kwargs))
+                )
             return out
         outputs = list(out) if isinstance(out, (tuple, list)) else [out]
         for i, (rid, value) in enumerate(zip(out_ids, outputs)):
@@ -302,8 +332,10 @@ class TensorExecutor:
             if expect is not None and expect[i] is not None and isinstance(value, torch.Tensor):
                 value = _agree(name, value, expect[i], (args, kwargs))
             elif isinstance(value, torch.Tensor) and value.layout != torch.strided:
-                raise NotImplementedError(f"it made a {value.layout} tensor: sparse and other non-strided layouts are not "
-                                          "supported on remote_accelerator")
+                raise NotImplementedError(
+                    f"it made a {value.layout} tensor: sparse and other non-strided layouts are not "
+                    "supported on remote_accelerator"
+                )
             self.store[rid] = value
         return out
 
@@ -321,11 +353,20 @@ class TensorExecutor:
         described = []
         for rid, value in zip(out_ids, outputs):
             if isinstance(value, torch.Tensor) and value.layout != torch.strided:
-                raise NotImplementedError(f"it made a {value.layout} tensor: sparse and other non-strided layouts are not "
-                                          "supported on remote_accelerator")
+                raise NotImplementedError(
+                    f"it made a {value.layout} tensor: sparse and other non-strided layouts are not "
+                    "supported on remote_accelerator"
+                )
             if isinstance(value, torch.Tensor):
-                described.append({"id": rid, "shape": list(value.shape), "stride": list(value.stride()),
-                                  "offset": value.storage_offset(), "dtype": str(value.dtype).removeprefix("torch.")})
+                described.append(
+                    {
+                        "id": rid,
+                        "shape": list(value.shape),
+                        "stride": list(value.stride()),
+                        "offset": value.storage_offset(),
+                        "dtype": str(value.dtype).removeprefix("torch."),
+                    }
+                )
             else:
                 described.append({"value": value})
         return {"outputs": described, "tuple": isinstance(out, (tuple, list))}
@@ -342,14 +383,18 @@ def run_call(name: str, args: tuple, kwargs: dict, store: Any) -> list[Any]:
                 return [torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, **kwargs)]
         inputs = [t.detach().requires_grad_(n) if isinstance(t, torch.Tensor) else t for t, n in zip(args, needs)]
         with torch.enable_grad():
-            out = torch.nn.functional.scaled_dot_product_attention(inputs[0], inputs[1], inputs[2], attn_mask=inputs[3], **kwargs)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                inputs[0], inputs[1], inputs[2], attn_mask=inputs[3], **kwargs
+            )
         store[graph] = (out, inputs, needs)
         return [out.detach()]
     if name == "sdpa_backward":
         graph, grad_out = args
         found = store.get(graph)
         if not isinstance(found, tuple):
-            raise RuntimeError("the attention graph for this backward is gone (backward through it twice without retain_graph?)")
+            raise RuntimeError(
+                "the attention graph for this backward is gone (backward through it twice without retain_graph?)"
+            )
         out, inputs, needs = found
         grads = iter(torch.autograd.grad(out, [t for t, n in zip(inputs, needs) if n], grad_out, retain_graph=True))
         return [next(grads) if n else None for n in needs]
