@@ -14,7 +14,7 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
 dist.init_process_group("gloo", rank=rank, world_size=2)
 src = torch.randn(size_bytes // 4)
 print("ready", flush=True)
-for line in sys.stdin:
+for _ in sys.stdin:  # one transfer per line
     dist.barrier()
     if rank == 0:
         dist.send(src, dst=1)

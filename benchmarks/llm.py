@@ -96,9 +96,9 @@ def run(quick: bool = False) -> dict:
 
     transformers.logging.set_verbosity_error()
     config = (
-        dict(n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=256)
+        {"n_layer": 2, "n_embd": 128, "n_head": 4, "vocab_size": 1000, "n_positions": 256}
         if quick
-        else dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)
+        else {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}
     )
     new_tokens, rounds = (8, 1) if quick else (64, 5)
     proc, info = _servers.start()

@@ -135,7 +135,7 @@ def run(quick: bool = False, minutes: float | None = None) -> dict:
         # server keeps from then on (thread pools grown to their size under concurrent load,
         # caches) is the baseline.
         procs, results = _clients(ctx, info, CLIENTS, 5.0 if quick else 15.0)
-        for p in procs:
+        for _ in procs:
             results.get(timeout=120)
         for p in procs:
             p.join(30)
