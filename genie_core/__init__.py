@@ -25,7 +25,7 @@ from .monitoring.health import Grade, HealthCheck, HealthReport
 from .nodes import GPUInfo, NodeInfo
 from .version import __version__
 
-__all__ = [
+__all__ = [  # noqa: RUF022 - grouped by topic, in the order the docs present them
     "__version__",
     # connecting
     "init",

@@ -81,8 +81,9 @@ class ClusterConfig:
     health_check_interval: float = 5.0
     simulate_gpus: int = 0  # a labelled fake GPU source, for demos and tests without a GPU
     state_dir: str | None = None
-    data_port: int | None = None  # server: where the tcp data plane listens (default: control port + 1);
-    #                               client: where to reach it, when a tunnel or relay moves it (default: as the server says)
+    # server: where the tcp data plane listens (default: control port + 1);
+    # client: where to reach it, when a tunnel or relay moves it (default: as the server says)
+    data_port: int | None = None
     discovery_budget: float = 0.3  # seconds that backend discovery may spend measuring
     max_message_bytes: int = 8 << 30
     enable_ucx: bool = True  # server: offer the ucx data plane (importing ucxx costs about a second of CPU at start)
@@ -133,7 +134,8 @@ class ClusterConfig:
             )
         if self.gpu_poll_interval < 0.1:
             raise ConfigError(
-                f"invalid gpu_poll_interval {self.gpu_poll_interval}: at least 0.1 s (NVML calls serialize in the driver)"
+                f"invalid gpu_poll_interval {self.gpu_poll_interval}: "
+                "at least 0.1 s (NVML calls serialize in the driver)"
             )
         if self.spare_workers < 0:
             raise ConfigError(f"invalid spare_workers {self.spare_workers}: 0 or more")

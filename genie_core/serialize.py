@@ -101,7 +101,8 @@ def deserialize(meta: dict[str, Any], buffers: list[Any], device: str | None = N
             from .errors import ProtocolError
 
             raise ProtocolError(
-                f"refused a pickled object for {meta.get('name', 'a value')!r}: only tensors, arrays and plain values were asked for"
+                f"refused a pickled object for {meta.get('name', 'a value')!r}: "
+                "only tensors, arrays and plain values were asked for"
             )
         return pickle.loads(buffers[0], buffers=buffers[1:])
     raise ValueError(f"unknown value kind {kind!r}")

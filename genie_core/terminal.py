@@ -65,7 +65,8 @@ def render(info: dict[str, Any]) -> Group:
     title = Text.assemble(
         ("genie server ", "bold"),
         (node["address"], "bold cyan"),
-        f" · node {node['node_id']} · up {int(up // 3600)}h {int(up % 3600 // 60)}m {int(up % 60)}s · genie {node['version']} (protocol {node['protocol']})",
+        f" · node {node['node_id']} · up {int(up // 3600)}h {int(up % 3600 // 60)}m {int(up % 60)}s"
+        f" · genie {node['version']} (protocol {node['protocol']})",
     )
     parts: list[Any] = [title]
 
@@ -92,7 +93,8 @@ def render(info: dict[str, Any]) -> Group:
         )
         host = (
             f"host      CPU {_num(metrics.get('cpu_percent'), '.0f', '%')} of {metrics.get('cpu_count')} cores "
-            f"{spark(history.get('cpu_percent', []), top=100)}  · load {' '.join(map(str, metrics.get('load_avg') or [])) or 'unknown'}"
+            f"{spark(history.get('cpu_percent', []), top=100)}"
+            f"  · load {' '.join(map(str, metrics.get('load_avg') or [])) or 'unknown'}"
             f" · memory {_num(mem_used, '.1f')}/{_num((metrics.get('memory_total') or 0) / GIB, '.1f')} GiB"
             f" · disk {_num((metrics.get('disk_free') or 0) / GIB, '.0f')} GiB free"
         )
@@ -112,7 +114,8 @@ def render(info: dict[str, Any]) -> Group:
                     )
                     continue
                 mem = (
-                    f"{_num((g.get('memory_used') or 0) / GIB, '.1f')}/{_num((g.get('memory_total') or 0) / GIB, '.1f')} GiB"
+                    f"{_num((g.get('memory_used') or 0) / GIB, '.1f')}"
+                    f"/{_num((g.get('memory_total') or 0) / GIB, '.1f')} GiB"
                     if g.get("memory_total")
                     else "unknown"
                 )
@@ -135,7 +138,7 @@ def render(info: dict[str, Any]) -> Group:
     transport = node.get("transport") or {}
     offered = (
         ["zmq"]
-        + (["tcp (port %s)" % transport["data_port"]] if transport.get("data_port") else [])
+        + ([f"tcp (port {transport['data_port']})"] if transport.get("data_port") else [])
         + (["shm"] if transport.get("shm_probe") else [])
     )
     hardware = ", ".join(
@@ -164,7 +167,8 @@ def render(info: dict[str, Any]) -> Group:
         )
         parts.append(
             Text(
-                f"  {s['id']}  {s['client'].get('user', '')}@{s['client'].get('host', '?')} (pid {s['client'].get('pid', '?')})  "
+                f"  {s['id']}  {s['client'].get('user', '')}@{s['client'].get('host', '?')}"
+                f" (pid {s['client'].get('pid', '?')})  "
                 f"backend {s.get('backend', '?')}  idle {s['idle_s']:.1f} s  {workers}"
             )
         )

@@ -169,7 +169,7 @@ class GenieMagics(Magics):
         display(progress)
 
         def on_phase(name: str, seconds: float) -> None:
-            progress.phases = progress.phases + [{"name": name, "seconds": seconds}]
+            progress.phases = [*progress.phases, {"name": name, "seconds": seconds}]
 
         state = genie_core.init_sync(
             master_addr=args.address,
@@ -277,4 +277,7 @@ def summary(state: genie_core.ClusterState) -> str:
     )
     took = sum(s for _, s in state.phases)
     session = state.client.session[:8] if state.client else "-"
-    return f"Connected to {where} genie://{state.address} (node {node.get('node_id', '?')}; {gpu_text}; session {session}) in {took:.2f} s"
+    return (
+        f"Connected to {where} genie://{state.address} "
+        f"(node {node.get('node_id', '?')}; {gpu_text}; session {session}) in {took:.2f} s"
+    )

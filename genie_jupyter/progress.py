@@ -33,7 +33,10 @@ class TransferProgress:
             if final
             else f"{self.label}: {_size(self.done)} of {_size(self.total)}, {rate}"
         )
-        bar = f'<progress value="{self.done}" max="{max(self.total, 1)}" style="width: 20em" aria-label="{self.label}"></progress>'
+        bar = (
+            f'<progress value="{self.done}" max="{max(self.total, 1)}" '
+            f'style="width: 20em" aria-label="{self.label}"></progress>'
+        )
         return HTML(f"<div>{bar} <span>{text}</span></div>")
 
     def __call__(self, done: int, total: int) -> None:

@@ -72,8 +72,8 @@ def start_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None) 
         os.environ, GENIE_TOKEN="test-token-" + os.urandom(8).hex(), GENIE_STATE_DIR=str(tmp_path / "state")
     )
     full_env.update(env or {})
-    log = open(tmp_path / f"{cf.stem}.log", "w")  # read by nobody while running: a file never fills up
-    proc, info, line = start_server_process("--port", "0", *args, env=full_env, connection_file=cf, stderr=log)
+    with open(tmp_path / f"{cf.stem}.log", "w") as log:  # read by nobody while running: a file never fills up
+        proc, info, line = start_server_process("--port", "0", *args, env=full_env, connection_file=cf, stderr=log)
     return RunningServer(proc, info, cf, line)
 
 

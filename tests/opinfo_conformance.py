@@ -118,8 +118,10 @@ def _compare(actual: Any, expected: Any, where: str) -> bool:
             torch.testing.assert_close(actual, expected, equal_nan=True, msg=lambda m: f"{where}: {m}", **tolerance)
             return bool(
                 torch.equal(actual, expected)
-                or ((torch.isnan(actual) == torch.isnan(expected)).all()
-                and torch.equal(actual.nan_to_num(), expected.nan_to_num()))
+                or (
+                    (torch.isnan(actual) == torch.isnan(expected)).all()
+                    and torch.equal(actual.nan_to_num(), expected.nan_to_num())
+                )
             )
         if not torch.equal(actual, expected):
             raise AssertionError(f"{where}: values differ")
@@ -127,7 +129,9 @@ def _compare(actual: Any, expected: Any, where: str) -> bool:
     if isinstance(expected, (list, tuple)):
         if not isinstance(actual, (list, tuple)) or len(actual) != len(expected):
             raise AssertionError(f"{where}: expected a sequence of {len(expected)}")
-        return all([_compare(a, e, f"{where}[{i}]") for i, (a, e) in enumerate(zip(actual, expected))])
+        # every element compared (a mismatch anywhere raises), not only up to the first inexact one
+        exact = [_compare(a, e, f"{where}[{i}]") for i, (a, e) in enumerate(zip(actual, expected, strict=True))]
+        return all(exact)
     if isinstance(expected, float) and isinstance(actual, float):
         if not (
             actual == expected
@@ -185,7 +189,10 @@ def _on_device(sample: Any, keep: list[bool] | None, requires_grad: bool = False
     leaves, spec = tree_flatten([sample.input, list(sample.args), dict(sample.kwargs)])
     if keep is None or len(keep) != len(leaves):
         keep = [False] * len(leaves)
-    moved = [v if k and isinstance(v, torch.Tensor) else _to_remote(v, requires_grad) for v, k in zip(leaves, keep)]
+    moved = [
+        v if k and isinstance(v, torch.Tensor) else _to_remote(v, requires_grad)
+        for v, k in zip(leaves, keep, strict=True)
+    ]
     inp, args, kwargs = tree_unflatten(moved, spec)
     return type(sample)(inp, args=tuple(args), kwargs=kwargs)
 
@@ -510,7 +517,7 @@ def run(
                 seconds = time.perf_counter() - start
                 code = child.proc.poll()
                 why = (
-                    ("hung (killed after %.0f s)" % seconds)
+                    f"hung (killed after {seconds:.0f} s)"
                     if code is None
                     else (
                         f"the client process died (exit code {code})"
@@ -585,14 +592,18 @@ def document(results: list[dict[str, Any]], seconds: float, server: str, title: 
     lines = [
         f"## {title}",
         "",
-        f"Measured by `tests/test_conformance_opinfo.py` ({len(results)} entries of `op_db`, torch {torch.__version__}, "
-        f"Python {platform.python_version()}, server device: {server}; {seconds:.0f} s with 2 client processes). Each op's first samples "
-        f"run on `remote_accelerator` and on the CPU: {', '.join(f'{n} {k}' for k, n in SAMPLES.items())} sample(s) per dtype "
-        "(the dtypes the op supports on the CPU; float32, float16, bfloat16, int64 and bool, plus complex64), each through the op "
-        f"and its in-place variant; gradients from the first {GRAD_SAMPLES} float32 samples with requires_grad=True, against CPU "
-        "autograd. Values must agree within `torch.testing.assert_close`'s default tolerance for the dtype (exactly, for integers "
-        "and bools), shapes and dtypes exactly, and each output's shape and dtype as the server holds it must be what the client "
-        "believes. Every op ran in a child process; a process or session that died counts as a crash of that op.",
+        f"Measured by `tests/test_conformance_opinfo.py` ({len(results)} entries of `op_db`, "
+        f"torch {torch.__version__}, Python {platform.python_version()}, server device: {server}; "
+        f"{seconds:.0f} s with 2 client processes). "
+        "Each op's first samples run on `remote_accelerator` and on the CPU: "
+        f"{', '.join(f'{n} {k}' for k, n in SAMPLES.items())} sample(s) per dtype "
+        "(the dtypes the op supports on the CPU; float32, float16, bfloat16, int64 and bool, plus complex64), "
+        "each through the op and its in-place variant; "
+        f"gradients from the first {GRAD_SAMPLES} float32 samples with requires_grad=True, against CPU autograd. "
+        "Values must agree within `torch.testing.assert_close`'s default tolerance for the dtype "
+        "(exactly, for integers and bools), shapes and dtypes exactly, "
+        "and each output's shape and dtype as the server holds it must be what the client believes. "
+        "Every op ran in a child process; a process or session that died counts as a crash of that op.",
         "",
         "| | ops tested | match | bit-exact | wrong | raise | crash | rate |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -605,9 +616,11 @@ def document(results: list[dict[str, Any]], seconds: float, server: str, title: 
         )
     lines += [
         "",
-        f"Not counted above: ops with nondeterministic output (uninitialized memory: {', '.join(sorted(x['op'] for x in results if x.get('nondeterministic')))}); "
-        f"random ops ({len(random_ops)}), which draw from the device's generator: seeded alike, on this CPU server {random_match} of "
-        "them give the CPU's values exactly; on a GPU server they cannot. Skipped: ops whose samples the CPU itself cannot run "
+        "Not counted above: ops with nondeterministic output (uninitialized memory: "
+        f"{', '.join(sorted(x['op'] for x in results if x.get('nondeterministic')))}); "
+        f"random ops ({len(random_ops)}), which draw from the device's generator: "
+        f"seeded alike, on this CPU server {random_match} of them give the CPU's values exactly; "
+        "on a GPU server they cannot. Skipped: ops whose samples the CPU itself cannot run "
         "in these dtypes (CUDA-only ops, and a few whose CPU kernels refuse every sample):",
         "",
     ]
@@ -639,7 +652,8 @@ def replace_section(path: Any, name: str, text: str) -> None:
         path.read_text()
         if path.exists()
         else (
-            "# Conformance: remote_accelerator against eager CPU\n\nWritten by the conformance tests; do not edit by hand.\n"
+            "# Conformance: remote_accelerator against eager CPU\n\n"
+            "Written by the conformance tests; do not edit by hand.\n"
         )
     )
     block = f"{begin}\n{text.rstrip()}\n{end}"

@@ -65,24 +65,25 @@ def test_dashboard_renders_live_in_jupyterlab(tmp_path):
         )
     )
     port, token = free_port(), os.urandom(12).hex()
-    lab = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "jupyter",
-            "lab",
-            "--no-browser",
-            "--ip=127.0.0.1",
-            f"--port={port}",
-            f"--ServerApp.token={token}",
-            f"--ServerApp.root_dir={root}",
-            "--LabApp.expose_app_in_browser=True",
-            "--allow-root",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=open(tmp_path / "lab.log", "w"),
-        env=dict(os.environ),
-    )
+    with open(tmp_path / "lab.log", "w") as log:  # the child holds its own descriptor
+        lab = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "jupyter",
+                "lab",
+                "--no-browser",
+                "--ip=127.0.0.1",
+                f"--port={port}",
+                f"--ServerApp.token={token}",
+                f"--ServerApp.root_dir={root}",
+                "--LabApp.expose_app_in_browser=True",
+                "--allow-root",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            env=dict(os.environ),
+        )
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -117,17 +118,13 @@ def test_dashboard_renders_live_in_jupyterlab(tmp_path):
                 "window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.status === 'idle'", timeout=90_000
             )
             page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
-            util = page.locator('.genie-gauge[data-gpu="0"] .genie-value[data-metric="utilization"]').first
+            selector = '.genie-gauge[data-gpu="0"] .genie-value[data-metric="utilization"]'
+            util = page.locator(selector).first
             util.wait_for(timeout=90_000)
-            page.wait_for_function(
-                "document.querySelector('.genie-gauge[data-gpu=\"0\"] .genie-value[data-metric=\"utilization\"]').textContent.endsWith('%')",
-                timeout=30_000,
-            )
+            text = f"document.querySelector('{selector}').textContent"
+            page.wait_for_function(f"{text}.endsWith('%')", timeout=30_000)
             first = util.text_content()
-            page.wait_for_function(
-                f'document.querySelector(\'.genie-gauge[data-gpu="0"] .genie-value[data-metric="utilization"]\').textContent !== {json.dumps(first)}',
-                timeout=20_000,
-            )
+            page.wait_for_function(f"{text} !== {json.dumps(first)}", timeout=20_000)
             second = util.text_content()
             assert first.endswith("%") and second.endswith("%") and first != second
             assert page.locator(".genie-gauge").count() == 2

@@ -158,10 +158,12 @@ def _document():
     lines = [
         "## Hugging Face transformers models",
         "",
-        f"Measured by `tests/test_conformance_models.py` (transformers {transformers.__version__}, torch {torch.__version__}, "
-        f"Python {platform.python_version()}, a CPU server). Small configs, seeded random weights, nothing downloaded. "
-        '"equal" means bit for bit (`torch.equal`): logits in eval mode; two training steps (the same seeds for dropout, '
-        "`loss.backward()`, AdamW): losses, every gradient, every parameter and buffer after them; generated tokens "
+        f"Measured by `tests/test_conformance_models.py` (transformers {transformers.__version__}, "
+        f"torch {torch.__version__}, Python {platform.python_version()}, a CPU server). "
+        "Small configs, seeded random weights, nothing downloaded. "
+        '"equal" means bit for bit (`torch.equal`): logits in eval mode; '
+        "two training steps (the same seeds for dropout, `loss.backward()`, AdamW): "
+        "losses, every gradient, every parameter and buffer after them; generated tokens "
         "(6 new tokens, greedy and 3-beam search, each with a DynamicCache and a StaticCache).",
         "",
         "| model | forward and two AdamW steps | generate (greedy, beam) x (dynamic, static cache) | seconds |",
@@ -169,10 +171,8 @@ def _document():
     ]
     for kind, _ in MODELS:
         row = RESULTS.get(kind, {})
-        lines.append(
-            f"| {kind} | {row.get('train', 'not run')} | {row.get('generate', 'n/a' if kind not in dict(GENERATIVE) else 'not run')} | "
-            f"{row.get('seconds', '')} |"
-        )
+        generate = row.get("generate", "n/a" if kind not in dict(GENERATIVE) else "not run")
+        lines.append(f"| {kind} | {row.get('train', 'not run')} | {generate} | {row.get('seconds', '')} |")
     doc = Path(__file__).resolve().parent.parent / "docs" / "CONFORMANCE.md"
     opinfo_conformance.replace_section(doc, "models", "\n".join(lines) + "\n")
 
@@ -216,21 +216,21 @@ def test_forward_and_a_training_step_equal_the_cpu(remote, kind, build):
         loss = model(**on(inputs, DEV)).loss
         loss_local.backward(), loss.backward()
         assert_same(loss, loss_local, f"loss {step}")
-        for (name, p), q in zip(local.named_parameters(), model.parameters()):
+        for (name, p), q in zip(local.named_parameters(), model.parameters(), strict=True):
             if p.grad is not None:
                 assert_same(q.grad, p.grad, f"grad of {name}")
         opt_local.step(), opt.step()
         opt_local.zero_grad(), opt.zero_grad()
-    for (name, p), q in zip(local.named_parameters(), model.parameters()):
+    for (name, p), q in zip(local.named_parameters(), model.parameters(), strict=True):
         assert_same(q, p, f"{name} after two AdamW steps")
-    for (name, b), c in zip(local.named_buffers(), model.buffers()):
+    for (name, b), c in zip(local.named_buffers(), model.buffers(), strict=True):
         assert_same(c, b, f"buffer {name}")
     _note(kind, "train", "equal", time.perf_counter() - start)
 
 
 GENERATIVE = [("gpt2", _decoder), ("llama", _decoder), ("qwen2", _decoder), ("mixtral", _decoder), ("t5", _other)]
-DECODING = {"greedy": dict(do_sample=False), "beam": dict(num_beams=3, do_sample=False)}
-CACHES = {"dynamic": {}, "static": dict(cache_implementation="static")}
+DECODING = {"greedy": {"do_sample": False}, "beam": {"num_beams": 3, "do_sample": False}}
+CACHES = {"dynamic": {}, "static": {"cache_implementation": "static"}}
 
 
 @pytest.mark.parametrize("kind, build", GENERATIVE, ids=[k for k, _ in GENERATIVE])

@@ -107,7 +107,7 @@ def test_an_encrypted_server_refuses_clients_without_its_keys_during_the_handsha
     srv = start_server(tmp_path, "--encrypt")
     try:
         start = time.monotonic()
-        with pytest.raises(AuthenticationError, match="requires encryption.*--connection-file"):
+        with pytest.raises(AuthenticationError, match=r"requires encryption.*--connection-file"):
             Client("127.0.0.1", srv.info.port, srv.info.token, timeout=10).connect()
         took = time.monotonic() - start
         assert took < 3  # said at once, not after the 10 s timeout
@@ -188,9 +188,11 @@ def test_listening_beyond_loopback_needs_a_real_token_and_warns_without_encrypti
     assert len(lines) == 1 and "refusing to listen on 0.0.0.0 with a 7-character token" in lines[0], refused.stderr
     script = (
         "import subprocess, sys, time, signal\n"
-        "p = subprocess.Popen([sys.executable, '-m', 'genie_core', 'serve', '--ip', '0.0.0.0', '--port', '0', *sys.argv[1:]],"
-        " stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)\n"
-        "p.stdout.readline(); time.sleep(0.5); p.send_signal(signal.SIGTERM); out, err = p.communicate(timeout=10); print(err)\n"
+        "p = subprocess.Popen(\n"
+        "    [sys.executable, '-m', 'genie_core', 'serve', '--ip', '0.0.0.0', '--port', '0', *sys.argv[1:]],\n"
+        "    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)\n"
+        "p.stdout.readline(); time.sleep(0.5); p.send_signal(signal.SIGTERM)\n"
+        "out, err = p.communicate(timeout=10); print(err)\n"
     )
     env = dict(os.environ, GENIE_STATE_DIR=str(tmp_path / "state"), GENIE_RUNTIME_DIR=str(tmp_path / "rt"))
     for flags, warned in (((), True), (("--encrypt",), False)):

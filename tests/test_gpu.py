@@ -97,15 +97,15 @@ def test_models_on_a_gpu_server(gpu_server, kind):
     loss_local.backward(), loss.backward()
     _close(loss, loss_local, "loss")
     opt_local.step(), opt.step()
-    for (name, p), q in zip(local.named_parameters(), model.parameters()):
+    for (name, p), q in zip(local.named_parameters(), model.parameters(), strict=True):
         _close(q, p, f"{name} after an AdamW step")
     if kind in ("gpt2", "llama", "qwen2", "t5"):
         local.eval(), model.eval()
         prompt = {k: v for k, v in inputs.items() if k != "labels"}
         for options in (
-            dict(do_sample=False),
-            dict(num_beams=3, do_sample=False),
-            dict(do_sample=False, cache_implementation="static"),
+            {"do_sample": False},
+            {"num_beams": 3, "do_sample": False},
+            {"do_sample": False, "cache_implementation": "static"},
         ):
             kwargs = dict(max_new_tokens=6, min_new_tokens=6, **options)
             assert torch.equal(

@@ -70,7 +70,8 @@ def test_200_interrupts_at_random_moments_through_the_client(tmp_path):
     record(
         "Interrupts",
         "200 cells interrupted at random moments (0-500 ms), client API, 1 in 4 on a fresh worker",
-        f"worker deaths 0, hangs 0, every next cell answered; {', '.join(f'{k}: {v}' for k, v in sorted(outcomes.items()))}; "
+        "worker deaths 0, hangs 0, every next cell answered; "
+        f"{', '.join(f'{k}: {v}' for k, v in sorted(outcomes.items()))}; "
         f"slowest end after the interrupt {slowest:.2f} s",
     )
 

@@ -21,17 +21,17 @@ from genie_core.nodes import GPUInfo, NodeInfo
 
 
 def gpu(index=0, **kw) -> GPUInfo:
-    base = dict(
-        name="Fake GPU (test)",
-        utilization=10.0,
-        memory_used=1 << 30,
-        memory_total=16 << 30,
-        temperature=50.0,
-        temperature_slowdown=90.0,
-        temperature_shutdown=95.0,
-        power_draw=100.0,
-        power_limit=300.0,
-    )
+    base = {
+        "name": "Fake GPU (test)",
+        "utilization": 10.0,
+        "memory_used": 1 << 30,
+        "memory_total": 16 << 30,
+        "temperature": 50.0,
+        "temperature_slowdown": 90.0,
+        "temperature_shutdown": 95.0,
+        "power_draw": 100.0,
+        "power_limit": 300.0,
+    }
     base.update(kw)
     return GPUInfo(index=index, **base)
 
@@ -209,15 +209,15 @@ def test_gpu_health_rules(reading, grade, words):
 
 
 def node_with(**kw) -> NodeInfo:
-    base = dict(
-        cpu_percent=10.0,
-        memory_total=100,
-        memory_available=60,
-        disk_total=100,
-        disk_used=50,
-        disk_free=50,
-        disk_path="/",
-    )
+    base = {
+        "cpu_percent": 10.0,
+        "memory_total": 100,
+        "memory_available": 60,
+        "disk_total": 100,
+        "disk_used": 50,
+        "disk_free": 50,
+        "disk_path": "/",
+    }
     base.update(kw)
     return NodeInfo("node-h", **base)
 

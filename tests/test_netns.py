@@ -154,8 +154,9 @@ def test_discovery_across_a_rate_limited_link(hosts, tmp_path):
         )
         assert out["report"]["chosen"] in ("tcp", "zmq", "ucx")
         print(
-            f"\nnetns link {link / 1e6:.0f} MB/s: tcp measured {tcp['bandwidth'] / 1e6:.1f} MB/s, rtt {tcp['rtt_s'] * 1e3:.2f} ms; "
-            f"zmq {report['zmq']['bandwidth'] / 1e6:.1f} MB/s; chose {out['report']['chosen']}: {out['report']['reason']}"
+            f"\nnetns link {link / 1e6:.0f} MB/s: tcp measured {tcp['bandwidth'] / 1e6:.1f} MB/s, "
+            f"rtt {tcp['rtt_s'] * 1e3:.2f} ms; zmq {report['zmq']['bandwidth'] / 1e6:.1f} MB/s; "
+            f"chose {out['report']['chosen']}: {out['report']['reason']}"
         )
         assert time.monotonic() - start < 60
 
@@ -195,7 +196,9 @@ def test_round_trips_reflect_a_delayed_link(hosts, tmp_path):
             script.write_text(
                 textwrap.dedent("""
                 import json, sys, genie_core
-                state = genie_core.init_sync(sys.argv[1], token=sys.argv[2], timeout=20, data_port=17002, discovery_budget=2.0)
+                state = genie_core.init_sync(
+                    sys.argv[1], token=sys.argv[2], timeout=20, data_port=17002, discovery_budget=2.0
+                )
                 print(json.dumps(state.backend_report.to_dict()))
                 genie_core.shutdown()
             """)
@@ -214,7 +217,8 @@ def test_round_trips_reflect_a_delayed_link(hosts, tmp_path):
                 assert report[name]["available"], report[name]["reason"]
                 assert 2 * DELAY_S <= report[name]["rtt_s"] < 2 * DELAY_S + 0.05, (name, report[name]["rtt_s"])
             print(
-                f"\nrelay delay {DELAY_S * 1e3:.0f} ms each way: tcp rtt {report['tcp']['rtt_s'] * 1e3:.1f} ms, zmq rtt {report['zmq']['rtt_s'] * 1e3:.1f} ms"
+                f"\nrelay delay {DELAY_S * 1e3:.0f} ms each way: tcp rtt {report['tcp']['rtt_s'] * 1e3:.1f} ms, "
+                f"zmq rtt {report['zmq']['rtt_s'] * 1e3:.1f} ms"
             )
         finally:
             if relay is not None:
@@ -258,7 +262,8 @@ PARTITION_CLIENT = textwrap.dedent("""
     out = {}
     # 1. The link is cut before the cell is sent: it travels once the link heals.
     step("cut")
-    out["sent_during"] = lost_then_settled(client.execute("runs.append('during'); print('ran during the partition')"), lost)
+    during = client.execute("runs.append('during'); print('ran during the partition')")
+    out["sent_during"] = lost_then_settled(during, lost)
     # 2. The link is cut while the cell runs: its answer comes after the heal.
     request = client.execute("import time; time.sleep(1.5); runs.append('before'); print('ran across the partition')")
     time.sleep(0.5)
@@ -393,7 +398,10 @@ EXPIRY_CLIENT = textwrap.dedent("""
         if all(r.settled for r in lost.values()):
             break
         time.sleep(0.1)
-    out = {key: {"state": lost[r.id].state, "describe": lost[r.id].describe()} for key, r in (("running", running), ("queued", queued))}
+    out = {
+        key: {"state": lost[r.id].state, "describe": lost[r.id].describe()}
+        for key, r in (("running", running), ("queued", queued))
+    }
     try:
         client.execute("1")
         out["after"] = "no error"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -89,7 +90,7 @@ def test_snapshots_keep_coming_while_a_cell_runs(injected):
     client.events.subscribe(lambda e: stamps.append(time.monotonic()), types=[EventType.METRICS])
     request = client.execute("import time\ntime.sleep(2)")
     list(request.replies(20))
-    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(stamps)]
     assert len(stamps) >= 10 and max(gaps) < 0.6
 
 

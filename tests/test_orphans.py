@@ -14,7 +14,12 @@ from conftest import STRESS, run, start_server, stdout_of, wait_until
 from jupyter_client.manager import start_new_kernel
 from reliability import record
 
-HOLD = "import os, subprocess, torch\nheld = torch.ones(64 << 20)\nchild = subprocess.Popen(['sleep', '600'])\nprint(os.getpid(), child.pid)"
+HOLD = (
+    "import os, subprocess, torch\n"
+    "held = torch.ones(64 << 20)\n"
+    "child = subprocess.Popen(['sleep', '600'])\n"
+    "print(os.getpid(), child.pid)"
+)
 
 
 def _gone(pid: int) -> bool:

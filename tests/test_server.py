@@ -48,7 +48,10 @@ def test_remote_exception_comes_back_with_its_traceback(client):
 def test_magics_shell_commands_and_rich_output_work_remotely(client):
     replies = run(
         client,
-        "%time y = sum(range(10))\n!echo from-a-shell\nfrom IPython.display import HTML, display\ndisplay(HTML('<b>hi</b>'))",
+        "%time y = sum(range(10))\n"
+        "!echo from-a-shell\n"
+        "from IPython.display import HTML, display\n"
+        "display(HTML('<b>hi</b>'))",
     )
     out = stdout_of(replies)
     assert "Wall time" in out and "from-a-shell" in out
@@ -255,7 +258,7 @@ def test_each_request_runs_at_most_once_and_the_server_says_what_became_of_it(cl
     first = client.execute("n += 1")
     first.wait(10)
     again = client.request(Message("execute", {"code": "n += 1"}, id=first.id))  # same id, fresh sequence number
-    with pytest.raises(RemoteError, match="DuplicateRequest.*at most once"):
+    with pytest.raises(RemoteError, match=r"DuplicateRequest.*at most once"):
         again.wait(10)
     outcomes = client.request(Message("outcome", {"ids": [first.id, "never-sent"]})).wait(10).content["outcomes"]
     assert outcomes[first.id]["state"] == "finished" and outcomes[first.id]["status"] == "ok"

@@ -20,7 +20,8 @@ def test_a_two_minute_soak_stays_flat_and_error_free():
     record(
         "Soak (benchmarks/soak.py)",
         f"{result['seconds']} s, {result['clients']} clients (in CI)",
-        f"{sum(result['operations'].values())} operations ({', '.join(f'{k} {v}' for k, v in sorted(result['operations'].items()))}), "
+        f"{sum(result['operations'].values())} operations "
+        f"({', '.join(f'{k} {v}' for k, v in sorted(result['operations'].items()))}), "
         f"0 errors; server RSS {rss[0]} -> {rss[1]} MiB (first and last third after warm-up); once the clients "
         f"had gone, fds, threads and workers {left} against the warm-up baseline, /dev/shm left "
         f"{result['shm_mib_left_after_clients_went']} MiB",

@@ -3,6 +3,7 @@ choices, authentication of the data port, and detection (fixture sysfs trees at 
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 from pathlib import Path
@@ -62,7 +63,7 @@ def test_each_backend_moves_data_bit_exact(server, connect, backend):
     sent = values()
     state.client.push(sent)
     state.client.execute("f32_sum = float(f32.double().sum())").wait(30)
-    back = state.client.pull(list(sent) + ["f32_sum"])
+    back = state.client.pull([*sent, "f32_sum"])
     for name, value in sent.items():
         if isinstance(value, torch.Tensor):
             assert back[name].dtype == value.dtype and torch.equal(back[name], value), name
@@ -233,7 +234,7 @@ def test_progress_follows_the_bytes(connect, backend):
     seen = []
     state.client.push({"t": t}, progress=lambda done, total: seen.append((done, total)))
     assert len(seen) >= 3 and seen[-1] == (t.numel() * 4, t.numel() * 4)
-    assert all(a[0] < b[0] for a, b in zip(seen, seen[1:]))
+    assert all(a[0] < b[0] for a, b in itertools.pairwise(seen))
     pulled = []
     back = state.client.pull(["t"], progress=lambda done, total: pulled.append((done, total)))["t"]
     assert torch.equal(back, t)

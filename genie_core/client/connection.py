@@ -96,8 +96,8 @@ class Request:
 
     def wait(self, timeout: float | None = None) -> Message:
         last = None
-        for last in self.replies(timeout):
-            pass
+        for msg in self.replies(timeout):
+            last = msg
         assert last is not None
         return last
 

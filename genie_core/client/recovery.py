@@ -48,7 +48,8 @@ class LostRequest:
     reported: bool = False
 
     def describe(self) -> str:
-        what = f"{'the cell' if self.type == 'execute' else 'the ' + self.type} sent at {time.strftime('%H:%M:%S', time.localtime(self.lost_at))}"
+        sent_at = time.strftime("%H:%M:%S", time.localtime(self.lost_at))
+        what = f"{'the cell' if self.type == 'execute' else 'the ' + self.type} sent at {sent_at}"
         what += f" ({self.summary})" if self.summary else ""
         if self.state == "finished":
             return f"{what} ran on the server after all and finished {self.status}" + (
@@ -89,7 +90,10 @@ class Recovery:
                 while len(self.lost) > KEEP_LOST:
                     self.lost.pop(next(iter(self.lost)))
                 what = "cell" if request.type == T.EXECUTE else request.type
-                why += f". The {what} had been sent and may still run there: whether it ran is reported once the server answers again"
+                why += (
+                    f". The {what} had been sent and may still run there: "
+                    "whether it ran is reported once the server answers again"
+                )
             request.put(Closed(ConnectionLost(why)))
         last_seen = time.time() - (time.monotonic() - self.connection.last_heard)
         self.emit(EventType.NODE_LOST, Severity.ERROR, reason, last_seen=last_seen)

@@ -202,4 +202,7 @@ class Tcp(Backend):
         ), channel
 
 
-ENCRYPTED = "off: the server encrypts (--encrypt), and this backend would not; data goes over CURVE-encrypted zmq, or shm on one host"
+ENCRYPTED = (
+    "off: the server encrypts (--encrypt), and this backend would not; "
+    "data goes over CURVE-encrypted zmq, or shm on one host"
+)

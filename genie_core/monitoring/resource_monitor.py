@@ -111,7 +111,8 @@ class ResourceMonitor:
     ) -> None:
         if interval < MIN_INTERVAL:
             raise ConfigError(
-                f"gpu_poll_interval {interval} s is too fast: NVML calls serialize in the driver; use {MIN_INTERVAL} s or more"
+                f"gpu_poll_interval {interval} s is too fast: NVML calls serialize in the driver; "
+                f"use {MIN_INTERVAL} s or more"
             )
         self.local_node = local_node
         self.gpu_source = gpu_source if gpu_source is not None else NvmlSource()
@@ -229,7 +230,8 @@ class ResourceMonitor:
                 self._emit(
                     EventType.GPU_OVERHEATED,
                     Severity.WARNING if edge else Severity.INFO,
-                    f"{label} {'overheating' if edge else 'cooled down'}: {g.temperature:.0f} °C (limit {limit:.0f} °C)",
+                    f"{label} {'overheating' if edge else 'cooled down'}: "
+                    f"{g.temperature:.0f} °C (limit {limit:.0f} °C)",
                     gpu=g.index,
                     active=edge,
                     temperature=g.temperature,

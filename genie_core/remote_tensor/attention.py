@@ -92,7 +92,7 @@ class _ServerAttention(torch.autograd.Function):
         )
         if gid is not None:
             ctx.graph = _Graph(stream, gid)
-            ctx.inputs = [_meta(t) if n else None for t, n in zip((query, key, value, mask), needs)]
+            ctx.inputs = [_meta(t) if n else None for t, n in zip((query, key, value, mask), needs, strict=True)]
         return out
 
     @staticmethod

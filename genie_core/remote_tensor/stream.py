@@ -151,7 +151,8 @@ class OpStream:
                 raise LimitExceeded(str(bad.get("evalue")))
             raise RemoteError(
                 bad.get("ename", "Error"),
-                f"remote op {bad.get('op')} (op {bad.get('index', 0) + 1} of {n} sent together) failed: {bad.get('evalue')}",
+                f"remote op {bad.get('op')} (op {bad.get('index', 0) + 1} of {n} sent together) "
+                f"failed: {bad.get('evalue')}",
             )
         if content.get("fetch"):
             content["values"] = deserialize_namespace(

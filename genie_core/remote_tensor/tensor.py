@@ -198,8 +198,9 @@ def _streams_of(flat: list[Any]) -> OpStream:
             elif a._stream is not stream:
                 if a._stream.client is not stream.client:
                     raise RuntimeError(
-                        f"these remote tensors belong to two different Genie sessions ({DEVICE_TYPE}:{stream.index} of one and "
-                        f"{DEVICE_TYPE}:{a._stream.index} of another): bring one to the CPU first (.cpu()), then .to() the other device"
+                        "these remote tensors belong to two different Genie sessions "
+                        f"({DEVICE_TYPE}:{stream.index} of one and {DEVICE_TYPE}:{a._stream.index} of another): "
+                        "bring one to the CPU first (.cpu()), then .to() the other device"
                     )
                 raise RuntimeError(
                     f"Expected all tensors to be on the same device, but found at least two devices, "

@@ -57,9 +57,9 @@ class Server:
             and not is_loopback(self.config.ip)
         ):
             raise ConfigError(
-                f"refusing to listen on {self.config.ip} with a {len(self.config.token)}-character token: anyone who can "
-                f"reach the port could guess it. Use at least {MIN_NETWORK_TOKEN} characters, or leave --token out to have "
-                "one generated"
+                f"refusing to listen on {self.config.ip} with a {len(self.config.token)}-character token: "
+                f"anyone who can reach the port could guess it. Use at least {MIN_NETWORK_TOKEN} characters, "
+                "or leave --token out to have one generated"
             )
         self.token = self.config.token or new_token()
         self.keys: Any = None
@@ -196,7 +196,10 @@ class Server:
             if self.gpus
             else f"no GPU: {self.telemetry.gpu_reason}"
         )
-        return f"genie server ready at {self.address} (node {self.node_id}, {gpus}); connection file: {self.connection_file}"
+        return (
+            f"genie server ready at {self.address} (node {self.node_id}, {gpus}); "
+            f"connection file: {self.connection_file}"
+        )
 
     def node_info(self) -> dict[str, Any]:
         return self.telemetry.node_info(self.address, self.data.info if hasattr(self, "data") else {}, self.limits)

@@ -143,7 +143,7 @@ class Worker:
         )
         sys.stdout, sys.stderr = out, err
         self.loop.call_every(FLUSH_INTERVAL, lambda: (out.flush(), err.flush()))
-        sys.stdin = open(os.devnull)
+        sys.stdin = open(os.devnull)  # noqa: SIM115 - stdin for the worker's lifetime
 
         def no_input(prompt: str = "") -> str:
             raise RuntimeError("input() is not available in a remote cell: pass values with --push instead")
@@ -257,8 +257,9 @@ class Worker:
                     "status": "error",
                     "ename": "LimitExceeded",
                     "evalue": (
-                        f"this push of {size_text(incoming)} would make this session hold {size_text(held + incoming)}; the server "
-                        f"allows {size_text(self.max_bytes)} (--max-session-bytes): free some (del)"
+                        f"this push of {size_text(incoming)} would make this session hold "
+                        f"{size_text(held + incoming)}; the server allows {size_text(self.max_bytes)} "
+                        "(--max-session-bytes): free some (del)"
                     ),
                 },
             )

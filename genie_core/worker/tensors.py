@@ -29,7 +29,12 @@ def _layout(t: torch.Tensor) -> tuple:
     """Shape, dtype, and the strides and offset that matter (not those of size-1 dims or empty tensors)."""
     if t.numel() == 0:
         return tuple(t.shape), t.dtype
-    return tuple(t.shape), t.dtype, tuple(s for n, s in zip(t.shape, t.stride()) if n > 1), t.storage_offset()
+    return (
+        tuple(t.shape),
+        t.dtype,
+        tuple(s for n, s in zip(t.shape, t.stride(), strict=True) if n > 1),
+        t.storage_offset(),
+    )
 
 
 def _agree(name: str, value: torch.Tensor, want: tuple, inputs: Any) -> torch.Tensor:
@@ -58,7 +63,8 @@ def _agree(name: str, value: torch.Tensor, want: tuple, inputs: Any) -> torch.Te
     ):
         return torch.empty_strided(shape, stride, dtype=dtype, device=value.device).copy_(value)
     raise RuntimeError(
-        f"{name} gave a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)} (strides {value.stride()}) "
+        f"{name} gave a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)} "
+        f"(strides {value.stride()}) "
         f"on the server where its meta kernel promised {str(dtype).removeprefix('torch.')} {shape} (strides {stride}): "
         "this op is not supported on remote_accelerator for these arguments"
     )
@@ -326,7 +332,8 @@ class TensorExecutor:
                 )
             return out
         outputs = list(out) if isinstance(out, (tuple, list)) else [out]
-        for i, (rid, value) in enumerate(zip(out_ids, outputs)):
+        # out_ids of an op run eagerly is a block of ids (a range) for a list of unknown length
+        for i, (rid, value) in enumerate(zip(out_ids, outputs, strict=False)):
             if rid is None:
                 continue
             if expect is not None and expect[i] is not None and isinstance(value, torch.Tensor):
@@ -343,7 +350,7 @@ class TensorExecutor:
         _, name, args, kwargs, out_ids, expect = record
         args, kwargs = self._resolve_all(args), self._resolve_all(kwargs)
         outs = run_call(name, args, kwargs, self.store)
-        for i, (rid, value) in enumerate(zip(out_ids, outs)):
+        for i, (rid, value) in enumerate(zip(out_ids, outs, strict=True)):
             if rid is not None:
                 self.store[rid] = _agree(name, value, expect[i], (args, kwargs))
 
@@ -351,7 +358,7 @@ class TensorExecutor:
         """Shapes and plain values of an op run eagerly (its output shape depended on data)."""
         outputs = list(out) if isinstance(out, (tuple, list)) else [out]
         described = []
-        for rid, value in zip(out_ids, outputs):
+        for rid, value in zip(out_ids, outputs, strict=False):  # out_ids may be a longer block of ids
             if isinstance(value, torch.Tensor) and value.layout != torch.strided:
                 raise NotImplementedError(
                     f"it made a {value.layout} tensor: sparse and other non-strided layouts are not "
@@ -381,7 +388,9 @@ def run_call(name: str, args: tuple, kwargs: dict, store: Any) -> list[Any]:
         if graph is None:
             with torch.no_grad():
                 return [torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, **kwargs)]
-        inputs = [t.detach().requires_grad_(n) if isinstance(t, torch.Tensor) else t for t, n in zip(args, needs)]
+        inputs = [
+            t.detach().requires_grad_(n) if isinstance(t, torch.Tensor) else t for t, n in zip(args, needs, strict=True)
+        ]
         with torch.enable_grad():
             out = torch.nn.functional.scaled_dot_product_attention(
                 inputs[0], inputs[1], inputs[2], attn_mask=inputs[3], **kwargs
@@ -396,6 +405,8 @@ def run_call(name: str, args: tuple, kwargs: dict, store: Any) -> list[Any]:
                 "the attention graph for this backward is gone (backward through it twice without retain_graph?)"
             )
         out, inputs, needs = found
-        grads = iter(torch.autograd.grad(out, [t for t, n in zip(inputs, needs) if n], grad_out, retain_graph=True))
+        grads = iter(
+            torch.autograd.grad(out, [t for t, n in zip(inputs, needs, strict=True) if n], grad_out, retain_graph=True)
+        )
         return [next(grads) if n else None for n in needs]
     raise ValueError(f"unknown server call {name!r}")
