@@ -7,6 +7,7 @@ import atexit
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,10 +133,10 @@ def init_sync(
         return _init_client(config, phases)
 
 
-class _Phases(list):
+class _Phases(list[tuple[str, float]]):
     """The list of (phase, seconds); `on_phase(name, seconds)` hears of each as it completes."""
 
-    def __init__(self, on_phase: Any = None) -> None:
+    def __init__(self, on_phase: Callable[[str, float], None] | None = None) -> None:
         super().__init__()
         self.on_phase = on_phase
 
@@ -219,14 +220,14 @@ def resolve_server(config: ClusterConfig) -> tuple[str, int, str, dict[str, str]
         return info.ip, info.port, config.token or info.token, info.curve
     host, port = parse_address(config.master_addr or "", config.master_port or DEFAULT_PORT)
     assert port is not None
-    info = ConnectionInfo.read(config.connection_file) if config.connection_file else ConnectionInfo.find(host, port)
-    token = config.token or (info.token if info else None)
+    known = ConnectionInfo.read(config.connection_file) if config.connection_file else ConnectionInfo.find(host, port)
+    token = config.token or (known.token if known else None)
     if token is None:
         raise ConfigError(
             f"no token for {host}:{port}: pass --token (or token=...), set GENIE_TOKEN, or pass the server's "
             "connection file (printed by `genie serve`)"
         )
-    return host, port, token, info.curve if info else None
+    return host, port, token, known.curve if known else None
 
 
 async def init(*args: Any, **kwargs: Any) -> ClusterState:

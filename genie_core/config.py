@@ -256,7 +256,7 @@ class ConnectionInfo:
     protocol: int
     curve: dict[str, str] | None = None  # a server started with --encrypt: its public key and a client key pair
 
-    def write(self, path: str | os.PathLike) -> Path:
+    def write(self, path: str | os.PathLike[str]) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".genie-", suffix=".json")
@@ -271,7 +271,7 @@ class ConnectionInfo:
         return path
 
     @classmethod
-    def read(cls, path: str | os.PathLike) -> ConnectionInfo:
+    def read(cls, path: str | os.PathLike[str]) -> ConnectionInfo:
         try:
             data = json.loads(Path(path).read_text())
             return cls(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import enum
 import inspect
 import logging
@@ -142,11 +143,13 @@ class EventBus:
         try:
             if sub.loop is not None:
                 future = asyncio.run_coroutine_threadsafe(sub.handler(event), sub.loop)
-                future.add_done_callback(
-                    lambda f: (
-                        f.exception() and log.error("async event handler %r failed: %r", sub.handler, f.exception())
-                    )
-                )
+
+                def report(f: concurrent.futures.Future[Any]) -> None:
+                    exc = f.exception()
+                    if exc:
+                        log.error("async event handler %r failed: %r", sub.handler, exc)
+
+                future.add_done_callback(report)
             else:
                 sub.handler(event)
         except Exception:

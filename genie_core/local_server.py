@@ -37,6 +37,7 @@ def start_server_process(
         stderr=stderr,
         text=True,
     )
+    assert proc.stdout is not None  # stdout=PIPE
     line = ""
     for _ in range(20):  # the ready line, past anything a library printed first
         line = proc.stdout.readline()

@@ -9,17 +9,20 @@ so ending a context can never wait on a socket another thread still holds.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 
 log = logging.getLogger("genie")
+
+Watched = TypeVar("Watched", "zmq.Socket[Any]", int)  # a zmq socket, or a file descriptor (a lifeline's pipe)
 
 
 class SocketLoop:
@@ -40,14 +43,15 @@ class SocketLoop:
         self._closed = False
         self._thread: threading.Thread | None = None
 
-    def add_socket(self, sock: zmq.Socket, on_readable: Callable[[zmq.Socket], None]) -> None:
+    def add_socket(self, sock: Watched, on_readable: Callable[[Watched], None]) -> None:
         self.poller.register(sock, zmq.POLLIN)
         self._handlers[sock] = on_readable
 
-    def remove_socket(self, sock: zmq.Socket) -> None:
+    def remove_socket(self, sock: zmq.Socket[Any] | int) -> None:
         self.poller.unregister(sock)
         self._handlers.pop(sock, None)
-        self._outbox.pop(sock, None)
+        if isinstance(sock, zmq.Socket):  # only sockets have an outbox
+            self._outbox.pop(sock, None)
 
     def send(self, sock: zmq.Socket, frames: list[Any]) -> None:
         """Send on the loop thread without ever blocking it: what the socket cannot take now (no
@@ -121,7 +125,7 @@ class SocketLoop:
                 try:
                     events = self.poller.poll(timeout_ms)
                 except zmq.ZMQError as exc:
-                    if exc.errno == zmq.EINTR:
+                    if exc.errno == errno.EINTR:
                         continue
                     raise
                 for sock, flags in events:

@@ -50,7 +50,7 @@ def serialize(obj: Any) -> tuple[dict[str, Any], list[Any]]:
 
         arr = np.ascontiguousarray(obj)
         return {"kind": "ndarray", "dtype": arr.dtype.str, "shape": list(arr.shape)}, [
-            memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else b""
+            arr.reshape(-1).view(np.uint8).data if arr.size else b""
         ]
     if obj is None or type(obj) in (bool, int, float, str):
         return {"kind": "plain", "value": obj}, []

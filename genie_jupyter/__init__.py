@@ -1,6 +1,13 @@
 """Genie for Jupyter: `%load_ext genie_jupyter`, then `%genie_init` and `%%remote` cells."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from genie_core import __version__
+
+if TYPE_CHECKING:
+    from IPython.core.interactiveshell import InteractiveShell
 
 __all__ = [
     "BackendCard",
@@ -16,7 +23,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):  # the widgets import anywidget: only when asked for
+def __getattr__(name: str) -> Any:  # the widgets import anywidget: only when asked for
     if name in ("Dashboard", "GPUGauges", "HealthBadge", "BackendCard", "EventLog", "InitProgress"):
         from . import widgets
 
@@ -28,14 +35,14 @@ def __getattr__(name: str):  # the widgets import anywidget: only when asked for
     raise AttributeError(name)
 
 
-def load_ipython_extension(ipython) -> None:
+def load_ipython_extension(ipython: InteractiveShell) -> None:
     from .magics import GenieMagics
 
     ipython.register_magics(GenieMagics)
     ipython.magics_manager.register_alias("genie_dashboard", "genie_status")
 
 
-def unload_ipython_extension(ipython) -> None:
+def unload_ipython_extension(ipython: InteractiveShell) -> None:
     import genie_core
 
     genie_core.shutdown()

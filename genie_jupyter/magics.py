@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
@@ -111,7 +111,7 @@ def run_remote(client: Client, code: str, *, gpu: int | None = None, timeout: fl
     _give_up(deadline)
 
 
-def _give_up(deadline: float | None) -> None:
+def _give_up(deadline: float | None) -> NoReturn:
     """The remote cell ignored an interrupt for INTERRUPT_GRACE seconds: hand the notebook back."""
     if deadline is not None and time.monotonic() > deadline:
         raise TimeoutError(
@@ -194,9 +194,10 @@ class GenieMagics(Magics):
 
             from genie_core.terminal import render
 
-            console = Console(file=io.StringIO(), width=120, color_system=None)
+            text = io.StringIO()
+            console = Console(file=text, width=120, color_system=None)
             console.print(render(_client("%genie_status").info()))
-            print(console.file.getvalue())
+            print(text.getvalue())
             return
         display(feed_for(state).attach(Dashboard()))
 
@@ -225,7 +226,7 @@ class GenieMagics(Magics):
         pull = _names(args.pull)
         if pull:
             with _progress("pull") as bar:
-                self.shell.user_ns.update(client.pull(pull, gpu=args.gpu, progress=bar))
+                self._user_ns.update(client.pull(pull, gpu=args.gpu, progress=bar))
 
     @line_magic
     def genie_push(self, line: str) -> None:
@@ -250,7 +251,7 @@ class GenieMagics(Magics):
         if not names:
             raise UsageError("%genie_pull needs variable names, e.g. %genie_pull x y")
         with _progress("pull") as bar:
-            self.shell.user_ns.update(_client("%genie_pull").pull(names, progress=bar))
+            self._user_ns.update(_client("%genie_pull").pull(names, progress=bar))
 
     @line_magic
     def genie_shutdown(self, line: str) -> None:
@@ -260,10 +261,16 @@ class GenieMagics(Magics):
         print("Genie session closed." if was else "Genie was not connected.")
 
     def _local_values(self, names: list[str], what: str) -> dict[str, Any]:
-        missing = [n for n in names if n not in self.shell.user_ns]
+        user_ns = self._user_ns
+        missing = [n for n in names if n not in user_ns]
         if missing:
             raise UsageError(f"{what}: not defined in this notebook: {', '.join(missing)}")
-        return {n: self.shell.user_ns[n] for n in names}
+        return {n: user_ns[n] for n in names}
+
+    @property
+    def _user_ns(self) -> dict[str, Any]:
+        assert self.shell is not None  # magics run in the shell that registered them
+        return self.shell.user_ns
 
 
 def summary(state: genie_core.ClusterState) -> str:

@@ -26,15 +26,15 @@ class GenieWidget(anywidget.AnyWidget):
     sections = t.List(t.Unicode()).tag(sync=True)
     status = t.Unicode("live").tag(sync=True)  # "live" or "lost"
     last_seen = t.Float(0.0).tag(sync=True)
-    gpus = t.List().tag(sync=True)
+    gpus: t.List[dict[str, Any]] = t.List().tag(sync=True)
     cpu_only_reason = t.Unicode("").tag(sync=True)
     history = t.Bytes(b"").tag(sync=True)  # float32 [gpus, metrics, points]: a binary buffer, not JSON
     history_shape = t.List([0, 0, 0]).tag(sync=True)
     health = t.Dict().tag(sync=True)
     backend = t.Dict().tag(sync=True)
-    events = t.List().tag(sync=True)  # newest first, bounded
+    events: t.List[dict[str, Any]] = t.List().tag(sync=True)  # newest first, bounded
     event_filter = t.Unicode("").tag(sync=True)
-    phases = t.List().tag(sync=True)
+    phases: t.List[dict[str, Any]] = t.List().tag(sync=True)
     summary = t.Unicode("").tag(sync=True)
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:

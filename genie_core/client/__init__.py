@@ -219,12 +219,12 @@ class Client:
                     f"network: heartbeat round trip {self.rtt * 1000:.1f} ms",
                 )
             )
-        lost = self.lost_reason is not None
+        lost = self.lost_reason
         checks.append(
             HealthCheck(
                 "peers",
-                Grade.UNHEALTHY if lost else Grade.HEALTHY,
-                self.lost_reason if lost else f"peers: {self.address} reachable",
+                Grade.UNHEALTHY if lost is not None else Grade.HEALTHY,
+                lost if lost is not None else f"peers: {self.address} reachable",
             )
         )
         node = base.node if base else self.node.get("node_id", self.address)

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -179,7 +179,8 @@ class Connection:
                     "user": os.environ.get("USER", ""),
                     "purpose": self.purpose,
                 },
-                "heartbeat": self.heartbeat.getsockopt(zmq.ROUTING_ID).hex(),  # pings come, and events go, there only
+                # pings come, and events go, there only
+                "heartbeat": cast(bytes, self.heartbeat.getsockopt(zmq.ROUTING_ID)).hex(),
             },
         )
         left = self.timeout - (time.monotonic() - start)

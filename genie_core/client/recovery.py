@@ -135,18 +135,18 @@ class Recovery:
                 log.warning("could not learn the outcome of %d lost requests: %s", len(ids), exc)
             return
         for rid, outcome in reply.content.get("outcomes", {}).items():
-            lost = self.lost.get(rid)
-            if lost is None or lost.settled:
+            entry = self.lost.get(rid)
+            if entry is None or entry.settled:
                 continue
             state = outcome.get("state")
             if state == "finished":
-                self._settle(lost, "finished", str(outcome.get("status", "")), str(outcome.get("error", "")))
+                self._settle(entry, "finished", str(outcome.get("status", "")), str(outcome.get("error", "")))
             elif state == "not received":
-                self._settle(lost, "not run", "", "")
+                self._settle(entry, "not run", "", "")
             elif state == "stopped":
-                self._settle(lost, "stopped", "", str(outcome.get("error", "")))
+                self._settle(entry, "stopped", "", str(outcome.get("error", "")))
             else:
-                lost.state = "running"  # its reply follows on this connection
+                entry.state = "running"  # its reply follows on this connection
 
     def _settle(self, lost: LostRequest, state: str, status: str, error: str) -> None:
         lost.state, lost.status, lost.error, lost.settled = state, status, error, True

@@ -128,7 +128,7 @@ class Link:
     data_port: int | None  # a tcp port given by the user (tunnels, relays), else the server's
     data_probe: Callable[[dict[str, Any] | None, bytes], None]  # a round trip on the control connection that
     #                                                             sends bytes inline or a reference to them
-    ping: Callable[[], float]
+    ping: Callable[[], None]  # a round trip on the control connection (median_time times it)
     requested: str = "auto"
 
 

@@ -30,9 +30,9 @@ def rdma(sys_root: str = "/sys") -> Finding:
     base = Path(sys_root) / "class" / "infiniband"
     if not base.is_dir():
         return False, "no /sys/class/infiniband devices (no RDMA driver loaded)", {}
-    devices = []
+    devices: list[dict[str, Any]] = []
     for dev in sorted(base.iterdir()):
-        ports = []
+        ports: list[dict[str, str]] = []
         for port in sorted((dev / "ports").glob("*")):
             ports.append(
                 {

@@ -156,7 +156,7 @@ def memory_spares() -> Spares:
     """Spare receive buffers in this process's own memory (a socket backend's destination)."""
     import numpy as np
 
-    return Spares(lambda size: memoryview(np.empty(size, dtype=np.uint8)), lambda buffer: None, lambda buffer: buffer)
+    return Spares(lambda size: np.empty(size, dtype=np.uint8).data, lambda buffer: None, lambda buffer: buffer)
 
 
 def sweep_worker(pid: int) -> None:

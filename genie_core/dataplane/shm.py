@@ -64,8 +64,9 @@ class Shm(Backend):
         return {"shm_probe": {"name": self.probe_file.name, "sha256": hashlib.sha256(nonce).hexdigest()}}
 
     def stop(self) -> None:
-        if getattr(self, "probe_file", None) is not None:
-            self.probe_file.unlink(missing_ok=True)
+        probe_file: Path | None = getattr(self, "probe_file", None)
+        if probe_file is not None:
+            probe_file.unlink(missing_ok=True)
 
     def probe(
         self, link: Link, budget: float, found: dict[str, tuple[Candidate, Channel | None]]

@@ -58,8 +58,8 @@ async def drive(ep: Any, exchange: stream.Exchange) -> Any:
     while True:
         try:
             step = exchange.send(value)
-        except StopIteration as done:
-            return done.value
+        except StopIteration as stop:
+            return stop.value
         value = None
         if isinstance(step, stream.Send):
             await ep.send_obj(step.data)

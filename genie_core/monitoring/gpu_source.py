@@ -45,7 +45,9 @@ class NvmlSource:
     def __init__(self, nvml: Any = None, slow_every: int = 10, indices: list[int] | None = None) -> None:
         if nvml is None:
             try:
-                import pynvml as nvml
+                import pynvml
+
+                nvml = pynvml
             except ImportError:
                 nvml = None
         self.nvml = nvml

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-_EXCLUDE = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)
+_EXCLUDE = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)  # type: ignore[attr-defined]  # not in torch's stubs
 _plans: dict[Any, tuple[Any, ...]] = {}
 _lib: Any = None
 
@@ -38,7 +38,8 @@ class _Probe(torch.Tensor):
         p._slot, p._casts = slot, casts
         return p
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    # PyTorch's own idiom for a subclass without __torch_function__ (typed unlike Tensor's classmethod)
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

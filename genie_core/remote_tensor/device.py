@@ -107,7 +107,7 @@ class _DeviceModule:
         return torch.initial_seed()
 
     @staticmethod
-    def stats() -> dict[str, int]:
+    def stats() -> dict[str, dict[str, float]]:
         """Per device index: round trips (batches waited for), messages (all batches sent), ops sent,
         and the worker's time running them (for benchmarks and curiosity)."""
         return {

@@ -68,4 +68,5 @@ def _restore(storage: Any, location: str) -> Any:
 
 def register() -> None:
     """Before PyTorch's own privateuse1 deserializer (priority 23), which would try `storage.to(device)`."""
-    torch.serialization.register_package(22.5, _tag, _restore)
+    # 22.5: between two of PyTorch's priorities (a tie would compare the functions); typed as int
+    torch.serialization.register_package(22.5, _tag, _restore)  # type: ignore[arg-type]

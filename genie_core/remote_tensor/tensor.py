@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 from torch.utils._mode_utils import no_dispatch
@@ -25,7 +25,7 @@ _COPY = aten.copy_.default
 _SET_STORAGE = (aten.set_.source_Storage, aten.set_.source_Storage_storage_offset)
 
 _meta_cache: dict[Any, Any] = {}
-_alias_cache: dict[Any, list[tuple[int, Any]]] = {}
+_alias_cache: dict[Any, dict[int, Any]] = {}  # op -> {output position: the argument it writes}
 # A remote tensor's (placeholder) storage, by the storage's address: `x.set_(y.untyped_storage())`.
 _storage_owners: dict[int, Any] = {}
 
@@ -45,7 +45,9 @@ class _Handle:
 
 class RemoteTensor(torch.Tensor):
     _rid: int
+    _ref: Ref
     _stream: OpStream
+    _handle: _Handle
 
     @staticmethod
     def __new__(
@@ -66,7 +68,8 @@ class RemoteTensor(torch.Tensor):
         r._handle = _Handle(stream, rid)
         return r
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    # PyTorch's own idiom for a subclass without __torch_function__ (typed unlike Tensor's classmethod)
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     # A "traceable wrapper subclass" (with no inner tensors): nn.Module.to() then swaps each
     # parameter's contents in place (torch.utils.swap_tensors) instead of making new Parameter
@@ -81,7 +84,9 @@ class RemoteTensor(torch.Tensor):
 
         raise SkipFrame("remote_accelerator tensors run eagerly under torch.compile")
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
+    # Tensor.__repr__'s own signature; mypy reports even an identical one as incompatible (it takes a
+    # dunder's parameters as positional-only, and this one is keyword-only)
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         text = repr(self.detach().cpu())
         suffix = f", device='{self.device}'"
         if self.grad_fn is not None:
@@ -90,13 +95,13 @@ class RemoteTensor(torch.Tensor):
             suffix += ", requires_grad=True"
         return text[:-1] + suffix + ")" if text.endswith(")") else text
 
-    def numpy(self, *, force: bool = False) -> Any:  # type: ignore[override]
+    def numpy(self, *, force: bool = False) -> Any:
         return self.detach().cpu().numpy()
 
-    def tolist(self) -> Any:  # type: ignore[override]
+    def tolist(self) -> Any:
         return self.detach().cpu().tolist()
 
-    def untyped_storage(self) -> Any:  # type: ignore[override]
+    def untyped_storage(self) -> Any:
         """The placeholder storage; remembered so that `t.set_(x.untyped_storage(), ...)` can name x."""
         storage = super().untyped_storage()
         handle = self.__dict__.get("_handle")
@@ -104,7 +109,7 @@ class RemoteTensor(torch.Tensor):
             _storage_owners[storage._cdata] = weakref.ref(handle)
         return storage
 
-    def register_hook(self, hook: Any) -> Any:  # type: ignore[override]
+    def register_hook(self, hook: Any) -> Any:
         """As torch.Tensor's; a hook that raises during backward has its error raised at the next
         value needed (see _failed_in_backward: raising there would end the process)."""
         stream = self._stream
@@ -120,7 +125,7 @@ class RemoteTensor(torch.Tensor):
 
         return super().register_hook(guarded)
 
-    def __reduce_ex__(self, proto: int) -> Any:
+    def __reduce_ex__(self, proto: SupportsIndex) -> Any:
         """Pickled (and `torch.save`d) as its values on the CPU and its device, as PyTorch does for
         devices without host-visible storage: `torch.load` puts it back on the device, or where
         `map_location` says."""

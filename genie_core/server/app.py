@@ -70,7 +70,8 @@ class Server:
             "message_bytes": self.config.max_message_bytes,
         }
         self.node_id = self.config.resolved_node_id()
-        self.codec = Codec(derive_key(self.token), max_bytes=self.config.max_message_bytes)
+        self.signing_key = derive_key(self.token)  # also the data plane's
+        self.codec = Codec(self.signing_key, max_bytes=self.config.max_message_bytes)
         self.parent_lifeline = parent_lifeline  # a pipe from whoever embeds us: we stop when it closes
         self.spare_workers = self.config.spare_workers if spare_workers is None else spare_workers
         detected, gpu_reason = list_gpus()
@@ -181,7 +182,7 @@ class Server:
                 self.port,
                 fixed_port=bool(self.config.master_port),
                 data_port=self.config.data_port,
-                host=DataHost(self.codec.key, self.pool.worker_pids, max_put=max_put),
+                host=DataHost(self.signing_key, self.pool.worker_pids, max_put=max_put),
                 encrypted=self.config.encrypt,
                 enable_ucx=self.config.enable_ucx,
             )

@@ -36,6 +36,12 @@ T = MessageType
 REMEMBERED_CANCELS = 100  # interrupts of requests not started yet
 
 
+def _main_thread_id() -> int:
+    ident = threading.main_thread().ident
+    assert ident is not None  # the main thread is running: it has an id
+    return ident
+
+
 class Worker:
     def __init__(self, endpoint: str, worker_id: str, server_pid: int) -> None:
         self.codec = Codec(key=None)
@@ -101,7 +107,7 @@ class Worker:
 
     def _send_sigint(self) -> None:
         self.sigints_sent += 1
-        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # to the main thread: it wakes a sleep
+        signal.pthread_kill(_main_thread_id(), signal.SIGINT)  # to the main thread: it wakes a sleep
 
     def _resend_sigint(self) -> None:
         """A signal that arrives between Python's last check and a blocking call (`time.sleep`
@@ -109,7 +115,7 @@ class Worker:
         signals coalesce, so the cell still gets one KeyboardInterrupt."""
         with self._interrupt_lock:
             if self.sigints_seen < self.sigints_sent and self.armed:
-                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+                signal.pthread_kill(_main_thread_id(), signal.SIGINT)
 
     def _user_code(self, running: bool) -> None:
         """The shell tells us when user code starts and stops running (see WorkerShell.run_code).
@@ -142,10 +148,15 @@ class Worker:
             stream=os.fdopen(saved_err, "w", buffering=1), level=os.environ.get("GENIE_LOG_LEVEL", "WARNING")
         )
         sys.stdout, sys.stderr = out, err
-        self.loop.call_every(FLUSH_INTERVAL, lambda: (out.flush(), err.flush()))
+
+        def flush() -> None:
+            out.flush()
+            err.flush()
+
+        self.loop.call_every(FLUSH_INTERVAL, flush)
         sys.stdin = open(os.devnull)  # noqa: SIM115 - stdin for the worker's lifetime
 
-        def no_input(prompt: str = "") -> str:
+        def no_input(prompt: object = "") -> str:
             raise RuntimeError("input() is not available in a remote cell: pass values with --push instead")
 
         builtins.input = no_input

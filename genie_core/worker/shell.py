@@ -32,7 +32,7 @@ class WorkerDisplayPublisher(DisplayPublisher):
 
     emit = AnyTrait()
 
-    def publish(self, data, metadata=None, source=None, *, transient=None, update=False, **kwargs) -> None:  # type: ignore[override]
+    def publish(self, data, metadata=None, source=None, *, transient=None, update=False, **kwargs) -> None:
         _flush_streams()
         kind = "update_display_data" if update else "display_data"
         self.emit(kind, {"data": data, "metadata": metadata or {}, "transient": transient or {}})
@@ -54,7 +54,7 @@ class WorkerDisplayHook(DisplayHook):
     def write_output_prompt(self) -> None:
         pass
 
-    def write_format_data(self, format_dict, md_dict=None) -> None:  # type: ignore[override]
+    def write_format_data(self, format_dict, md_dict=None) -> None:
         self._data = format_dict
         self._metadata = md_dict or {}
 
@@ -73,7 +73,7 @@ class WorkerShell(InteractiveShell):
     emit = AnyTrait()
     on_user_code = AnyTrait()  # on_user_code(True) as user code starts, (False) as it stops
 
-    async def run_code(self, code_obj, result=None, *, async_=False):  # type: ignore[no-untyped-def]
+    async def run_code(self, code_obj, result=None, *, async_=False):
         """IPython runs the user's code here: only in here may an interrupt raise KeyboardInterrupt."""
         self.on_user_code(True)
         try:
@@ -89,7 +89,7 @@ class WorkerShell(InteractiveShell):
         super().init_display_pub()
         self.display_pub.emit = lambda kind, content: self.emit(kind, content)
 
-    def _showtraceback(self, etype, evalue, stb) -> None:  # type: ignore[override]
+    def _showtraceback(self, etype, evalue, stb) -> None:
         _flush_streams()
         self.emit(
             "error",

@@ -88,7 +88,7 @@ class HeldTensors(dict):
     def __init__(self) -> None:
         super().__init__()
         self.bytes_held = 0
-        self._storages: dict[tuple[str, int], list[int]] = {}  # (device, address) -> [bytes, users]
+        self._storages: dict[tuple[bool, int], list[int]] = {}  # (on a GPU, address) -> [bytes, users]
 
     @staticmethod
     def _key(value: Any) -> tuple[tuple[bool, int], int] | None:
@@ -141,7 +141,7 @@ _NESTED = frozenset({tuple, list, dict})
 class TensorExecutor:
     def __init__(self, max_tensors: int = 1_000_000, max_bytes: int | None = None) -> None:
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        self.store: dict[int, Any] = HeldTensors() if max_bytes is not None else UncountedTensors()
+        self.store: HeldTensors | UncountedTensors = HeldTensors() if max_bytes is not None else UncountedTensors()
         self.max_tensors, self.max_bytes = max_tensors, max_bytes
         self.ops_run = 0
         self._ops: dict[str, Any] = {}
