@@ -8,6 +8,7 @@ error may happen other than the KeyboardInterrupts the clients asked for.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import random
 import statistics
 import time
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
+from genie_core.server.admission import VERIFIERS
 
 from . import _servers
 
@@ -123,6 +126,15 @@ def _thread_names(pid: int) -> dict[str, int]:
     return names
 
 
+# Thread pools the server grows on first use, up to a fixed size (genie_core.threads names them):
+# threads in them are not a leak while each pool stays within its size.
+POOLS = {"genie-verify": VERIFIERS, "genie-hash": min(8, os.cpu_count() or 2)}
+
+
+def _pooled(names: dict[str, int]) -> dict[str, int]:
+    return {pool: sum(n for name, n in names.items() if name.startswith(pool + "_")) for pool in POOLS}
+
+
 def run(quick: bool = False, minutes: float | None = None) -> dict:
     seconds = 20.0 if quick else 60.0 * (2.0 if minutes is None else minutes)
     proc, info = _servers.start("--no-ucx")
@@ -169,8 +181,18 @@ def run(quick: bool = False, minutes: float | None = None) -> dict:
     early, late = settled[: max(1, len(settled) // 3)], settled[-max(1, len(settled) // 3) :]
     rss = [statistics.median(s["rss_mib"] for s in part) for part in (early, late)]
     left = {key: after[key] - baseline[key] for key in ("fds", "threads", "workers")}
+    pooled_before, pooled_after = _pooled(threads_before), _pooled(threads_after)
+    left["threads"] -= sum(pooled_after.values()) - sum(pooled_before.values())
+    pools_within_size = all(pooled_after[pool] <= size for pool, size in POOLS.items())
     shm_left = round((_shm_bytes() - shm_before) / 2**20, 1)
-    flat = rss[1] - rss[0] < 10 and left["fds"] <= 0 and left["threads"] <= 0 and left["workers"] <= 0 and shm_left <= 0
+    flat = (
+        rss[1] - rss[0] < 10
+        and left["fds"] <= 0
+        and left["threads"] <= 0
+        and left["workers"] <= 0
+        and shm_left <= 0
+        and pools_within_size
+    )
     return {
         "name": "soak",
         "seconds": round(seconds),
@@ -187,6 +209,7 @@ def run(quick: bool = False, minutes: float | None = None) -> dict:
         "baseline_fds_threads_workers": [baseline["fds"], baseline["threads"], baseline["workers"]],
         "left_after_clients_went": left,
         "threads_by_name_baseline_end": [threads_before, threads_after],
+        "pool_threads_end_and_size": {pool: [pooled_after[pool], size] for pool, size in POOLS.items()},
         "shm_mib_left_after_clients_went": shm_left,
         "target": "zero errors other than the interrupts asked for; RSS growth < 10 MiB after warm-up; fds, threads, "
         "workers and /dev/shm back to the warm-up baseline once the clients have gone",

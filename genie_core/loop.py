@@ -20,6 +20,8 @@ from typing import Any, TypeVar
 
 import zmq
 
+from .threads import name_os_thread
+
 log = logging.getLogger("genie")
 
 Watched = TypeVar("Watched", "zmq.Socket[Any]", int)  # a zmq socket, or a file descriptor (a lifeline's pipe)
@@ -115,6 +117,7 @@ class SocketLoop:
         return self._closed
 
     def run(self) -> None:
+        name_os_thread()
         if self._thread is None:
             self._thread = threading.current_thread()
         try:

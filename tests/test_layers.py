@@ -20,14 +20,15 @@ BASE = {
     "loop",
     "lifeline",
     "version",
+    "threads",
     "encryption",
     "monitoring",
     "protocol",
 }
 ALLOWED = {
-    "protocol": {"errors"},
+    "protocol": {"errors", "threads"},
     "dataplane": BASE,
-    "monitoring": {"errors", "config", "events", "nodes", "gpus"},
+    "monitoring": {"errors", "config", "events", "nodes", "gpus", "threads"},
     "worker": BASE | {"dataplane"},
     "remote_tensor": BASE,
     "server": BASE | {"dataplane"},

@@ -16,6 +16,7 @@ def test_a_two_minute_soak_stays_flat_and_error_free():
     assert rss[1] - rss[0] < 10, result
     assert left == {"fds": 0, "threads": 0, "workers": 0} or all(v <= 0 for v in left.values()), result
     assert result["shm_mib_left_after_clients_went"] <= 0, result
+    assert all(n <= size for n, size in result["pool_threads_end_and_size"].values()), result
     assert all(result["operations"].get(op, 0) > 0 for op in soak.OPS), result["operations"]
     record(
         "Soak (benchmarks/soak.py)",

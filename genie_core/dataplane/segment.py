@@ -13,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..threads import name_os_thread
+
 SHM_DIR = Path("/dev/shm")
 
 
@@ -126,6 +128,7 @@ class Spares:
             threading.Thread(target=self._refill, args=(size,), daemon=True, name="genie-spare").start()
 
     def _refill(self, size: int) -> None:
+        name_os_thread()
         fresh = self._make(size)
         touch(self._view(fresh))
         with self._lock:

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..config import is_loopback
 from ..errors import AuthenticationError, ConnectionFailed
+from ..threads import name_os_thread
 from . import stream, wire
 from .base import Backend, Candidate, Channel, Link, ServerSide, measure_stream
 from .segment import memory_spares
@@ -146,6 +147,7 @@ class TcpListener:
         self.listener.close()
 
     def _accept(self) -> None:
+        name_os_thread()
         while True:
             try:
                 conn, addr = self.listener.accept()
@@ -154,6 +156,7 @@ class TcpListener:
             threading.Thread(target=self._serve, args=(conn, addr[0]), name="genie-data-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
+        name_os_thread()
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         exchange = stream.serve(self.host, mac_on=not is_loopback(peer))
         try:

@@ -19,6 +19,7 @@ import psutil
 from ..errors import ConfigError
 from ..events import ClusterEvent, EventBus, EventType, Severity
 from ..nodes import GPUInfo, NodeInfo
+from ..threads import name_os_thread
 from .gpu_source import GPUSource, NvmlSource
 from .health import HealthChecker, HealthReport
 from .history_store import HistoryStore
@@ -280,6 +281,7 @@ class ResourceMonitor:
         return self
 
     def _run(self) -> None:
+        name_os_thread()
         next_due = time.monotonic()
         while not self._stop.is_set():
             try:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ProtocolError
+from ..threads import name_os_thread
 
 PROTOCOL = b"genie/2"
 PROTOCOL_VERSION = 2
@@ -37,7 +38,9 @@ def chunk_digests(buffer: Any) -> bytes:
     if len(view) < PARALLEL_FROM or (os.cpu_count() or 1) < 2:
         return b"".join(hashlib.sha256(c).digest() for c in chunks)
     if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 2), thread_name_prefix="genie-hash")
+        _pool = ThreadPoolExecutor(
+            max_workers=min(8, os.cpu_count() or 2), thread_name_prefix="genie-hash", initializer=name_os_thread
+        )
     return b"".join(_pool.map(lambda c: hashlib.sha256(c).digest(), chunks))
 
 

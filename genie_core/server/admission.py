@@ -21,10 +21,12 @@ from typing import Any
 from ..errors import ProtocolError
 from ..protocol import RUNS, Codec, Message, MessageType, Peer, parse, split_identities
 from ..protocol.errors import SESSION_NOT_FOUND, error_content
+from ..threads import name_os_thread
 from .sessions import Session
 
 log = logging.getLogger("genie.server")
 
+VERIFIERS = 2  # threads that check big messages' signatures (a bounded pool)
 BIG_MESSAGE = 8 << 20  # bytes of buffers above which a signature is checked off the loop thread
 
 
@@ -60,7 +62,9 @@ class Admission:
         self._reply = reply
         self._send_raw = send_raw  # for the one unsigned answer: a hello with the wrong token
         self._backlog: dict[bytes, deque[list[Any]]] = {}
-        self._verifier = ThreadPoolExecutor(max_workers=2, thread_name_prefix="genie-verify")
+        self._verifier = ThreadPoolExecutor(
+            max_workers=VERIFIERS, thread_name_prefix="genie-verify", initializer=name_os_thread
+        )
 
     def close(self) -> None:
         self._verifier.shutdown(wait=False, cancel_futures=True)

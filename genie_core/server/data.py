@@ -12,6 +12,7 @@ import numpy as np
 from ..dataplane import ServerSide, backends
 from ..dataplane.segment import Segment
 from ..dataplane.stream import DataHost
+from ..threads import name_os_thread
 
 log = logging.getLogger("genie.server")
 
@@ -33,6 +34,7 @@ class DataPlane:
         threading.Thread(target=self._start_slow, name="genie-detect", daemon=True).start()
 
     def _start_slow(self) -> None:
+        name_os_thread()
         for backend in self.backends:
             if backend.slow_start:
                 self._offer(backend)
