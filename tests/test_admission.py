@@ -136,7 +136,31 @@ def test_the_heartbeat_connection_may_only_ping(victim, marker):
     _inject(victim, Message("execute", {"code": _code(marker)}), heartbeat=True)
     _settled(victim)
     assert not marker.exists()
-    assert victim.ping() < 1  # and pings on it still work
+    pong = victim.connection.request(Message("ping"), heartbeat=True).wait(5)  # and pings on it are answered there
+    assert pong.type == "pong"
+
+
+def test_a_ping_from_a_connection_that_is_not_the_sessions_gets_no_answer(srv, victim):
+    """Only the session's two connections are its peers: another connection holding the token
+    cannot even ping in its name (its identity is ordered below any, to catch a loose match)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, b"\x01")
+    sock.connect(f"tcp://127.0.0.1:{srv.info.port}")
+    codec = Codec(derive_key(srv.info.token))
+    try:
+        ping = Message("ping", session=victim.session, seq=10**9)
+        sock.send_multipart(codec.pack(ping))
+        answers = []
+        deadline = time.monotonic() + 1.5
+        while (left := deadline - time.monotonic()) > 0 and sock.poll(int(left * 1000) + 1):
+            answers.append(codec.unpack(sock.recv_multipart(), verify=False).type)
+        assert answers == []
+        assert victim.ping() < 1  # the session itself is untouched
+    finally:
+        sock.close()
+        ctx.term()
 
 
 @pytest.mark.parametrize(
