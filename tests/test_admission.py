@@ -374,3 +374,18 @@ def test_the_record_of_an_ended_session_answers_only_its_own_connection(tmp_path
 def test_the_server_lists_this_session(srv, victim):
     sessions = [s for s in victim.info()["sessions"] if s["id"] == victim.session[:8]]
     assert len(sessions) == 1 and 0 <= sessions[0]["idle_s"] < 60
+
+
+def test_the_records_of_ended_sessions_keep_the_newest():
+    """The server keeps the request records of the last ENDED_REMEMBERED sessions that ended (to
+    answer "did it run?" from a client that was away): the oldest go first, never the newest."""
+    from genie_core.server.sessions import ENDED_REMEMBERED, SessionTable
+
+    table = SessionTable()
+    ended = []
+    for i in range(ENDED_REMEMBERED + 1):
+        session = table.open(i.to_bytes(4, "big"), Message("hello", seq=1), slot=0)
+        table.end(session, "the client left")
+        ended.append(session.id)
+    assert ended[0] not in table.ended
+    assert all(session_id in table.ended for session_id in ended[1:])
