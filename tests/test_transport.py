@@ -338,3 +338,26 @@ def test_a_tcp_payload_altered_on_the_way_is_refused_both_ways(server, monkeypat
     finally:
         genie_core.shutdown()
         relay.close()
+
+
+def test_a_data_port_header_over_its_limit_is_refused_before_anything_is_read(server, connect):
+    """Before authentication a peer may announce any header length: one over the limit closes the
+    connection at once, instead of setting aside (and waiting for) what it announced."""
+    state = connect("tcp")
+    port = state.backend_report.candidate("tcp").details["port"]
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        assert wire.recv_exact(sock, len(wire.GREETING) + 32).startswith(wire.GREETING)
+        sock.sendall((1 << 30).to_bytes(4, "big"))  # "a 1 GiB header follows"
+        sock.settimeout(3)
+        assert sock.recv(1) == b""  # closed by the server, not waiting for the gigabyte
+
+
+def test_payload_macs_are_fixed_known_answers():
+    """The payload MAC's wire format, pinned: both ends of a data connection may run different
+    Genie builds, so its label, counter width and chunking must not drift."""
+    macs = wire.PayloadMacs(bytes(range(32)), bytes(32))
+    first, second = macs.start(b"up"), macs.start(b"up")
+    for mac in (first, second):
+        mac.update(b"payload")
+    assert first.digest().hex()[:16] == "554547479e988a2c"
+    assert second.digest().hex()[:16] == "370f39ea43885bb4"
