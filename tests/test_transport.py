@@ -361,3 +361,14 @@ def test_payload_macs_are_fixed_known_answers():
         mac.update(b"payload")
     assert first.digest().hex()[:16] == "554547479e988a2c"
     assert second.digest().hex()[:16] == "370f39ea43885bb4"
+
+
+def test_a_put_may_hold_empty_buffers_beside_big_ones(server, connect):
+    """An empty tensor pushed beside a big one is an empty buffer in the same put, not a refusal."""
+    state = connect("tcp")
+    t, empty = torch.randn(1 << 20), torch.empty(0)
+    state.client.push({"t": t, "empty": empty})
+    got = state.client.pull(["t", "empty"])
+    assert torch.equal(got["t"], t) and got["empty"].shape == (0,)
+    ref = state.client.channel.put([b"", bytes(2 << 20)])
+    assert ref  # taken
