@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from genie_core.client import Client
+from genie_core.config import ConnectionInfo
 
 from . import _servers
 
@@ -66,13 +67,13 @@ def _timed(fn) -> float:
     return took
 
 
-def _discovery_choices(info: object, connections: int) -> dict:
+def _discovery_choices(info: ConnectionInfo, connections: int) -> dict:
     """Connect `connections` times in a row with automatic backend choice: which backend won each
     time, and the bandwidths discovery measured for the two same-host contenders."""
     chosen: dict[str, int] = {}
     measured: dict[str, list[float]] = {"shm": [], "tcp": []}
     for _ in range(connections):
-        c = Client(info.ip, info.port, info.token, timeout=30).connect()  # type: ignore[attr-defined]
+        c = Client(info.ip, info.port, info.token, timeout=30).connect()
         try:
             report = c.select_backend("auto")
         finally:

@@ -8,7 +8,6 @@ error may happen other than the KeyboardInterrupts the clients asked for.
 from __future__ import annotations
 
 import multiprocessing
-import os
 import random
 import statistics
 import time
@@ -17,6 +16,7 @@ from typing import Any
 
 import psutil
 
+from genie_core.protocol.codec import HASHERS
 from genie_core.server.admission import VERIFIERS
 
 from . import _servers
@@ -128,7 +128,7 @@ def _thread_names(pid: int) -> dict[str, int]:
 
 # Thread pools the server grows on first use, up to a fixed size (genie_core.threads names them):
 # threads in them are not a leak while each pool stays within its size.
-POOLS = {"genie-verify": VERIFIERS, "genie-hash": min(8, os.cpu_count() or 2)}
+POOLS = {"genie-verify": VERIFIERS, "genie-hash": HASHERS}
 
 
 def _pooled(names: dict[str, int]) -> dict[str, int]:

@@ -27,6 +27,7 @@ PROTOCOL_VERSION = 2
 _KEY_CONTEXT = b"genie message signing v1"
 CHUNK = 4 << 20  # bytes of buffer per digest
 PARALLEL_FROM = 16 << 20  # buffers at least this big are hashed on several threads
+HASHERS = min(8, os.cpu_count() or 2)  # threads of the hashing pool, made on first use
 _pool: ThreadPoolExecutor | None = None
 
 
@@ -38,9 +39,7 @@ def chunk_digests(buffer: Any) -> bytes:
     if len(view) < PARALLEL_FROM or (os.cpu_count() or 1) < 2:
         return b"".join(hashlib.sha256(c).digest() for c in chunks)
     if _pool is None:
-        _pool = ThreadPoolExecutor(
-            max_workers=min(8, os.cpu_count() or 2), thread_name_prefix="genie-hash", initializer=name_os_thread
-        )
+        _pool = ThreadPoolExecutor(max_workers=HASHERS, thread_name_prefix="genie-hash", initializer=name_os_thread)
     return b"".join(_pool.map(lambda c: hashlib.sha256(c).digest(), chunks))
 
 

@@ -286,7 +286,6 @@ class Worker:
         self.send("push_reply", {"status": "ok", "names": list(values)})
         if replaced:
             threading.Thread(target=replaced.clear, name="genie-free", daemon=True).start()
-            del replaced
 
     def on_pull(self, msg: Message) -> None:
         names = list(msg.content.get("names", []))
