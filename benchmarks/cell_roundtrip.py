@@ -49,7 +49,7 @@ def run(quick: bool = False) -> dict:
                 samples[name].append(time.perf_counter() - start)
                 assert result.success
     finally:
-        genie_core.shutdown()
+        genie_core.shutdown_sync()
         _servers.stop(proc)
         if rc is not None:
             rc.close()

@@ -21,11 +21,11 @@ def run(quick: bool = False) -> dict:
             start = time.perf_counter()
             genie_core.init_sync(f"{info.ip}:{info.port}", token=info.token, timeout=30)
             running.append(time.perf_counter() - start)
-            genie_core.shutdown()
+            genie_core.shutdown_sync()
             start = time.perf_counter()
             genie_core.init_sync(timeout=30)
             embedded.append(time.perf_counter() - start)
-            genie_core.shutdown()
+            genie_core.shutdown_sync()
             try:
                 import ipyparallel as ipp
             except ImportError:

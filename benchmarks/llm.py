@@ -167,7 +167,7 @@ def run(quick: bool = False) -> dict:
         step()
         step_profile, stream.profile = stream.profile, None
     finally:
-        genie_core.shutdown()
+        genie_core.shutdown_sync()
         _servers.stop(proc)
 
     per_token = lambda xs: 1000 * statistics.median(xs) / new_tokens  # noqa: E731

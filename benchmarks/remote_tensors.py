@@ -69,7 +69,7 @@ def run(quick: bool = False) -> dict:
             step_trips.append(after["round_trips"] - before["round_trips"])
             step_ops.append(after["ops_sent"] - before["ops_sent"])
     finally:
-        genie_core.shutdown()
+        genie_core.shutdown_sync()
         _servers.stop(proc)
     per_op_lazy = statistics.median(record_us) / 1e6 + statistics.median(flush_s) / n
     return {

@@ -70,12 +70,12 @@ def _client(address: str, token: str, seconds: float, seed: int, results: Any) -
                     ) from None
                 assert last.content.get("ename") == "KeyboardInterrupt", last.content
             else:
-                genie_core.shutdown()
+                genie_core.shutdown_sync()
                 state = genie_core.init_sync(address, token=token, timeout=30)
             counts[op] = counts.get(op, 0) + 1
         except Exception as exc:
             errors.append(f"{op}: {type(exc).__name__}: {exc}"[:300])
-    genie_core.shutdown()
+    genie_core.shutdown_sync()
     results.put((seed, counts, errors))
 
 

@@ -2,11 +2,11 @@
 
 state = genie_core.init_sync("gpu-box:5555", token="...")   # or: await genie_core.init(...)
 state.client.execute("print('hi')").wait()
-genie_core.shutdown()
+genie_core.shutdown_sync()
 """
 
 from .client import Client
-from .cluster import ClusterState, get_cluster_state, init, init_sync, is_initialized, shutdown
+from .cluster import ClusterState, get_cluster_state, init, init_sync, is_initialized, shutdown, shutdown_sync
 from .config import ClusterConfig
 from .dataplane import BackendReport, BackendUnavailable, Candidate
 from .errors import (
@@ -31,6 +31,7 @@ __all__ = [  # noqa: RUF022 - grouped by topic, in the order the docs present th
     "init",
     "init_sync",
     "shutdown",
+    "shutdown_sync",
     "is_initialized",
     "get_cluster_state",
     "ClusterConfig",

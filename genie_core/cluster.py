@@ -1,4 +1,5 @@
-"""The process-wide connection: `init`, `shutdown`, `is_initialized`, `get_cluster_state`."""
+"""The process-wide connection: `init`, `shutdown` (and their `_sync` twins), `is_initialized`,
+`get_cluster_state`."""
 
 from __future__ import annotations
 
@@ -127,7 +128,7 @@ def init_sync(
     phases.append(("configure", time.perf_counter() - t0))
     with _lock:
         if _state is not None:
-            shutdown()
+            shutdown_sync()
         if config.node_role == "server":
             return _init_server(config, phases, t0)
         return _init_client(config, phases)
@@ -235,7 +236,12 @@ async def init(*args: Any, **kwargs: Any) -> ClusterState:
     return await asyncio.to_thread(init_sync, *args, **kwargs)
 
 
-def shutdown() -> None:
+async def shutdown() -> None:
+    """Awaitable `shutdown_sync`: closes on a worker thread, so the event loop keeps running."""
+    await asyncio.to_thread(shutdown_sync)
+
+
+def shutdown_sync() -> None:
     """Close the session (its worker ends, its GPU memory is freed) and any embedded server."""
     global _state
     with _lock:
@@ -268,4 +274,4 @@ def current_client(what: str = "running remote code") -> Client:
     return state.client
 
 
-atexit.register(shutdown)
+atexit.register(shutdown_sync)

@@ -45,4 +45,4 @@ def load_ipython_extension(ipython: InteractiveShell) -> None:
 def unload_ipython_extension(ipython: InteractiveShell) -> None:
     import genie_core
 
-    genie_core.shutdown()
+    genie_core.shutdown_sync()

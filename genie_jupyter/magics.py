@@ -257,7 +257,7 @@ class GenieMagics(Magics):
     def genie_shutdown(self, line: str) -> None:
         """End the session (its worker and GPU memory) and any embedded server."""
         was = genie_core.is_initialized()
-        genie_core.shutdown()
+        genie_core.shutdown_sync()
         print("Genie session closed." if was else "Genie was not connected.")
 
     def _local_values(self, names: list[str], what: str) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from genie_core.errors import ConfigError, NotInitializedError
 @pytest.fixture(autouse=True)
 def _clean():
     yield
-    genie_core.shutdown()
+    genie_core.shutdown_sync()
 
 
 def test_init_connects_and_reports_state(server):
@@ -25,7 +25,7 @@ def test_init_connects_and_reports_state(server):
     assert state.node["node_id"] == server.info.node_id
     assert [p["name"] for p in state.to_dict()["phases"]] == ["configure", "connect", "discovery"]
     assert stdout_of(run(state.client, "print(6 * 7)")) == "42\n"
-    genie_core.shutdown()
+    genie_core.shutdown_sync()
     assert not genie_core.is_initialized()
     with pytest.raises(NotInitializedError, match="genie_init"):
         genie_core.get_cluster_state()
@@ -65,11 +65,28 @@ def test_init_again_replaces_the_old_connection(server):
     assert first.client.session != second.client.session
 
 
-def test_awaitable_init(server):
-    async def main():
-        return await genie_core.init(f"127.0.0.1:{server.info.port}", token=server.info.token, timeout=10)
+def test_awaitable_init_and_shutdown(server):
+    """The seed's API: `await init(...)` and `await shutdown()`, the loop running meanwhile."""
+    ticks = 0
 
-    assert asyncio.run(main()).connected
+    async def ticker():
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)  # once per turn of the loop
+
+    async def main():
+        beat = asyncio.create_task(ticker())
+        state = await genie_core.init(f"127.0.0.1:{server.info.port}", token=server.info.token, timeout=10)
+        assert state.connected and genie_core.is_initialized()
+        before = ticks
+        await genie_core.shutdown()
+        beat.cancel()
+        return state, ticks - before
+
+    state, ticked = asyncio.run(main())
+    assert not genie_core.is_initialized() and not state.client.connected
+    assert ticked > 0  # the loop ran while the session closed (closing waits for the server's answer)
 
 
 def test_embedded_local_server_starts_and_stops_with_us():
@@ -77,7 +94,7 @@ def test_embedded_local_server_starts_and_stops_with_us():
     assert state.embedded and state.connected and state.address.startswith("127.0.0.1:")
     pid = state.local_server.proc.pid
     assert stdout_of(run(state.client, "print('local')")) == "local\n"
-    genie_core.shutdown()
+    genie_core.shutdown_sync()
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
@@ -87,5 +104,5 @@ def test_server_role_serves_from_python():
     client = Client("127.0.0.1", server.port, "py-token", timeout=10).connect()
     assert stdout_of(run(client, "print('served')")) == "served\n"
     client.close()
-    genie_core.shutdown()
+    genie_core.shutdown_sync()
     assert wait_until(lambda: not server.connection_file.exists(), 5)

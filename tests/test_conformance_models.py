@@ -32,7 +32,7 @@ def remote(tmp_path_factory):
     srv = start_server(tmp_path_factory.mktemp("models-server"), "--gpus", "")  # a CPU server, even on a GPU machine
     genie_core.init_sync(f"127.0.0.1:{srv.info.port}", token=srv.info.token, timeout=20)
     yield srv
-    genie_core.shutdown()
+    genie_core.shutdown_sync()
     srv.stop()
 
 

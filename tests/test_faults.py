@@ -39,7 +39,7 @@ def test_server_killed_mid_transfer_is_a_clear_error(tmp_path, backend, directio
             f"{took:.2f}",
         )
     finally:
-        genie_core.shutdown()
+        genie_core.shutdown_sync()
         srv.stop()
 
 

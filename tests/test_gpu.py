@@ -26,7 +26,7 @@ def gpu_server(tmp_path_factory):
     setup = "import torch; torch.backends.cuda.matmul.allow_tf32 = False; torch.backends.cudnn.allow_tf32 = False"
     assert client.execute(setup).wait(60).content["status"] == "ok"
     yield srv
-    genie_core.shutdown()
+    genie_core.shutdown_sync()
     srv.stop()
 
 
@@ -156,7 +156,7 @@ def test_gpu_memory_is_returned_after_del_and_after_the_session(gpu_server):
     y = torch.empty(256, 1024, 1024, device=DEV)
     torch.remote_accelerator.synchronize()
     free_during = torch.cuda.mem_get_info(0)[0]
-    genie_core.shutdown()  # the session's worker ends: its memory goes back to the device
+    genie_core.shutdown_sync()  # the session's worker ends: its memory goes back to the device
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and torch.cuda.mem_get_info(0)[0] < free_during + 2**30:
         time.sleep(0.5)

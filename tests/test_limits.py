@@ -26,7 +26,7 @@ def limited(tmp_path_factory):
     srv = start_server(tmp_path_factory.mktemp("limits"), "--max-session-tensors", "40", "--max-session-bytes", "64MiB")
     genie_core.init_sync(f"127.0.0.1:{srv.info.port}", token=srv.info.token, timeout=20)
     yield srv
-    genie_core.shutdown()
+    genie_core.shutdown_sync()
     srv.stop()
 
 

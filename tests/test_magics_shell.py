@@ -15,7 +15,7 @@ def shell():
     ip.run_line_magic("load_ext", "genie_jupyter")
     ip.run_line_magic("load_ext", "genie_jupyter")  # loading twice is harmless
     yield ip
-    genie_core.shutdown()
+    genie_core.shutdown_sync()
 
 
 @pytest.fixture
@@ -26,7 +26,7 @@ def connected(shell, server, capsys):
 
 
 def test_remote_before_init_says_what_to_run(shell):
-    genie_core.shutdown()
+    genie_core.shutdown_sync()
     result = shell.run_cell("%%remote\nprint(1)")
     assert isinstance(result.error_in_exec, NotInitializedError)
     assert "%genie_init" in str(result.error_in_exec)
@@ -136,5 +136,5 @@ def test_the_next_magic_says_whether_a_cell_cut_off_by_a_lost_connection_ran(she
         )  # said once
     finally:
         srv.proc.send_signal(signal.SIGCONT)
-        genie_core.shutdown()
+        genie_core.shutdown_sync()
         srv.stop()

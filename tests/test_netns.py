@@ -123,7 +123,7 @@ CLIENT = textwrap.dedent("""
     state.client.push({"t": t})
     back = state.client.pull(["t"])["t"]
     print(json.dumps({"report": state.backend_report.to_dict(), "equal": bool(torch.equal(back, t))}))
-    genie_core.shutdown()
+    genie_core.shutdown_sync()
 """)
 
 
@@ -200,7 +200,7 @@ def test_round_trips_reflect_a_delayed_link(hosts, tmp_path):
                     sys.argv[1], token=sys.argv[2], timeout=20, data_port=17002, discovery_budget=2.0
                 )
                 print(json.dumps(state.backend_report.to_dict()))
-                genie_core.shutdown()
+                genie_core.shutdown_sync()
             """)
             )
             inner = f"mount -t tmpfs tmpfs /dev/shm && exec {sys.executable} {script} 127.0.0.1:17001 {info.token}"
@@ -271,7 +271,7 @@ PARTITION_CLIENT = textwrap.dedent("""
     out["running_when_cut"] = lost_then_settled(request, lost)
     out["runs"] = client.pull(["runs"])["runs"]
     print("RESULT " + json.dumps(out), flush=True)
-    genie_core.shutdown()
+    genie_core.shutdown_sync()
 """)
 
 PARTITION = """table inet genie_partition {{
@@ -411,7 +411,7 @@ EXPIRY_CLIENT = textwrap.dedent("""
     again = genie_core.get_cluster_state().client
     out["fresh"] = [m.content.get("ename") for m in again.execute("runs").replies(10) if m.type == "error"]
     print("RESULT " + json.dumps(out), flush=True)
-    genie_core.shutdown()
+    genie_core.shutdown_sync()
 """)
 
 

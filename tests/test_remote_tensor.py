@@ -24,7 +24,7 @@ def remote(tmp_path_factory):
     srv = start_server(tmp_path_factory.mktemp("tensor-server"), "--gpus", "")  # a CPU server, even on a GPU machine
     genie_core.init_sync(f"127.0.0.1:{srv.info.port}", token=srv.info.token, timeout=20)
     yield srv
-    genie_core.shutdown()
+    genie_core.shutdown_sync()
     srv.stop()
 
 
@@ -423,7 +423,7 @@ try:
 except RuntimeError as e:
     print("raised:", e)
 print("alive", torch.equal((y.detach() * 0).cpu(), torch.zeros(3)))
-genie_core.shutdown()
+genie_core.shutdown_sync()
 """
 
 
@@ -486,9 +486,9 @@ def test_copies_between_sessions_are_refused(tmp_path):
             second.copy_(first)
         with pytest.raises(RuntimeError, match="two different Genie sessions"):
             first + second
-        genie_core.shutdown()
+        genie_core.shutdown_sync()
         cluster._state = old
-        genie_core.shutdown()
+        genie_core.shutdown_sync()
     finally:
         for srv in servers:
             srv.stop()
@@ -501,7 +501,7 @@ def test_tensors_of_an_ended_session_say_so(tmp_path):
     try:
         genie_core.init_sync(f"127.0.0.1:{srv.info.port}", token=srv.info.token, timeout=20)
         x = torch.ones(2, device=DEV)
-        genie_core.shutdown()
+        genie_core.shutdown_sync()
         with pytest.raises(ConnectionLost, match="session that has ended"):
             x.cpu()
         with pytest.raises(NotInitializedError, match="genie_init"):

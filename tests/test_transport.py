@@ -36,7 +36,7 @@ def connect(server):
         )
 
     yield _connect
-    genie_core.shutdown()
+    genie_core.shutdown_sync()
 
 
 def values():
@@ -312,7 +312,7 @@ def test_a_tcp_payload_altered_on_the_way_is_refused_both_ways(server, monkeypat
 
     state = genie_core.init_sync(f"127.0.0.1:{server.info.port}", token=server.info.token, backend="tcp", timeout=20)
     port = state.backend_report.candidate("tcp").details["port"]
-    genie_core.shutdown()
+    genie_core.shutdown_sync()
     relay = FlippingRelay(port)
     monkeypatch.setattr(tcp, "is_loopback", lambda host: False)
     try:
@@ -336,7 +336,7 @@ def test_a_tcp_payload_altered_on_the_way_is_refused_both_ways(server, monkeypat
             state.client.pull(["t"])
         assert relay.flipped == 2
     finally:
-        genie_core.shutdown()
+        genie_core.shutdown_sync()
         relay.close()
 
 

@@ -23,7 +23,7 @@ def state(tmp_path):
     srv = start_server(tmp_path, "--simulate-gpus", "2", "--poll-interval", "0.2")
     st = genie_core.init_sync(f"127.0.0.1:{srv.info.port}", token=srv.info.token, timeout=20)
     yield st
-    genie_core.shutdown()
+    genie_core.shutdown_sync()
     srv.stop()
 
 
@@ -74,7 +74,7 @@ def test_cpu_only_server_says_so(tmp_path):
         assert wait_until(lambda: w.cpu_only_reason != "", 10)
         assert w.gpus == [] and "CPU-only server" in w.text()
     finally:
-        genie_core.shutdown()
+        genie_core.shutdown_sync()
         srv.stop()
 
 
