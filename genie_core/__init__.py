@@ -18,6 +18,7 @@ from .errors import (
     LimitExceeded,
     NotInitializedError,
     RemoteError,
+    VersionMismatch,
     WorkerDied,
 )
 from .events import ClusterEvent, EventBus, EventType, Severity
@@ -56,6 +57,7 @@ __all__ = [  # noqa: RUF022 - grouped by topic, in the order the docs present th
     "ConfigError",
     "ConnectionFailed",
     "AuthenticationError",
+    "VersionMismatch",
     "ConnectionLost",
     "NotInitializedError",
     "RemoteError",

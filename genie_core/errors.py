@@ -30,6 +30,10 @@ class AuthenticationError(GenieError, PermissionError):
     """The server rejected our signature: the token does not match."""
 
 
+class VersionMismatch(GenieError):
+    """Client and server run versions that cannot work together (protocol, or Python for pickling)."""
+
+
 class ConnectionLost(GenieError, ConnectionError):
     """An established connection to the server stopped answering."""
 

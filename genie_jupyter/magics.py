@@ -166,7 +166,7 @@ class GenieMagics(Magics):
         """Connect this notebook to a genie server (replacing any earlier connection)."""
         args = parse_argstring(self.genie_init, line)
         progress = InitProgress()
-        display(progress)
+        shown = display(progress, display_id=True)
 
         def on_phase(name: str, seconds: float) -> None:
             progress.phases = [*progress.phases, {"name": name, "seconds": seconds}]
@@ -180,7 +180,9 @@ class GenieMagics(Magics):
             on_phase=on_phase,
         )
         progress.summary = summary(state)
-        print(progress.summary)
+        # Shown once: the widget draws it, and the text snapshot (front ends without widgets) is refreshed.
+        if shown is not None:
+            shown.update(progress)
 
     @magic_arguments()
     @argument("--text", action="store_true", help="a plain-text report instead of the live dashboard")
@@ -277,14 +279,18 @@ def summary(state: genie_core.ClusterState) -> str:
     node = state.node
     gpus = node.get("gpus") or []
     where = "embedded local server" if state.embedded else "genie server"
-    gpu_text = (
-        ", ".join(f"GPU {g['index']}: {g.get('name', '?')}" for g in gpus)
-        if gpus
-        else f"CPU only ({node.get('gpu_reason') or 'no GPU'})"
-    )
+    simulated = node.get("simulated_gpus") or 0
+    if gpus:
+        gpu_text = ", ".join(f"GPU {g['index']}: {g.get('name', '?')}" for g in gpus)
+    elif simulated:
+        gpu_text = f"{simulated} simulated GPU{'s' if simulated != 1 else ''} (fake readings, --simulate-gpus)"
+    else:
+        gpu_text = f"CPU only ({node.get('gpu_reason') or 'no GPU'})"
     took = sum(s for _, s in state.phases)
-    session = state.client.session[:8] if state.client else "-"
-    return (
+    client = state.client
+    session = client.session[:8] if client else "-"
+    text = (
         f"Connected to {where} genie://{state.address} "
         f"(node {node.get('node_id', '?')}; {gpu_text}; session {session}) in {took:.2f} s"
     )
+    return "\n".join([text, *(f"warning: {w}" for w in (client.version_warnings if client else []))])

@@ -48,6 +48,13 @@ def stdout(messages) -> str:
     )
 
 
+def init_summary(messages) -> str:
+    """The text of %genie_init's widget once its summary is in (the update of its display)."""
+    updates = [m["content"]["data"] for _, m in messages if m["msg_type"] == "update_display_data"]
+    assert updates and "application/vnd.jupyter.widget-view+json" in updates[-1], messages
+    return updates[-1]["text/plain"]
+
+
 @pytest.fixture(scope="module")
 def connected(kernel, tmp_path_factory):
     from conftest import start_server
@@ -58,6 +65,9 @@ def connected(kernel, tmp_path_factory):
     assert reply["status"] == "ok"
     reply, msgs = execute(kc, f"%genie_init 127.0.0.1:{srv.info.port} --token {srv.info.token}")
     assert reply["status"] == "ok", msgs
+    # The summary is said once: in the init widget (its text snapshot updated in place), not printed beside it.
+    assert "Connected to" not in stdout(msgs)
+    assert "Connected to genie server" in init_summary(msgs), msgs
     yield km, kc
     execute(kc, "%genie_shutdown")
     srv.stop()
@@ -119,7 +129,7 @@ def test_embedded_local_server_in_a_kernel(kernel):
     _, kc = kernel
     execute(kc, "%load_ext genie_jupyter")
     reply, msgs = execute(kc, "%genie_init")
-    assert reply["status"] == "ok" and "embedded local server" in stdout(msgs)
+    assert reply["status"] == "ok" and "embedded local server" in init_summary(msgs)
     views = [
         m
         for _, m in msgs

@@ -24,6 +24,7 @@ BASE = {
     "encryption",
     "monitoring",
     "protocol",
+    "versions",
 }
 ALLOWED = {
     "protocol": {"errors", "threads"},

@@ -25,6 +25,17 @@ def connected(shell, server, capsys):
     return shell
 
 
+def test_a_minor_version_difference_is_a_warning_in_the_init_summary(shell, server, capsys, monkeypatch):
+    from genie_core import versions
+
+    mine = {**versions.local_versions(), "genie": "0.1.1"}
+    monkeypatch.setattr(versions, "_versions", lambda: mine)
+    shell.run_line_magic("genie_init", f"127.0.0.1:{server.info.port} --token {server.info.token} --timeout 10")
+    out = capsys.readouterr().out
+    assert out.count("Connected to genie server") == 1
+    assert "warning: Genie versions differ: this client has genie 0.1.1, the server at 127.0.0.1" in out
+
+
 def test_remote_before_init_says_what_to_run(shell):
     genie_core.shutdown_sync()
     result = shell.run_cell("%%remote\nprint(1)")

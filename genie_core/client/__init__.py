@@ -7,10 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 from ..dataplane import BackendReport, Channel
+from ..errors import VersionMismatch
 from ..events import ClusterEvent, EventBus, EventType, Severity
 from ..monitoring.health import Grade, HealthCheck, HealthReport, worst
 from ..nodes import NodeInfo
 from ..protocol import Message, MessageType
+from ..versions import compare, local_versions
 from .connection import Connection, Request
 from .recovery import LostRequest, Recovery
 from .transfers import Transfers
@@ -53,6 +55,8 @@ class Client:
         self.recovery = Recovery(self.connection, self._event)
         self.transfers = Transfers(self.connection, data_port)
         self.connection.on_unsolicited = self._on_unsolicited
+        self.server_versions: dict[str, str | None] = {}  # Genie, protocol, Python, torch, CUDA there
+        self.version_warnings: list[str] = []  # differences that do not stop the connection
 
     # -- what it is connected to ------------------------------------------------------------
     @property
@@ -110,7 +114,18 @@ class Client:
 
     # -- the API --------------------------------------------------------------------------
     def connect(self) -> Client:
-        self.connection.connect()
+        """Handshake, then compare versions: a difference that breaks the protocol or pickling
+        ends the session at once with VersionMismatch; smaller ones land in `version_warnings`."""
+        welcome = self.connection.connect()
+        self.server_versions = welcome.get("versions") or {}
+        if not self.server_versions:
+            self.version_warnings = [f"the server at {self.address} did not say its versions (an older Genie)"]
+        else:
+            verdict = compare(local_versions(), self.server_versions, self.address)
+            if verdict.errors:
+                self.close()
+                raise VersionMismatch("; ".join(verdict.errors))
+            self.version_warnings = verdict.warnings
         self._event(
             EventType.CONNECTED,
             Severity.INFO,

@@ -9,6 +9,7 @@ Callers block on the request they made, never on the socket.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import queue
@@ -28,11 +29,13 @@ from ..errors import (
     GenieError,
     LimitExceeded,
     ProtocolError,
+    VersionMismatch,
     size_text,
 )
 from ..loop import SocketLoop
-from ..protocol import TERMINAL, Codec, Message, MessageType, Peer, derive_key, error_from, parse
+from ..protocol import TERMINAL, VERSIONS_TAG, Codec, Message, MessageType, Peer, derive_key, error_from, parse
 from ..protocol.errors import SESSION_NOT_FOUND
+from ..versions import compare, local_versions
 
 log = logging.getLogger("genie.client")
 
@@ -181,6 +184,7 @@ class Connection:
                 },
                 # pings come, and events go, there only
                 "heartbeat": cast(bytes, self.heartbeat.getsockopt(zmq.ROUTING_ID)).hex(),
+                "versions": local_versions(),
             },
         )
         left = self.timeout - (time.monotonic() - start)
@@ -386,6 +390,9 @@ class Connection:
                 request.put(msg)
 
     def _on_unauthenticated(self, frames: list[Any], exc: ProtocolError) -> None:
+        if len(frames) == 2 and bytes(frames[0]) == VERSIONS_TAG:
+            self._on_other_protocol(frames[1])
+            return
         try:
             msg = Codec(None).unpack(frames, verify=False)
         except ProtocolError:
@@ -403,6 +410,20 @@ class Connection:
             )
         else:
             log.warning("dropped an unauthenticated message from %s: %s", self.address, exc)
+
+    def _on_other_protocol(self, frame: Any) -> None:
+        """The server speaks another protocol version and said which: fail the hello, naming both."""
+        try:
+            theirs = json.loads(bytes(frame))
+            problems = compare(local_versions(), {k: str(v) for k, v in dict(theirs).items()}, self.address).errors
+        except (ValueError, TypeError):
+            problems = []
+        if not problems:
+            log.warning("dropped a malformed version answer from %s", self.address)
+            return
+        for request in [r for r in list(self.pending.values()) if r.type == T.HELLO]:
+            self.pending.pop(request.id, None)
+            request.put(Closed(VersionMismatch("; ".join(problems))))
 
     # -- liveness -------------------------------------------------------------------------
     def _on_disconnect(self, monitor: zmq.Socket) -> None:

@@ -1,6 +1,16 @@
 """The wire protocol: message types and who sends them, the signed codec, the error map."""
 
-from .codec import PROTOCOL, PROTOCOL_VERSION, Codec, Message, chunk_digests, derive_key, new_id, split_identities
+from .codec import (
+    PROTOCOL,
+    PROTOCOL_VERSION,
+    VERSIONS_TAG,
+    Codec,
+    Message,
+    chunk_digests,
+    derive_key,
+    new_id,
+    split_identities,
+)
 from .errors import error_content, error_from, error_text
 from .messages import RUNS, TABLE, TERMINAL, MessageType, Peer, accepted_from, for_worker, parse
 
@@ -10,6 +20,7 @@ __all__ = [
     "RUNS",
     "TABLE",
     "TERMINAL",
+    "VERSIONS_TAG",
     "Codec",
     "Message",
     "MessageType",

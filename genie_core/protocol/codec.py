@@ -23,6 +23,9 @@ from ..errors import ProtocolError
 from ..threads import name_os_thread
 
 PROTOCOL = b"genie/2"
+# The first frame of the one answer that every protocol version shares: "I speak another version; here
+# are mine" (JSON in the second frame), so either side can say what to install. Never changes.
+VERSIONS_TAG = b"genie-versions"
 PROTOCOL_VERSION = 2
 _KEY_CONTEXT = b"genie message signing v1"
 CHUNK = 4 << 20  # bytes of buffer per digest

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ProtocolError
-from ..protocol import RUNS, Codec, Message, MessageType, Peer, parse, split_identities
+from ..protocol import RUNS, VERSIONS_TAG, Codec, Message, MessageType, Peer, parse, split_identities
 from ..protocol.errors import SESSION_NOT_FOUND, error_content
 from ..threads import name_os_thread
+from ..versions import local_versions
 from .sessions import Session
 
 log = logging.getLogger("genie.server")
@@ -77,6 +78,7 @@ class Admission:
             identity = idents[0].bytes if hasattr(idents[0], "bytes") else bytes(idents[0])
         except (ProtocolError, IndexError) as exc:
             log.warning("dropped a malformed message: %s", exc)
+            self._answer_other_protocol(frames)
             return
         backlog = self._backlog.get(identity)
         if backlog is not None:  # an earlier big message from this connection is still being verified
@@ -173,6 +175,16 @@ class Admission:
     @staticmethod
     def _refuse(what: str) -> None:
         log.warning("refused %s", what)
+
+    def _answer_other_protocol(self, frames: list[Any]) -> None:
+        """A client speaking another protocol version (a tag `genie/N` in its second frame) is told
+        this server's versions, unsigned, so that it can say what to install instead of timing out.
+        They are what the server's greeting would show anyway; nothing about sessions is sent."""
+        if len(frames) < 2:
+            return
+        identity, tag = (bytes(f.bytes if hasattr(f, "bytes") else f) for f in frames[:2])
+        if tag.startswith(b"genie/") and len(tag) <= 16:
+            self._send_raw(identity, [VERSIONS_TAG, json.dumps(local_versions()).encode()])
 
     def _answer_failed_hello(self, identity: bytes, body: list[Any], reason: str) -> None:
         """Tell a client whose hello fails authentication why, so it need not wait for a timeout.

@@ -27,6 +27,7 @@ from ..lifeline import Lifeline, parent_gone
 from ..loop import SocketLoop
 from ..monitoring import GPUSource
 from ..protocol import PROTOCOL_VERSION, Codec, Message, MessageType, Peer, accepted_from, derive_key, error_content
+from ..versions import local_versions
 from .admission import Admission, Admitted
 from .data import DataPlane
 from .sessions import Session, SessionTable, outcomes
@@ -316,7 +317,8 @@ class Server:
     def _on_hello(self, identity: bytes, msg: Message) -> None:
         session = self.sessions.open(identity, msg, self.pool.next_slot())
         log.info("session %s opened for %s", session.id[:8], session.client)
-        self._reply(identity, msg, T.WELCOME, {"session": session.id, "node": self.node_info(), "slot": session.slot})
+        welcome = {"session": session.id, "node": self.node_info(), "slot": session.slot, "versions": local_versions()}
+        self._reply(identity, msg, T.WELCOME, welcome)
 
     def _refuse(self, session: Session, msg: Message, ename: str, evalue: str) -> None:
         """Answer a request that will not run with an error (and remember that it did not)."""

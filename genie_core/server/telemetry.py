@@ -97,6 +97,7 @@ class Telemetry:
             "platform": platform.platform(),
             "gpus": self.gpus,
             "gpu_reason": self.gpu_reason,
+            "simulated_gpus": self.config.simulate_gpus or 0,  # fake readings (--simulate-gpus), labelled so
             "transport": transport,
             "encrypted": self.config.encrypt,
             "limits": limits,
