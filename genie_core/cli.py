@@ -56,6 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="bytes of remote tensors one session may hold, and its largest push, e.g. 40GiB (default: no limit)",
     )
+    serve.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="end a session that has had no client and nothing running for this long, after a warning event "
+        "(default: never; sessions without a name end when their client goes anyway)",
+    )
     serve.add_argument("--gpus", default=None, help="GPU indices to offer, e.g. 0,1 (default: all)")
     serve.add_argument("--node-id", default=None, help="name of this node (default: host name)")
     serve.add_argument("--connection-file", default=None, help="where to write the connection file")
@@ -150,6 +158,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_session_tensors=args.max_session_tensors,
         max_session_bytes=args.max_session_bytes,
         enable_ucx=False if args.no_ucx else None,
+        idle_timeout=args.idle_timeout,
     )
     logging.basicConfig(level=config.log_level.upper(), format="[genie %(levelname)s] %(message)s")
     return run_server(config, parent_lifeline=args.lifeline_fd)

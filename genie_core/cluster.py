@@ -128,7 +128,7 @@ def init_sync(
     phases.append(("configure", time.perf_counter() - t0))
     with _lock:
         if _state is not None:
-            shutdown_sync()
+            _close(end_named=False)
         if config.node_role == "server":
             return _init_server(config, phases, t0)
         return _init_client(config, phases)
@@ -181,6 +181,7 @@ def _init_client(config: ClusterConfig, phases: list[tuple[str, float]]) -> Clus
         heartbeat_timeout=config.heartbeat_timeout,
         data_port=config.data_port,
         curve=curve,
+        session_name=config.session_name or "",
     )
     try:
         client.connect()
@@ -243,13 +244,19 @@ async def shutdown() -> None:
 
 def shutdown_sync() -> None:
     """Close the session (its worker ends, its GPU memory is freed) and any embedded server."""
+    _close(end_named=True)
+
+
+def _close(end_named: bool) -> None:
+    """Close the connection; a named session is ended only when `end_named`, else left running
+    for a later `init(..., session_name=NAME)` to attach to (as when the process exits)."""
     global _state
     with _lock:
         state, _state = _state, None
     if state is None:
         return
     if state.client is not None:
-        state.client.close()
+        state.client.close(notify=end_named or not state.client.session_name)
     if state.server is not None:
         state.server.stop()
     if state.local_server is not None:
@@ -274,4 +281,4 @@ def current_client(what: str = "running remote code") -> Client:
     return state.client
 
 
-atexit.register(shutdown_sync)
+atexit.register(_close, end_named=False)  # a named session survives a kernel restart

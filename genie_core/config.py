@@ -75,6 +75,8 @@ class ClusterConfig:
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 4.0
     session_lease: float = 30.0
+    session_name: str | None = None  # client: a named session outlives this process; the same name attaches to it
+    idle_timeout: float = 0.0  # server: end sessions with no client and no cell running for this long (0: never)
     enable_gpu_monitoring: bool = True
     gpu_poll_interval: float = 1.0
     enable_health_checks: bool = True

@@ -25,6 +25,9 @@ class EventType(str, enum.Enum):
     NODE_DEGRADED = "NODE_DEGRADED"
     HEALTH_CHANGED = "HEALTH_CHANGED"
     SESSION_CLOSED = "SESSION_CLOSED"
+    SESSION_DETACHED = "SESSION_DETACHED"  # a named session's client went silent: the session waits for one
+    SESSION_ATTACHED = "SESSION_ATTACHED"  # a client attached to a named session
+    SESSION_IDLE = "SESSION_IDLE"  # a session will be ended for idleness (--idle-timeout) unless used
     REQUEST_OUTCOME = "REQUEST_OUTCOME"  # what became of a request cut off by a lost connection
     GPU_AVAILABLE = "GPU_AVAILABLE"
     GPU_UNAVAILABLE = "GPU_UNAVAILABLE"

@@ -1,4 +1,5 @@
-"""`%genie_init`, `%%remote`, `%genie_push`, `%genie_pull`, `%genie_shutdown`."""
+"""`%genie_init`, `%%remote` (also in the background), `%genie_jobs`, `%genie_push`, `%genie_pull`,
+`%genie_shutdown`."""
 
 from __future__ import annotations
 
@@ -18,13 +19,13 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import clear_output, display, publish_display_data
 
 import genie_core
-from genie_core.client import Client
+from genie_core.client import Client, Job
 from genie_core.cluster import current_client
 from genie_core.errors import RemoteError
 
 from .feed import ClusterFeed
 from .progress import TransferProgress
-from .widgets import Dashboard, InitProgress
+from .widgets import Dashboard, InitProgress, JobsView
 
 _feeds: dict[int, ClusterFeed] = {}
 
@@ -161,6 +162,13 @@ class GenieMagics(Magics):
     @argument("--connection-file", default=None, help="connection file written by `genie serve`")
     @argument("--timeout", type=float, default=None, help="seconds to wait for the server (default 30)")
     @argument("--gpus", default=None, help="GPU indices for an embedded server, e.g. 0,1")
+    @argument(
+        "--session",
+        default=None,
+        metavar="NAME",
+        help="a named session: it outlives this kernel, and the same name attaches to it again "
+        "(namespace, GPU memory and background jobs intact)",
+    )
     @line_magic
     def genie_init(self, line: str) -> None:
         """Connect this notebook to a genie server (replacing any earlier connection)."""
@@ -177,6 +185,7 @@ class GenieMagics(Magics):
             connection_file=args.connection_file,
             timeout=args.timeout,
             gpus=args.gpus,
+            session_name=args.session,
             on_phase=on_phase,
         )
         progress.summary = summary(state)
@@ -211,24 +220,61 @@ class GenieMagics(Magics):
         "--to", default=None, help="put pushed tensors on this remote device, e.g. cuda (default: the remote CPU)"
     )
     @argument("--timeout", type=float, default=None, help="interrupt the cell after this many seconds")
+    @argument(
+        "--bg",
+        action="store_true",
+        help="run in the background: return at once with a Job (also in `_`); later remote work queues behind it",
+    )
+    @argument("--name", default=None, help="a name for the background job (default job-1, job-2, ...)")
     @line_cell_magic
-    def remote(self, line: str, cell: str | None = None) -> None:
+    def remote(self, line: str, cell: str | None = None) -> Job | None:
         """Run the cell (or, as `%remote STATEMENT`, one line) on the genie server."""
         if cell is None:
             client = _client("using %remote")
+            _say_queued(client)
             run_remote(client, line)
-            return
+            return None
         args = parse_argstring(self.remote, line)
+        if args.bg and (args.pull or args.timeout is not None):
+            raise UsageError("%%remote --bg returns at once: use job.wait() or job.cancel(), then %genie_pull")
+        if args.name is not None and not args.bg:
+            raise UsageError("%%remote --name names a background job: add --bg")
         client = _client("running a %%remote cell")
         push = _names(args.push)
         if push:
             with _progress("push") as bar:
                 client.push(self._local_values(push, "--push"), gpu=args.gpu, device=args.to, progress=bar)
+        if args.bg:
+            job = client.start_job(cell, name=args.name, gpu=args.gpu)
+            print(f"started background job {job.name!r}: %genie_jobs lists it; job.output(), job.wait(), job.cancel()")
+            return job
+        _say_queued(client)
         run_remote(client, cell, gpu=args.gpu, timeout=args.timeout)
         pull = _names(args.pull)
         if pull:
             with _progress("pull") as bar:
                 self._user_ns.update(client.pull(pull, gpu=args.gpu, progress=bar))
+        return None
+
+    @magic_arguments()
+    @argument("name", nargs="?", default=None, help="one job: return it (its output and result)")
+    @argument("--text", action="store_true", help="a plain-text table instead of the live widget")
+    @line_magic
+    def genie_jobs(self, line: str) -> Job | None:
+        """The session's background jobs: state, elapsed time, the last lines of output."""
+        args = parse_argstring(self.genie_jobs, line)
+        jobs = _client("%genie_jobs").jobs()
+        if args.name is not None:
+            found = [j for j in jobs if j.name == args.name]
+            if not found:
+                names = ", ".join(j.name for j in jobs) or "none yet"
+                raise UsageError(f"%genie_jobs: no job named {args.name!r} in this session (jobs: {names})")
+            return found[-1]
+        if args.text or not jobs:
+            print(jobs_table(jobs))
+            return None
+        display(JobsView(jobs))
+        return None
 
     @line_magic
     def genie_push(self, line: str) -> None:
@@ -275,6 +321,28 @@ class GenieMagics(Magics):
         return self.shell.user_ns
 
 
+def _say_queued(client: Client) -> None:
+    """A cell sent while a background job runs waits behind it on the worker: say so."""
+    running = client.running_jobs()
+    if running:
+        job = running[0]
+        print(
+            f"genie: this cell waits behind background job {job.name!r} (running {job.elapsed:.0f} s); "
+            "interrupting it cancels this cell, not the job (job.cancel() does that)",
+            file=sys.stderr,
+        )
+
+
+def jobs_table(jobs: list[Job]) -> str:
+    if not jobs:
+        return "No background jobs in this session (start one with %%remote --bg)."
+    rows = [f"{'name':<16} {'state':<8} {'elapsed':>9}  last output"]
+    for job in jobs:
+        last = job.tail(1).replace("\t", " ")
+        rows.append(f"{job.name[:16]:<16} {job.state:<8} {job.elapsed:>8.1f}s  {last[-80:]}")
+    return "\n".join(rows)
+
+
 def summary(state: genie_core.ClusterState) -> str:
     node = state.node
     gpus = node.get("gpus") or []
@@ -293,4 +361,22 @@ def summary(state: genie_core.ClusterState) -> str:
         f"Connected to {where} genie://{state.address} "
         f"(node {node.get('node_id', '?')}; {gpu_text}; session {session}) in {took:.2f} s"
     )
+    if client is not None and client.session_name:
+        if client.attached:
+            age = _age(time.time() - (client.session_created or time.time()))
+            running = len(client.running_jobs())
+            text += (
+                f"\nreattached to session {client.session_name!r}, {age} old, "
+                f"{running} job{'s' if running != 1 else ''} running"
+            )
+        else:
+            text += f"\nnew session {client.session_name!r}: it outlives this kernel; %genie_shutdown ends it"
     return "\n".join([text, *(f"warning: {w}" for w in (client.version_warnings if client else []))])
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.0f} h"

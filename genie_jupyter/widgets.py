@@ -3,6 +3,8 @@ GPU gauges, health grades, the backend card, the event log, init progress."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,7 @@ class GenieWidget(anywidget.AnyWidget):
     event_filter = t.Unicode("").tag(sync=True)
     phases: t.List[dict[str, Any]] = t.List().tag(sync=True)
     summary = t.Unicode("").tag(sync=True)
+    jobs: t.List[dict[str, Any]] = t.List().tag(sync=True)  # name, state, elapsed, tail
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
         """Front ends without widgets (terminal IPython, nbconvert) get a text snapshot."""
@@ -67,6 +70,11 @@ class GenieWidget(anywidget.AnyWidget):
                 lines.append(f"GPU {g['index']} {g.get('name') or ''}: utilization {util}, temperature {temp}")
         if "backend" in self.sections and self.backend:
             lines.append(f"backend {self.backend.get('chosen')}: {self.backend.get('reason', '')}")
+        if "jobs" in self.sections:
+            lines += [
+                f"{j['name']} {j['state']} {j['elapsed']:.1f} s  {(j['tail'].splitlines() or [''])[-1]}"
+                for j in self.jobs
+            ]
         if "events" in self.sections:
             lines += [f"{e['type']} {e.get('data', {}).get('message', '')}" for e in self.events[:5]]
         return "\n".join(lines) or type(self).__name__
@@ -94,3 +102,27 @@ class InitProgress(GenieWidget):
 
 class Dashboard(GenieWidget):
     sections = t.List(t.Unicode(), ["health", "gauges", "backend", "events"]).tag(sync=True)
+
+
+class JobsView(GenieWidget):
+    """The session's background jobs with their live output tails; it refreshes itself about
+    twice a second while any of them runs (from the jobs' own state: no round trip)."""
+
+    sections = t.List(t.Unicode(), ["jobs"]).tag(sync=True)
+
+    def __init__(self, jobs: list[Any], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._jobs = jobs
+        self._refresh()
+        threading.Thread(target=self._follow, name="genie-jobs-view", daemon=True).start()
+
+    def _refresh(self) -> None:
+        self.jobs = [
+            {"name": j.name, "state": j.state, "elapsed": round(j.elapsed, 1), "tail": j.tail(5)} for j in self._jobs
+        ]
+
+    def _follow(self) -> None:
+        while self.comm is not None and any(not j.done() for j in self._jobs):
+            time.sleep(0.5)
+            self._refresh()
+        self._refresh()

@@ -384,7 +384,7 @@ def test_the_records_of_ended_sessions_keep_the_newest():
     table = SessionTable()
     ended = []
     for i in range(ENDED_REMEMBERED + 1):
-        session = table.open(i.to_bytes(4, "big"), Message("hello", seq=1), slot=0)
+        session, _ = table.open(i.to_bytes(4, "big"), Message("hello", seq=1), lambda: 0)
         table.end(session, "the client left")
         ended.append(session.id)
     assert ended[0] not in table.ended

@@ -14,10 +14,11 @@ from ..nodes import NodeInfo
 from ..protocol import Message, MessageType
 from ..versions import compare, local_versions
 from .connection import Connection, Request
+from .jobs import Job
 from .recovery import LostRequest, Recovery
 from .transfers import Transfers
 
-__all__ = ["Client", "LostRequest", "Request"]
+__all__ = ["Client", "Job", "LostRequest", "Request"]
 
 T = MessageType
 
@@ -37,6 +38,7 @@ class Client:
         purpose: str = "session",
         data_port: int | None = None,
         curve: dict[str, str] | None = None,
+        session_name: str = "",
     ) -> None:
         self.connection = Connection(
             host,
@@ -48,6 +50,7 @@ class Client:
             heartbeat_timeout=heartbeat_timeout,
             purpose=purpose,
             curve=curve,
+            session_name=session_name,
         )
         self.events = events or EventBus()
         self.metrics: NodeInfo | None = None  # the newest snapshot the server pushed
@@ -57,6 +60,10 @@ class Client:
         self.connection.on_unsolicited = self._on_unsolicited
         self.server_versions: dict[str, str | None] = {}  # Genie, protocol, Python, torch, CUDA there
         self.version_warnings: list[str] = []  # differences that do not stop the connection
+        self.attached = False  # this client attached to a named session that was already running
+        self.session_created: float | None = None
+        self._jobs: dict[str, Job] = {}
+        self._job_count = 0
 
     # -- what it is connected to ------------------------------------------------------------
     @property
@@ -70,6 +77,11 @@ class Client:
     @property
     def session(self) -> str:
         return self.connection.session
+
+    @property
+    def session_name(self) -> str:
+        """The name of a named session ("" for one that ends with this client)."""
+        return self.connection.session_name
 
     @property
     def node(self) -> dict[str, Any]:
@@ -117,6 +129,10 @@ class Client:
         """Handshake, then compare versions: a difference that breaks the protocol or pickling
         ends the session at once with VersionMismatch; smaller ones land in `version_warnings`."""
         welcome = self.connection.connect()
+        self.attached = bool(welcome.get("attached"))
+        self.session_created = welcome.get("created")
+        for record in welcome.get("jobs") or []:  # jobs an earlier client of this named session started
+            self._jobs[str(record["id"])] = Job(self._ask_jobs, self.interrupt, record, None)
         self.server_versions = welcome.get("versions") or {}
         if not self.server_versions:
             self.version_warnings = [f"the server at {self.address} did not say its versions (an older Genie)"]
@@ -151,6 +167,43 @@ class Client:
         first = next((line.strip() for line in code.splitlines() if line.strip()), "")
         request.summary = first if len(first) <= 60 else first[:57] + "..."
         return request
+
+    def start_job(self, code: str, *, name: str | None = None, gpu: int | None = None) -> Job:
+        """Run a cell in the background: returns at once. Later requests to the session's worker
+        (cells, pushes, pulls, remote-tensor work) queue behind it; its output is kept on the server."""
+        if name is None:
+            self._job_count += 1
+            name = f"job-{self._job_count}"
+            while any(j.name == name for j in self._jobs.values()):
+                self._job_count += 1
+                name = f"job-{self._job_count}"
+        clash = next((j for j in self._jobs.values() if j.name == name and not j.done()), None)
+        if clash is not None:
+            raise ValueError(f"a job named {name!r} is still running ({clash.elapsed:.0f} s): pick another name")
+        request = self.request(Message(T.EXECUTE, {"code": code, "gpu": gpu, "silent": False, "job": name}))
+        request.background = True
+        job = Job(
+            self._ask_jobs, self.interrupt, {"id": request.id, "name": name, "summary": code.strip()[:60]}, request
+        )
+        self._jobs[job.id] = job
+        return job
+
+    def jobs(self, timeout: float = 10.0) -> list[Job]:
+        """The session's jobs as the server has them (also those an earlier client started), oldest first."""
+        for record in self._ask_jobs({}, timeout):
+            job = self._jobs.get(str(record["id"]))
+            if job is None:
+                self._jobs[str(record["id"])] = Job(self._ask_jobs, self.interrupt, record, None)
+            else:
+                job._update(record)
+        return sorted(self._jobs.values(), key=lambda j: j.started)
+
+    def running_jobs(self) -> list[Job]:
+        """The jobs this client knows to be running (no round trip)."""
+        return [j for j in self._jobs.values() if not j.done()]
+
+    def _ask_jobs(self, since: dict[str, int], timeout: float = 10.0) -> list[dict[str, Any]]:
+        return list(self.request(Message(T.JOBS, {"since": since})).wait(timeout).content.get("jobs") or [])
 
     def interrupt(self, request: Request | str | None = None) -> None:
         """Interrupt a cell (default: whichever runs): KeyboardInterrupt in its code, or, if it has
@@ -188,6 +241,8 @@ class Client:
         return self.request(Message(T.INFO, {"history_points": history_points, "events": events})).wait(timeout).content
 
     def close(self, notify: bool = True) -> None:
+        """End the session (`notify`: tell the server now) or, with notify=False, leave it to the
+        server: a session without a name ends after its lease, a named one waits for a client."""
         if self.connection.closed:
             return
         if notify and self.connected:
@@ -195,10 +250,18 @@ class Client:
                 self.request(Message(T.CLOSE)).wait(timeout=1.0)
             except Exception:
                 pass  # the server reaps the session after its lease anyway
+        for job in self._jobs.values():
+            job.stop_following()
         self.connection.session_closed()
         if self.session:
+            left = not notify and self.session_name
             self._event(
-                EventType.SESSION_CLOSED, Severity.INFO, f"session {self.session[:8]} closed", session=self.session[:8]
+                EventType.SESSION_DETACHED if left else EventType.SESSION_CLOSED,
+                Severity.INFO,
+                f"detached from session {self.session_name!r}: it keeps running on the server"
+                if left
+                else f"session {self.session[:8]} closed",
+                session=self.session[:8],
             )
         self.transfers.close()
         self.connection.close()

@@ -66,6 +66,7 @@ class Request:
         self.address = address
         self.sent = time.monotonic()
         self.summary = ""  # a few words on what it does, should it be lost
+        self.background = False  # a job: it follows itself after a lost connection (client/jobs.py)
         self._queue: queue.SimpleQueue[Message | Closed] = queue.SimpleQueue()
         self.done = False
 
@@ -122,8 +123,10 @@ class Connection:
         heartbeat_timeout: float = 4.0,
         purpose: str = "session",
         curve: dict[str, str] | None = None,
+        session_name: str = "",
     ) -> None:
         self.host, self.port = host, port
+        self.session_name = session_name  # a named session outlives this client; a hello naming it attaches
         self.address = f"{host}:{port}"
         self.codec = Codec(derive_key(token))
         self.timeout = timeout
@@ -185,6 +188,7 @@ class Connection:
                 # pings come, and events go, there only
                 "heartbeat": cast(bytes, self.heartbeat.getsockopt(zmq.ROUTING_ID)).hex(),
                 "versions": local_versions(),
+                "name": self.session_name,
             },
         )
         left = self.timeout - (time.monotonic() - start)

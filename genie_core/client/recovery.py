@@ -85,7 +85,7 @@ class Recovery:
     def _on_lost(self, reason: str, cut: list[Request]) -> None:
         for request in cut:
             why = reason
-            if request.type in RUNS:
+            if request.type in RUNS and not request.background:
                 self.lost[request.id] = LostRequest(request.id, request.type, request.summary, time.time())
                 while len(self.lost) > KEEP_LOST:
                     self.lost.pop(next(iter(self.lost)))

@@ -31,6 +31,7 @@ class MessageType(str, enum.Enum):
     DATA_PROBE = "data_probe"
     SET_BACKEND = "set_backend"
     CLOSE = "close"
+    JOBS = "jobs"
     # server -> client: replies that end a request
     WELCOME = "welcome"
     AUTH_FAILED = "auth_failed"
@@ -45,6 +46,7 @@ class MessageType(str, enum.Enum):
     DATA_PROBE_REPLY = "data_probe_reply"
     SET_BACKEND_REPLY = "set_backend_reply"
     CLOSE_REPLY = "close_reply"
+    JOBS_REPLY = "jobs_reply"
     ERROR_REPLY = "error_reply"
     # outputs of a running cell (worker -> server -> client)
     STREAM = "stream"
@@ -92,6 +94,7 @@ TABLE: dict[MessageType, Kind] = {
     T.DATA_PROBE: _kind(_C),
     T.SET_BACKEND: _kind(_C),
     T.CLOSE: _kind(_C),
+    T.JOBS: _kind(_C),
     T.WELCOME: _kind(_S, terminal=True),
     T.AUTH_FAILED: _kind(_S, terminal=True),
     T.PONG: _kind(_S, terminal=True),
@@ -105,6 +108,7 @@ TABLE: dict[MessageType, Kind] = {
     T.DATA_PROBE_REPLY: _kind(_S, terminal=True),
     T.SET_BACKEND_REPLY: _kind(_S, terminal=True),
     T.CLOSE_REPLY: _kind(_S, terminal=True),
+    T.JOBS_REPLY: _kind(_S, terminal=True),
     T.ERROR_REPLY: _kind(_S, _W, terminal=True),
     T.STREAM: _kind(_S, _W),
     T.DISPLAY_DATA: _kind(_S, _W),

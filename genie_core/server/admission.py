@@ -142,6 +142,19 @@ class Admission:
             )
             return
         peer = session.peer(identity)
+        if peer is None and identity in session.former:
+            # Its client was replaced by one that attached to this named session: tell it so, once per request.
+            self._reply(
+                identity,
+                msg,
+                MessageType.ERROR_REPLY,
+                error_content(
+                    SESSION_NOT_FOUND,
+                    f"session {session.name!r} was attached by another client "
+                    f"({session.client.get('host', '?')}, pid {session.client.get('pid', '?')}); this one is detached",
+                ),
+            )
+            return
         if peer is None:
             self._refuse(f"a {msg.type!r} message for session {session.id[:8]} from a connection that is not its own")
             return

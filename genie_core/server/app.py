@@ -248,8 +248,55 @@ class Server:
 
     def _housekeeping(self) -> None:
         self.pool.housekeeping()
-        for session in self.sessions.expired(self.config.session_lease):
-            self._close_session(session, f"no message from the client for {self.config.session_lease:.0f} s")
+        lease = self.config.session_lease
+        expired = self.sessions.expired(lease)
+        for session in expired:
+            if not session.name:
+                self._close_session(session, f"no message from the client for {lease:.0f} s")
+            elif not session.detached:  # a named session waits for a client to attach
+                session.detached = True
+                self._session_event(
+                    session,
+                    EventType.SESSION_DETACHED,
+                    Severity.WARNING,
+                    f"session {session.name!r} has had no client for {lease:.0f} s; it keeps running "
+                    "until a client attaches (%genie_init ADDR --session NAME)"
+                    + (f" or it has been idle {self.config.idle_timeout:.0f} s" if self.config.idle_timeout else ""),
+                )
+        for session in self.sessions.live.values():
+            if session.detached and session not in expired:
+                session.detached = False  # its client spoke again (a partition healed)
+        if self.config.idle_timeout > 0:
+            self._cull_idle(self.config.idle_timeout)
+
+    def _cull_idle(self, limit: float) -> None:
+        """End sessions with no client and nothing running for `limit` seconds, after a warning
+        event at 80% of it. A session with a running cell or job is never idle."""
+        lease = self.config.session_lease
+        for session in list(self.sessions.live.values()):
+            busy = any(w.inflight for w in self.pool.of(session).values())
+            if busy or session.jobs.running():
+                session.idle_warned = False
+                continue
+            idle = session.idle_s() - lease if session.detached else 0.0  # no client: since the lease ran out
+            if idle >= limit:
+                self._close_session(session, f"idle: no client and nothing running for {limit:.0f} s")
+            elif idle >= 0.8 * limit and not session.idle_warned:
+                session.idle_warned = True
+                self._session_event(
+                    session,
+                    EventType.SESSION_IDLE,
+                    Severity.WARNING,
+                    f"session {session.name or session.id[:8]!r} has been idle {idle:.0f} s: it ends in "
+                    f"{limit - idle:.0f} s unless a client attaches",
+                )
+
+    def _session_event(self, session: Session, kind: EventType, severity: Severity, message: str) -> None:
+        self.bus.emit(
+            ClusterEvent(
+                kind, self.node_id, severity, {"session": session.id[:8], "name": session.name, "message": message}
+            )
+        )
 
     # -- sending --------------------------------------------------------------------------
     def _send(self, identity: bytes, msg: Message) -> None:
@@ -275,6 +322,7 @@ class Server:
         self._loop.call_soon(send)
 
     def _from_worker(self, session: Session, msg: Message) -> None:
+        session.jobs.record(msg)
         self._send(session.identity, Message(msg.type, msg.content, msg.buffers, parent=msg.parent, session=session.id))
 
     # -- client requests ------------------------------------------------------------------
@@ -299,7 +347,7 @@ class Server:
         """What each request a client may send does; checked against the protocol's table, so a
         type without a handler is caught at start-up and nothing is ever looked up by name."""
         handlers: dict[MessageType, Handler] = {
-            T.EXECUTE: self._to_worker,
+            T.EXECUTE: self._on_execute,
             T.PULL: self._to_worker,
             T.TENSOR_OPS: self._to_worker,
             T.PUSH: self._on_push,
@@ -309,16 +357,45 @@ class Server:
             T.DATA_PROBE: self._on_data_probe,
             T.SET_BACKEND: self._on_set_backend,
             T.CLOSE: self._on_close,
+            T.JOBS: self._on_jobs,
         }
         unhandled = accepted_from(Peer.CLIENT) - {T.HELLO, T.PING} - set(handlers)
         assert not unhandled, f"client requests without a handler: {sorted(unhandled)}"
         return handlers
 
     def _on_hello(self, identity: bytes, msg: Message) -> None:
-        session = self.sessions.open(identity, msg, self.pool.next_slot())
-        log.info("session %s opened for %s", session.id[:8], session.client)
-        welcome = {"session": session.id, "node": self.node_info(), "slot": session.slot, "versions": local_versions()}
+        session, attached = self.sessions.open(identity, msg, self.pool.next_slot)
+        log.info("session %s %s for %s", session.id[:8], "attached" if attached else "opened", session.client)
+        welcome = {
+            "session": session.id,
+            "node": self.node_info(),
+            "slot": session.slot,
+            "versions": local_versions(),
+            "name": session.name,
+            "attached": attached,  # to a named session that was already running
+            "created": session.created,
+            "jobs": [j.to_dict() for j in session.jobs.running()],
+        }
         self._reply(identity, msg, T.WELCOME, welcome)
+        if attached:
+            self._session_event(
+                session, EventType.SESSION_ATTACHED, Severity.INFO, f"session {session.name!r} attached by a client"
+            )
+
+    def _on_execute(self, session: Session, msg: Message) -> None:
+        """A cell; one sent with `job` runs as a background job, whose output the session keeps."""
+        if "job" in msg.content:
+            problem = session.jobs.start(msg)
+            if problem:
+                self._refuse(session, msg, "ValueError", problem)
+                return
+        self._to_worker(session, msg)
+
+    def _on_jobs(self, session: Session, msg: Message) -> None:
+        """The session's jobs; outputs from a given number on for those asked about (`since`)."""
+        asked = msg.content.get("since") or {}
+        since = {str(k)[:64]: int(v) for k, v in list(dict(asked).items())[:100] if isinstance(v, int)}
+        self._reply(session.identity, msg, T.JOBS_REPLY, {"jobs": session.jobs.report(since)})
 
     def _refuse(self, session: Session, msg: Message, ename: str, evalue: str) -> None:
         """Answer a request that will not run with an error (and remember that it did not)."""

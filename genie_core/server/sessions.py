@@ -1,14 +1,20 @@
 """Clients' sessions on the server: who each one is, its connections, its replay protection,
-and the record of its requests that answers "did it run?" (kept a while after it ends)."""
+and the record of its requests that answers "did it run?" (kept a while after it ends).
+
+A session may have a name (`%genie_init ADDR --session NAME`): a named session outlives its
+client (a kernel restart, a closed laptop) and a later hello with the same name attaches to it,
+namespace, GPU memory and jobs intact."""
 
 from __future__ import annotations
 
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from ..protocol import Message, Peer
+from .jobs import Jobs
 
 REMEMBERED = 1000  # requests whose outcome a session remembers, for "did it run?" after a lost connection
 ENDED_REMEMBERED = 64  # ended sessions whose request records are kept
@@ -16,7 +22,12 @@ ENDED_REMEMBERED = 64  # ended sessions whose request records are kept
 
 class Session:
     def __init__(
-        self, identity: bytes, client: dict[str, Any], slot: int, heartbeat_identity: bytes | None = None
+        self,
+        identity: bytes,
+        client: dict[str, Any],
+        slot: int,
+        heartbeat_identity: bytes | None = None,
+        name: str = "",
     ) -> None:
         self.id = secrets.token_urlsafe(18)  # unguessable: it is half of what binds a client to its worker
         self.identity = identity
@@ -28,6 +39,12 @@ class Session:
         self.backend = "zmq"  # the data-plane backend the client chose
         self.heartbeat_identity = heartbeat_identity  # named in the hello; events go there, never behind a transfer
         self.requests: OrderedDict[str, dict[str, Any]] = OrderedDict()  # id -> what became of it
+        self.name = name
+        self.jobs = Jobs()
+        self.former: set[bytes] = set()  # connections of clients it had before this one attached
+        self.detached = False  # named, and its client has been silent for the lease: kept, waiting
+        self.attached_at = self.created
+        self.idle_warned = False  # the SESSION_IDLE warning went out
 
     def received(self, request_id: str, kind: str) -> bool:
         """Note a request that will run; False if this id was seen before (it runs at most once)."""
@@ -40,6 +57,7 @@ class Session:
 
     def finished(self, request_id: str, content: dict[str, Any]) -> None:
         """Its terminal reply went out: `content` has its status (an error reply has none: error)."""
+        self.jobs.finish(request_id, content)
         entry = self.requests.get(request_id)
         if entry is not None:
             entry.update(
@@ -55,6 +73,7 @@ class Session:
 
     def ended(self, why: str) -> None:
         """The session is closing: requests still running are stopped with it."""
+        self.jobs.stop_all(f"stopped part-way when the server ended the session ({why})")
         for entry in self.requests.values():
             if entry["state"] == "running":
                 entry.update(state="stopped", error=f"stopped part-way when the server ended the session ({why})")
@@ -83,9 +102,26 @@ class Session:
     def event_identity(self) -> bytes:
         return self.heartbeat_identity or self.identity
 
+    def attach(self, identity: bytes, heartbeat_identity: bytes | None, client: dict[str, Any], seq: int) -> None:
+        """A new client takes the session over; its former connections are refused from now on."""
+        self.former |= {i for i in (self.identity, self.heartbeat_identity) if i is not None}
+        self.former -= {identity, heartbeat_identity}
+        self.identity, self.heartbeat_identity, self.client = identity, heartbeat_identity, client
+        self._seqs = {identity: seq}
+        self.last_seen = time.monotonic()
+        self.attached_at = time.time()
+        self.detached = False
+
+    def idle_s(self) -> float:
+        """Seconds since its client last said anything."""
+        return time.monotonic() - self.last_seen
+
     def info(self) -> dict[str, Any]:
         return {
             "id": self.id[:8],
+            "name": self.name,
+            "jobs_running": len(self.jobs.running()),
+            "detached": self.detached,
             "client": self.client,
             "slot": self.slot,
             "backend": self.backend,
@@ -101,22 +137,27 @@ class SessionTable:
         self.live: dict[str, Session] = {}
         self.ended: OrderedDict[str, Session] = OrderedDict()
 
-    def open(self, identity: bytes, hello: Message, slot: int) -> Session:
-        """A session for a client's hello; its heartbeat connection is the one the hello names."""
-        client = hello.content.get("client") or {}
+    def open(self, identity: bytes, hello: Message, next_slot: Callable[[], int]) -> tuple[Session, bool]:
+        """A session for a client's hello, and whether it is an existing one (a hello naming a live
+        named session attaches to it). Its heartbeat connection is the one the hello names."""
+        client = {k: str(v)[:200] for k, v in dict(hello.content.get("client") or {}).items()}
         try:
             heartbeat: bytes | None = bytes.fromhex(str(hello.content.get("heartbeat") or ""))[:255] or None
         except ValueError:
             heartbeat = None
-        session = Session(
-            identity,
-            {k: str(v)[:200] for k, v in dict(client).items()},
-            slot,
-            heartbeat if heartbeat != identity else None,
-        )
+        heartbeat = heartbeat if heartbeat != identity else None
+        name = str(hello.content.get("name") or "").strip()[:64]
+        existing = self.named(name) if name else None
+        if existing is not None:
+            existing.attach(identity, heartbeat, client, hello.seq)
+            return existing, True
+        session = Session(identity, client, next_slot(), heartbeat, name)
         session.accept_seq(identity, hello.seq)
         self.live[session.id] = session
-        return session
+        return session, False
+
+    def named(self, name: str) -> Session | None:
+        return next((s for s in self.live.values() if s.name == name), None)
 
     def end(self, session: Session, why: str) -> None:
         """It ends: what it was running is recorded as stopped, and the record kept a while."""

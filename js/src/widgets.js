@@ -162,7 +162,22 @@ function drawInit(model) {
   return box;
 }
 
-const SECTIONS = { gauges: drawGauges, health: drawHealth, backend: drawBackend, events: drawEvents, init: drawInit };
+function drawJobs(model) {
+  const box = el("section", { class: "genie-jobs", "aria-label": "background jobs" });
+  const jobs = model.get("jobs") || [];
+  if (jobs.length === 0) box.append(el("div", {}, "No background jobs (start one with %%remote --bg)."));
+  for (const job of jobs) {
+    const row = el("div", { class: `genie-job genie-job-${job.state}` });
+    row.append(el("span", { class: "genie-job-name" }, job.name));
+    row.append(el("span", { class: "genie-job-state" }, job.state));
+    row.append(el("span", { class: "genie-job-elapsed" }, `${job.elapsed.toFixed(1)} s`));
+    box.append(row);
+    if (job.tail) box.append(el("pre", { class: "genie-job-tail" }, job.tail));
+  }
+  return box;
+}
+
+const SECTIONS = { gauges: drawGauges, health: drawHealth, backend: drawBackend, events: drawEvents, init: drawInit, jobs: drawJobs };
 
 function draw(model, el_) {
   const root = el("div", { class: "genie-widget" });
@@ -177,7 +192,7 @@ function draw(model, el_) {
 
 function render({ model, el: el_ }) {
   const redraw = () => draw(model, el_);
-  for (const name of ["gpus", "history", "health", "backend", "events", "event_filter", "phases", "summary", "status", "last_seen", "sections"]) {
+  for (const name of ["gpus", "history", "health", "backend", "events", "event_filter", "phases", "summary", "status", "last_seen", "sections", "jobs"]) {
     model.on(`change:${name}`, redraw);
   }
   redraw();

@@ -1,0 +1,132 @@
+"""Background cells ("jobs") of a session, as the server keeps them: each one's output, numbered,
+so that a client that was cut off, or a new client of the same session, can fetch what it missed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Any
+
+from ..protocol import TERMINAL, Message, MessageType
+
+T = MessageType
+OUTPUT_BYTES = 4 << 20  # output kept per job; beyond it the oldest messages go (and are counted)
+ENDED_KEPT = 32  # ended jobs a session remembers
+TAIL_LINES = 5
+
+
+class JobRecord:
+    def __init__(self, request_id: str, name: str, code: str) -> None:
+        self.id = request_id
+        self.name = name
+        first = next((line.strip() for line in code.splitlines() if line.strip()), "")
+        self.summary = first if len(first) <= 60 else first[:57] + "..."
+        self.started = time.time()
+        self.ended: float | None = None
+        self.state = "running"  # then ok, error or stopped
+        self.error = ""
+        self.messages: list[tuple[int, str, dict[str, Any]]] = []  # (n, type, content)
+        self.next_n = 0
+        self.bytes = 0
+        self.dropped = 0  # messages let go to stay within OUTPUT_BYTES
+
+    def add(self, msg: Message) -> None:
+        """Keep one output (numbered in `content["n"]`, which the client sees too)."""
+        msg.content["n"] = n = self.next_n
+        self.next_n += 1
+        size = len(str(msg.content))
+        self.messages.append((n, str(msg.type), msg.content))
+        self.bytes += size
+        while self.bytes > OUTPUT_BYTES and len(self.messages) > 1:
+            _, _, old = self.messages.pop(0)
+            self.bytes -= len(str(old))
+            self.dropped += 1
+
+    def finish(self, content: dict[str, Any]) -> None:
+        if self.ended is not None:
+            return
+        self.ended = time.time()
+        self.state = "ok" if content.get("status") == "ok" else "error"
+        if content.get("ename"):
+            self.error = f"{content.get('ename')}: {content.get('evalue', '')}"[:500]
+
+    def stop(self, why: str) -> None:
+        if self.ended is None:
+            self.ended, self.state, self.error = time.time(), "stopped", why[:500]
+
+    def tail(self, lines: int = TAIL_LINES) -> str:
+        text = "".join(str(c.get("text", "")) for _, t, c in self.messages[-200:] if t == T.STREAM)
+        return "\n".join(text.rstrip("\n").splitlines()[-lines:])
+
+    def to_dict(self, since: int | None = None) -> dict[str, Any]:
+        """The record; with `since`, also the kept outputs numbered `since` and after."""
+        out: dict[str, Any] = {
+            "id": self.id,
+            "name": self.name,
+            "summary": self.summary,
+            "started": self.started,
+            "ended": self.ended,
+            "state": self.state,
+            "error": self.error,
+            "outputs": self.next_n,
+            "dropped": self.dropped,
+            "tail": self.tail(),
+        }
+        if since is not None:
+            out["messages"] = [[n, t, c] for n, t, c in self.messages if n >= since]
+        return out
+
+
+class Jobs:
+    """A session's jobs, by request id: the running ones and the last ENDED_KEPT that ended."""
+
+    def __init__(self) -> None:
+        self.by_id: OrderedDict[str, JobRecord] = OrderedDict()
+        self._count = 0
+
+    def start(self, msg: Message) -> str:
+        """Register an execute request that asked to run as a job; returns a problem, or ""."""
+        name = str(msg.content.get("job") or "").strip()[:64]
+        if not name:
+            self._count += 1
+            name = f"job-{self._count}"
+            while any(j.name == name for j in self.by_id.values()):
+                self._count += 1
+                name = f"job-{self._count}"
+        clash = next((j for j in self.by_id.values() if j.name == name and j.ended is None), None)
+        if clash is not None:
+            return (
+                f"a job named {name!r} is still running (started {time.time() - clash.started:.0f} s ago): "
+                "pick another --name, or wait for it or cancel it"
+            )
+        for old in [j for j in self.by_id.values() if j.name == name]:
+            del self.by_id[old.id]  # an ended job of the same name: the new one replaces it
+        self.by_id[msg.id] = JobRecord(msg.id, name, str(msg.content.get("code", "")))
+        msg.content["job"] = name
+        ended = [j.id for j in self.by_id.values() if j.ended is not None]
+        for rid in ended[: max(0, len(ended) - ENDED_KEPT)]:
+            del self.by_id[rid]
+        return ""
+
+    def record(self, msg: Message) -> None:
+        """An output from the worker: kept if it belongs to a job (its reply: `finish`)."""
+        job = self.by_id.get(msg.parent)
+        if job is not None and msg.type not in TERMINAL:
+            job.add(msg)
+
+    def finish(self, request_id: str, content: dict[str, Any]) -> None:
+        job = self.by_id.get(request_id)
+        if job is not None:
+            job.finish(content)
+
+    def running(self) -> list[JobRecord]:
+        return [j for j in self.by_id.values() if j.ended is None]
+
+    def stop_all(self, why: str) -> None:
+        for job in self.running():
+            job.stop(why)
+
+    def report(self, since: dict[str, int]) -> list[dict[str, Any]]:
+        """Every job; the outputs of those in `since` (request id -> first output number wanted)."""
+        return [j.to_dict(since.get(j.id)) for j in self.by_id.values()]
