@@ -111,12 +111,12 @@ class Job:
         if request is not None:
             try:
                 for msg in request.replies():
-                    if msg.type in TERMINAL:
-                        self._finish(msg.content)
-                    else:
+                    if msg.type not in TERMINAL:
                         self._add(msg)
-                if self._gaps():
-                    self.refresh()
+                        continue
+                    if self._gaps():  # outputs the connection dropped: the server has them
+                        self.refresh()
+                    self._finish(msg.content)
                 return
             except ConnectionLost:
                 pass  # the server keeps its output: ask for it once it answers again
@@ -147,11 +147,17 @@ class Job:
             self._extra.append((str(msg.type), msg.content))
 
     def _update(self, record: dict[str, Any]) -> None:
+        """Take in a record from the server. It ends the job only with the outputs it has not seen
+        (a record without them, as in a listing, is followed by a request for them)."""
         for n, kind, content in record.get("messages") or []:
             self._outputs.setdefault(int(n), (str(kind), dict(content)))
         self.dropped = int(record.get("dropped") or 0)
         state = str(record.get("state") or "running")
-        if state != "running":
+        if state == "running" or self._done.is_set():
+            return
+        if "messages" not in record and len(self._outputs) < int(record.get("outputs") or 0) - self.dropped:
+            self.refresh()
+        else:
             self._end(state, str(record.get("error") or ""), record.get("ended"))
 
     def _finish(self, content: dict[str, Any]) -> None:

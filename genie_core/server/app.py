@@ -272,13 +272,13 @@ class Server:
     def _cull_idle(self, limit: float) -> None:
         """End sessions with no client and nothing running for `limit` seconds, after a warning
         event at 80% of it. A session with a running cell or job is never idle."""
-        lease = self.config.session_lease
+        lease, now = self.config.session_lease, time.monotonic()
         for session in list(self.sessions.live.values()):
             busy = any(w.inflight for w in self.pool.of(session).values())
-            if busy or session.jobs.running():
-                session.idle_warned = False
+            if busy or session.jobs.running() or not session.detached:
+                session.quiet_since, session.idle_warned = now, False
                 continue
-            idle = session.idle_s() - lease if session.detached else 0.0  # no client: since the lease ran out
+            idle = now - max(session.quiet_since, session.last_seen + lease)  # no client, nothing running
             if idle >= limit:
                 self._close_session(session, f"idle: no client and nothing running for {limit:.0f} s")
             elif idle >= 0.8 * limit and not session.idle_warned:

@@ -45,6 +45,7 @@ class Session:
         self.detached = False  # named, and its client has been silent for the lease: kept, waiting
         self.attached_at = self.created
         self.idle_warned = False  # the SESSION_IDLE warning went out
+        self.quiet_since = time.monotonic()  # since when nothing has run (monotonic)
 
     def received(self, request_id: str, kind: str) -> bool:
         """Note a request that will run; False if this id was seen before (it runs at most once)."""
@@ -126,7 +127,7 @@ class Session:
             "slot": self.slot,
             "backend": self.backend,
             "created": self.created,
-            "idle_s": round(time.monotonic() - self.last_seen, 3),
+            "idle_s": round(self.idle_s(), 3),
         }
 
 
