@@ -23,6 +23,7 @@ from genie_core.client import Client, Job
 from genie_core.cluster import current_client
 from genie_core.errors import RemoteError
 
+from . import autoremote
 from .feed import ClusterFeed
 from .progress import TransferProgress
 from .widgets import Dashboard, InitProgress, JobsView
@@ -302,8 +303,28 @@ class GenieMagics(Magics):
             self._user_ns.update(_client("%genie_pull").pull(names, progress=bar))
 
     @line_magic
+    def autoremote(self, line: str) -> None:
+        """`%autoremote on|off`: until turned off, every cell runs on the server (as with %%remote)."""
+        word = line.strip().lower() or ("off" if autoremote.is_on(self.shell) else "on")
+        if word not in ("on", "off"):
+            raise UsageError(f"%autoremote takes on or off, not {line.strip()!r}")
+        if word == "off":
+            autoremote.turn_off(self.shell)
+            print("autoremote off: cells run in this kernel again.")
+            return
+        client = _client("%autoremote on")
+        autoremote.turn_on(self.shell)
+        print(
+            f"autoremote on: every cell now runs on genie://{client.address} (session {client.session[:8]}); "
+            "%autoremote off to stop (%genie_ magics and %% cells stay local)."
+        )
+
+    @line_magic
     def genie_shutdown(self, line: str) -> None:
         """End the session (its worker and GPU memory) and any embedded server."""
+        if autoremote.is_on(self.shell):
+            autoremote.turn_off(self.shell)
+            print("autoremote off.")
         was = genie_core.is_initialized()
         genie_core.shutdown_sync()
         print("Genie session closed." if was else "Genie was not connected.")
