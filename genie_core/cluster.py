@@ -189,6 +189,10 @@ def _init_client(config: ClusterConfig, phases: list[tuple[str, float]]) -> Clus
         t = time.perf_counter()
         report = client.select_backend(config.backend, config.discovery_budget)
         phases.append(("discovery", time.perf_counter() - t))
+        if config.sync:
+            t = time.perf_counter()
+            client.sync(config.sync)
+            phases.append(("sync", time.perf_counter() - t))
     except BaseException:
         client.close(notify=client.connected)  # a no-op when the connect itself failed
         if local is not None:

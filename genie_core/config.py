@@ -75,6 +75,7 @@ class ClusterConfig:
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 4.0
     session_lease: float = 30.0
+    sync: str | None = None  # client: a directory to %genie_sync at connect (its code, on the server's sys.path)
     session_name: str | None = None  # client: a named session outlives this process; the same name attaches to it
     idle_timeout: float = 0.0  # server: end sessions with no client and no cell running for this long (0: never)
     enable_gpu_monitoring: bool = True

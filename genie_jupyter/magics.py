@@ -142,6 +142,22 @@ def _client(what: str) -> Client:
     return client
 
 
+def _remote_client(what: str) -> Client:
+    """The client, for running remote code: files under a `%genie_sync`ed directory that changed
+    since are synced first (a local scan; nothing is sent when nothing changed)."""
+    client = _client(what)
+    report = client.sync_if_changed()
+    if report is not None and (report.sent or report.removed):
+        print(f"genie: {report}", file=sys.stderr)
+    return client
+
+
+def _size(text: str) -> int:
+    from genie_core.config import parse_size
+
+    return parse_size(text)
+
+
 def _names(text: str | None) -> list[str]:
     return [n.strip() for n in (text or "").replace(" ", ",").split(",") if n.strip()]
 
@@ -231,7 +247,7 @@ class GenieMagics(Magics):
     def remote(self, line: str, cell: str | None = None) -> Job | None:
         """Run the cell (or, as `%remote STATEMENT`, one line) on the genie server."""
         if cell is None:
-            client = _client("using %remote")
+            client = _remote_client("using %remote")
             _say_queued(client)
             run_remote(client, line)
             return None
@@ -240,7 +256,7 @@ class GenieMagics(Magics):
             raise UsageError("%%remote --bg returns at once: use job.wait() or job.cancel(), then %genie_pull")
         if args.name is not None and not args.bg:
             raise UsageError("%%remote --name names a background job: add --bg")
-        client = _client("running a %%remote cell")
+        client = _remote_client("running a %%remote cell")
         push = _names(args.push)
         if push:
             with _progress("push") as bar:
@@ -301,6 +317,24 @@ class GenieMagics(Magics):
             raise UsageError("%genie_pull needs variable names, e.g. %genie_pull x y")
         with _progress("pull") as bar:
             self._user_ns.update(_client("%genie_pull").pull(names, progress=bar))
+
+    @magic_arguments()
+    @argument("path", nargs="?", default=".", help="the directory to sync (default: the notebook's)")
+    @argument("--off", action="store_true", help="stop syncing before each remote cell")
+    @argument("--max-file", type=_size, default=None, help="largest data file sent, e.g. 4MiB (default 1 MiB)")
+    @argument("--max-total", type=_size, default=None, help="largest sync, e.g. 200MiB (default 50 MiB)")
+    @line_magic
+    def genie_sync(self, line: str) -> None:
+        """Send this directory's Python files and small data files to the session (content-hashed;
+        .gitignore honoured); from then on, changed files are sent before each remote cell and
+        their modules re-imported there."""
+        args = parse_argstring(self.genie_sync, line)
+        client = _client("%genie_sync")
+        if args.off:
+            client.code_sync = None
+            print("genie: files are no longer synced before remote cells (those on the server stay).")
+            return
+        print(client.sync(args.path, max_file=args.max_file, max_total=args.max_total))
 
     @line_magic
     def autoremote(self, line: str) -> None:

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from ..dataplane import BackendReport, Channel
@@ -13,6 +14,7 @@ from ..monitoring.health import Grade, HealthCheck, HealthReport, worst
 from ..nodes import NodeInfo
 from ..protocol import Message, MessageType
 from ..versions import compare, local_versions
+from .code_sync import CodeSync, SyncReport
 from .connection import Connection, Request
 from .jobs import Job
 from .recovery import LostRequest, Recovery
@@ -63,6 +65,7 @@ class Client:
         self.attached = False  # this client attached to a named session that was already running
         self.session_created: float | None = None
         self._jobs: dict[str, Job] = {}
+        self.code_sync: CodeSync | None = None  # the directory %genie_sync keeps in step
         self._job_count = 0
 
     # -- what it is connected to ------------------------------------------------------------
@@ -197,6 +200,27 @@ class Client:
             else:
                 job._update(record)
         return sorted(self._jobs.values(), key=lambda j: j.started)
+
+    def sync(self, path: str | Path = ".", *, max_file: int | None = None, max_total: int | None = None) -> SyncReport:
+        """Copy the directory's Python files and small data files (less what .gitignore ignores)
+        into the session's directory on the server, which its workers run in and import from;
+        modules whose files changed are re-imported there before the next request.
+        Later, `sync_if_changed()` repeats it at the cost of a local scan when nothing changed."""
+        limits = {k: v for k, v in (("max_file", max_file), ("max_total", max_total)) if v is not None}
+        root = Path(path).expanduser().resolve()
+        if self.code_sync is None or self.code_sync.root != root or limits:
+            self.code_sync = CodeSync(root, **limits)
+        return self.code_sync.run(self._send_sync)
+
+    def sync_if_changed(self) -> SyncReport | None:
+        """Sync again if a file under the synced directory changed (None: nothing to do)."""
+        if self.code_sync is None or not self.code_sync.changed():
+            return None
+        return self.code_sync.run(self._send_sync)
+
+    def _send_sync(self, manifest: dict[str, str], names: list[str], contents: list[bytes]) -> dict[str, Any]:
+        msg = Message(T.SYNC, {"manifest": manifest, "files": names}, list(contents))
+        return self.request(msg).wait(self.connection.timeout + sum(map(len, contents)) / (10 << 20)).content
 
     def running_jobs(self) -> list[Job]:
         """The jobs this client knows to be running (no round trip)."""

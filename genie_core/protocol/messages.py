@@ -32,6 +32,7 @@ class MessageType(str, enum.Enum):
     SET_BACKEND = "set_backend"
     CLOSE = "close"
     JOBS = "jobs"
+    SYNC = "sync"
     # server -> client: replies that end a request
     WELCOME = "welcome"
     AUTH_FAILED = "auth_failed"
@@ -47,6 +48,7 @@ class MessageType(str, enum.Enum):
     SET_BACKEND_REPLY = "set_backend_reply"
     CLOSE_REPLY = "close_reply"
     JOBS_REPLY = "jobs_reply"
+    SYNC_REPLY = "sync_reply"
     ERROR_REPLY = "error_reply"
     # outputs of a running cell (worker -> server -> client)
     STREAM = "stream"
@@ -95,6 +97,7 @@ TABLE: dict[MessageType, Kind] = {
     T.SET_BACKEND: _kind(_C),
     T.CLOSE: _kind(_C),
     T.JOBS: _kind(_C),
+    T.SYNC: _kind(_C),
     T.WELCOME: _kind(_S, terminal=True),
     T.AUTH_FAILED: _kind(_S, terminal=True),
     T.PONG: _kind(_S, terminal=True),
@@ -109,6 +112,7 @@ TABLE: dict[MessageType, Kind] = {
     T.SET_BACKEND_REPLY: _kind(_S, terminal=True),
     T.CLOSE_REPLY: _kind(_S, terminal=True),
     T.JOBS_REPLY: _kind(_S, terminal=True),
+    T.SYNC_REPLY: _kind(_S, terminal=True),
     T.ERROR_REPLY: _kind(_S, _W, terminal=True),
     T.STREAM: _kind(_S, _W),
     T.DISPLAY_DATA: _kind(_S, _W),

@@ -30,6 +30,7 @@ from ..protocol import PROTOCOL_VERSION, Codec, Message, MessageType, Peer, acce
 from ..versions import local_versions
 from .admission import Admission, Admitted
 from .data import DataPlane
+from .files import SessionFiles, SyncError
 from .sessions import Session, SessionTable, outcomes
 from .telemetry import Telemetry
 from .workers import WorkerPool, sweep_orphans
@@ -358,6 +359,7 @@ class Server:
             T.SET_BACKEND: self._on_set_backend,
             T.CLOSE: self._on_close,
             T.JOBS: self._on_jobs,
+            T.SYNC: self._on_sync,
         }
         unhandled = accepted_from(Peer.CLIENT) - {T.HELLO, T.PING} - set(handlers)
         assert not unhandled, f"client requests without a handler: {sorted(unhandled)}"
@@ -391,6 +393,23 @@ class Server:
                 return
         self._to_worker(session, msg)
 
+    def _on_sync(self, session: Session, msg: Message) -> None:
+        """`%genie_sync`: make the session directory hold the manifest; the reply names what is missing."""
+        names = [str(n) for n in list(msg.content.get("files") or [])]
+        if len(names) != len(msg.buffers):
+            self._refuse(session, msg, "ValueError", f"{len(names)} file names for {len(msg.buffers)} contents")
+            return
+        files = session.files or SessionFiles(Path(self._worker_dir) / f"session-{session.id[:16]}")
+        try:
+            report = files.apply(
+                dict(msg.content.get("manifest") or {}), dict(zip(names, map(bytes, msg.buffers), strict=True))
+            )
+        except (SyncError, OSError) as exc:
+            self._refuse(session, msg, type(exc).__name__, str(exc))
+            return
+        session.files = files
+        self._reply(session.identity, msg, T.SYNC_REPLY, report)
+
     def _on_jobs(self, session: Session, msg: Message) -> None:
         """The session's jobs; outputs from a given number on for those asked about (`since`)."""
         asked = msg.content.get("since") or {}
@@ -404,6 +423,8 @@ class Server:
         self._reply(session.identity, msg, T.ERROR_REPLY, content)
 
     def _to_worker(self, session: Session, msg: Message) -> None:
+        if session.files is not None:  # the worker runs in the session directory, re-importing what changed
+            msg.content["sync"] = {"dir": str(session.files.root), "generation": session.files.generation}
         problem = self.pool.route(session, msg)
         if problem:
             self._refuse(session, msg, "ValueError", problem)
@@ -477,6 +498,8 @@ class Server:
                 )
             )
         self.pool.release(session)
+        if session.files is not None:
+            session.files.remove()
 
 
 def run_server(config: ClusterConfig, parent_lifeline: int | None = None) -> int:

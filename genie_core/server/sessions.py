@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..protocol import Message, Peer
+from .files import SessionFiles
 from .jobs import Jobs
 
 REMEMBERED = 1000  # requests whose outcome a session remembers, for "did it run?" after a lost connection
@@ -41,6 +42,7 @@ class Session:
         self.requests: OrderedDict[str, dict[str, Any]] = OrderedDict()  # id -> what became of it
         self.name = name
         self.jobs = Jobs()
+        self.files: SessionFiles | None = None  # the session directory, once %genie_sync has filled it
         self.former: set[bytes] = set()  # connections of clients it had before this one attached
         self.detached = False  # named, and its client has been silent for the lease: kept, waiting
         self.attached_at = self.created

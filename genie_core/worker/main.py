@@ -28,6 +28,7 @@ from ..loop import SocketLoop
 from ..protocol import Codec, Message, MessageType, error_content, for_worker
 from ..serialize import deserialize_namespace, serialize_namespace
 from .streams import FLUSH_INTERVAL, OutStream, capture_fd
+from .synced_code import SyncedCode
 
 log = logging.getLogger("genie.worker")
 
@@ -56,6 +57,7 @@ class Worker:
         self.server_pid = server_pid
         self.loop.call_every(1.0, self._check_parent)
         self.current: str = ""  # id of the request being served
+        self.synced = SyncedCode()  # the session directory's modules (%genie_sync)
         # Interrupts: the loop thread decides, under this lock, against what the main thread is doing.
         self._interrupt_lock = threading.Lock()
         self.cell = ""  # id of the execute request the main thread is in
@@ -212,7 +214,9 @@ class Worker:
                         T.ERROR_REPLY, error_content("ProtocolError", f"a worker does not take {msg.type!r} requests")
                     )
                     continue
+                self.synced.update(msg.content.get("sync"))
                 handler(msg)
+                self.synced.note_imports()
             except KeyboardInterrupt:
                 continue  # an interrupt that arrived just as a cell ended
             except Exception as exc:  # a failure of ours, not of user code: report it, keep serving
