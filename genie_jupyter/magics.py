@@ -353,6 +353,29 @@ class GenieMagics(Magics):
             "%autoremote off to stop (%genie_ magics and %% cells stay local)."
         )
 
+    @magic_arguments()
+    @argument("local", help="the file here")
+    @argument(
+        "remote", nargs="?", default=None, help="where on the server (default: its name, in the session directory)"
+    )
+    @line_magic
+    def genie_upload(self, line: str) -> None:
+        """Copy a file to the server over the data plane, with a progress bar; checksummed, and
+        continued where it stopped if the connection drops (or when run again)."""
+        args = parse_argstring(self.genie_upload, line)
+        with _progress("upload") as bar:
+            print(f"uploaded {_client('%genie_upload').upload(args.local, args.remote, progress=bar)}")
+
+    @magic_arguments()
+    @argument("remote", help="the file on the server (relative: in the session directory)")
+    @argument("local", nargs="?", default=None, help="where here (default: its name, in this directory)")
+    @line_magic
+    def genie_download(self, line: str) -> None:
+        """Copy a file from the server here, as %genie_upload does the other way."""
+        args = parse_argstring(self.genie_download, line)
+        with _progress("download") as bar:
+            print(f"downloaded {_client('%genie_download').download(args.remote, args.local, progress=bar)}")
+
     @line_magic
     def genie_shutdown(self, line: str) -> None:
         """End the session (its worker and GPU memory) and any embedded server."""

@@ -16,6 +16,7 @@ from ..protocol import Message, MessageType
 from ..versions import compare, local_versions
 from .code_sync import CodeSync, SyncReport
 from .connection import Connection, Request
+from .files import FileResult, FileTransfers
 from .jobs import Job
 from .recovery import LostRequest, Recovery
 from .transfers import Transfers
@@ -59,6 +60,7 @@ class Client:
         self.server_health: HealthReport | None = None
         self.recovery = Recovery(self.connection, self._event)
         self.transfers = Transfers(self.connection, data_port)
+        self.files = FileTransfers(self.connection, self.transfers)
         self.connection.on_unsolicited = self._on_unsolicited
         self.server_versions: dict[str, str | None] = {}  # Genie, protocol, Python, torch, CUDA there
         self.version_warnings: list[str] = []  # differences that do not stop the connection
@@ -252,6 +254,15 @@ class Client:
     ) -> dict[str, Any]:
         """Bring values back from the session's worker. `progress(done, total)` as with `push`."""
         return self.transfers.pull(names, gpu=gpu, timeout=timeout, progress=progress)
+
+    def upload(self, local: str | Path, remote: str | None = None, *, progress: Any = None) -> FileResult:
+        """Copy a file to the server (a relative `remote` is in the session's directory), over the data
+        plane, SHA-256-checked; after a lost connection it continues where it stopped."""
+        return self.files.upload(local, remote, progress)
+
+    def download(self, remote: str, local: str | Path | None = None, *, progress: Any = None) -> FileResult:
+        """Copy a file from the server here, as `upload` does the other way."""
+        return self.files.download(remote, local, progress)
 
     def ping(self, timeout: float = 5.0) -> float:
         import time

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from ..dataplane import DATA_THRESHOLD, BackendReport, Channel, InlineChannel, Link, backends, discover
 from ..errors import ConnectionLost, GenieError, LimitExceeded, size_text
@@ -15,6 +15,7 @@ from ..serialize import deserialize_namespace, serialize_namespace
 from .connection import Connection
 
 T = MessageType
+R = TypeVar("R")
 
 
 class Transfers:
@@ -70,15 +71,37 @@ class Transfers:
                 f"({size_text(limit)}, --max-session-bytes)"
             )
         content: dict[str, Any] = {"values": metas, "gpu": gpu, "device": device}
+        reply = self.send(T.PUSH, content, buffers, progress=progress, timeout=timeout)
+        return list(reply.get("names", []))
+
+    def pull(
+        self, names: list[str], *, gpu: int | None = None, timeout: float | None = None, progress: Any = None
+    ) -> dict[str, Any]:
+        content = {"names": list(names), "gpu": gpu}
+        return self.fetch(
+            T.PULL, content, lambda reply, buffers: deserialize_namespace(reply["values"], buffers), progress, timeout
+        )
+
+    def send(
+        self,
+        kind: MessageType,
+        content: dict[str, Any],
+        buffers: list[Any],
+        *,
+        progress: Any = None,
+        timeout: Any = None,
+    ) -> dict[str, Any]:
+        """A request whose buffers go over the data plane (inline when small); its reply's content."""
+        size = sum(memoryview(b).nbytes for b in buffers)
         with self._lock:  # the reply frees the channel's buffer for the next transfer
             ref = None
             if size >= DATA_THRESHOLD:
-                with self._data_errors("push"):
+                with self._data_errors(str(kind)):
                     ref = self.channel.put(buffers, progress)
             if ref is not None:
-                content["data"], buffers = ref, []
+                content, buffers = {**content, "data": ref}, []
             try:
-                reply = self.connection.request(Message(T.PUSH, content, buffers)).wait(timeout)
+                reply = self.connection.request(Message(kind, content, buffers)).wait(timeout)
             except BaseException:
                 if ref is not None:
                     self.channel.discard(ref)  # nobody adopted it
@@ -88,23 +111,29 @@ class Transfers:
                     self.channel.after()
         if reply.content.get("status") != "ok":
             raise error_from(reply.content)
-        return list(reply.content.get("names", []))
+        return reply.content
 
-    def pull(
-        self, names: list[str], *, gpu: int | None = None, timeout: float | None = None, progress: Any = None
-    ) -> dict[str, Any]:
+    def fetch(
+        self,
+        kind: MessageType,
+        content: dict[str, Any],
+        consume: Callable[[dict[str, Any], list[Any]], R],
+        progress: Any = None,
+        timeout: float | None = None,
+    ) -> R:
+        """A request whose reply's bytes come over the data plane (staged by the worker, or inline);
+        `consume(reply content, buffers)` runs while the channel's receive buffer is ours."""
         with self._lock:
-            content = {"names": list(names), "gpu": gpu, "staged": self.channel.staged}
-            reply = self.connection.request(Message(T.PULL, content)).wait(timeout)
+            reply = self.connection.request(Message(kind, {**content, "staged": self.channel.staged})).wait(timeout)
             if reply.content.get("status") != "ok":
                 raise error_from(reply.content)
             ref = reply.content.get("data")
             if ref:
-                with self._data_errors("pull"):
+                with self._data_errors(str(kind)):
                     buffers = self.channel.get(ref, progress)
             else:
                 buffers = reply.buffers
-        return deserialize_namespace(reply.content["values"], buffers)
+            return consume(reply.content, buffers)
 
     @contextlib.contextmanager
     def _data_errors(self, what: str) -> Iterator[None]:

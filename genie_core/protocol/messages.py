@@ -33,6 +33,9 @@ class MessageType(str, enum.Enum):
     CLOSE = "close"
     JOBS = "jobs"
     SYNC = "sync"
+    FILE_STAT = "file_stat"
+    FILE_PUT = "file_put"
+    FILE_GET = "file_get"
     # server -> client: replies that end a request
     WELCOME = "welcome"
     AUTH_FAILED = "auth_failed"
@@ -49,6 +52,7 @@ class MessageType(str, enum.Enum):
     CLOSE_REPLY = "close_reply"
     JOBS_REPLY = "jobs_reply"
     SYNC_REPLY = "sync_reply"
+    FILE_REPLY = "file_reply"
     ERROR_REPLY = "error_reply"
     # outputs of a running cell (worker -> server -> client)
     STREAM = "stream"
@@ -98,6 +102,9 @@ TABLE: dict[MessageType, Kind] = {
     T.CLOSE: _kind(_C),
     T.JOBS: _kind(_C),
     T.SYNC: _kind(_C),
+    T.FILE_STAT: _kind(_C, to_worker=True),
+    T.FILE_PUT: _kind(_C, to_worker=True),
+    T.FILE_GET: _kind(_C, to_worker=True),
     T.WELCOME: _kind(_S, terminal=True),
     T.AUTH_FAILED: _kind(_S, terminal=True),
     T.PONG: _kind(_S, terminal=True),
@@ -113,6 +120,7 @@ TABLE: dict[MessageType, Kind] = {
     T.CLOSE_REPLY: _kind(_S, terminal=True),
     T.JOBS_REPLY: _kind(_S, terminal=True),
     T.SYNC_REPLY: _kind(_S, terminal=True),
+    T.FILE_REPLY: _kind(_S, _W, terminal=True),
     T.ERROR_REPLY: _kind(_S, _W, terminal=True),
     T.STREAM: _kind(_S, _W),
     T.DISPLAY_DATA: _kind(_S, _W),

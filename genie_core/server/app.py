@@ -360,6 +360,9 @@ class Server:
             T.CLOSE: self._on_close,
             T.JOBS: self._on_jobs,
             T.SYNC: self._on_sync,
+            T.FILE_STAT: self._on_file,
+            T.FILE_PUT: self._on_file,
+            T.FILE_GET: self._on_file,
         }
         unhandled = accepted_from(Peer.CLIENT) - {T.HELLO, T.PING} - set(handlers)
         assert not unhandled, f"client requests without a handler: {sorted(unhandled)}"
@@ -409,6 +412,17 @@ class Server:
             return
         session.files = files
         self._reply(session.identity, msg, T.SYNC_REPLY, report)
+
+    def _on_file(self, session: Session, msg: Message) -> None:
+        """An upload's or download's step, for the worker; relative paths are in the session directory."""
+        problem = self.data.check_ref(msg.content.get("data"), session.id)
+        if problem:
+            self._refuse(session, msg, "PermissionError", problem)
+            return
+        if session.files is None:
+            session.files = SessionFiles(Path(self._worker_dir) / f"session-{session.id[:16]}")
+        session.files.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._to_worker(session, msg)
 
     def _on_jobs(self, session: Session, msg: Message) -> None:
         """The session's jobs; outputs from a given number on for those asked about (`since`)."""

@@ -8,6 +8,7 @@ Unix socket; a SIGINT from the server interrupts the running cell and nothing el
 from __future__ import annotations
 
 import builtins
+import contextlib
 import logging
 import os
 import queue
@@ -16,6 +17,7 @@ import sys
 import threading
 import traceback
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any
 
 import zmq
@@ -27,6 +29,7 @@ from ..lifeline import die_with_parent
 from ..loop import SocketLoop
 from ..protocol import Codec, Message, MessageType, error_content, for_worker
 from ..serialize import deserialize_namespace, serialize_namespace
+from . import files
 from .streams import FLUSH_INTERVAL, OutStream, capture_fd
 from .synced_code import SyncedCode
 
@@ -201,6 +204,9 @@ class Worker:
             T.PUSH: self.on_push,
             T.PULL: self.on_pull,
             T.TENSOR_OPS: self.on_tensor_ops,
+            T.FILE_STAT: self.on_file_stat,
+            T.FILE_PUT: self.on_file_put,
+            T.FILE_GET: self.on_file_get,
         }
         while True:
             try:
@@ -315,6 +321,42 @@ class Worker:
             self.spares.refill(total)
             return
         self.send("pull_reply", {"status": "ok", "values": metas}, buffers)
+
+    # -- files (%genie_upload, %genie_download) ------------------------------------------------
+    def on_file_stat(self, msg: Message) -> None:
+        with self._file_errors():
+            self.send("file_reply", files.stat(msg.content))
+
+    def on_file_put(self, msg: Message) -> None:
+        ref = msg.content.get("data")
+        data = Segment.adopt(ref["segment"]) if ref else memoryview(msg.buffers[0] if msg.buffers else b"")
+        with self._file_errors():
+            self.send("file_reply", files.put(msg.content, data[: int(ref["sizes"][0])] if ref else data))
+
+    def on_file_get(self, msg: Message) -> None:
+        length = int(msg.content.get("length") or 0)
+        with self._file_errors():
+            if msg.content.get("staged") and length >= DATA_THRESHOLD:  # fetched over the client's data plane
+                for old in self.staged:
+                    old.unlink()
+                segment = self.spares.take(length, refill=False)
+                n = files.read(msg.content, segment.view[:length])
+                segment.close()
+                self.staged = [segment]
+                self.send("file_reply", {"status": "ok", "data": {"segment": segment.name, "sizes": [n]}})
+                self.spares.refill(length)
+                return
+            buffer = bytearray(length)
+            n = files.read(msg.content, memoryview(buffer))
+            self.send("file_reply", {"status": "ok", "size": n}, [bytes(buffer[:n])])
+
+    @contextlib.contextmanager
+    def _file_errors(self) -> Iterator[None]:
+        """A file that cannot be read or written is the request's error, said in one line."""
+        try:
+            yield
+        except (OSError, ValueError) as exc:
+            self.send("file_reply", {"status": "error", "ename": type(exc).__name__, "evalue": str(exc)})
 
     def on_tensor_ops(self, msg: Message) -> None:
         """Replay a client's recorded tensor ops (see genie_core.remote_tensor)."""
