@@ -58,6 +58,22 @@ def spark(points: list[list[float]] | list[tuple[float, float]], width: int = 24
     return "".join(SPARK[min(len(SPARK) - 1, int(len(SPARK) * v / high))] if v > 0 else " " for v in values)
 
 
+def gpu_processes(gpus: list[dict[str, Any]]) -> list[str]:
+    """Who holds each GPU: a line per process, named by its session when it is a session's."""
+    lines = []
+    for g in gpus:
+        for p in g.get("processes") or []:
+            if p.get("session"):
+                who = f"session {p['session']}" + (f" {p['name']!r}" if p.get("name") else "")
+                who += f" ({p.get('user') or '?'}@{p.get('host') or '?'})"
+            else:
+                who = "not a genie session"
+            mem = "unknown" if p.get("memory_used") is None else f"{p['memory_used'] / GIB:.2f} GiB"
+            sm = "" if p.get("sm_util") is None else f", SM {p['sm_util']:.0f}%"
+            lines.append(f"  GPU {g['index']}  pid {p['pid']:<8} {mem}{sm}  {who}")
+    return lines
+
+
 def render(info: dict[str, Any]) -> Group:
     node, metrics, health = info["node"], info.get("metrics") or {}, info.get("health")
     history = info.get("history") or {}
@@ -132,6 +148,7 @@ def render(info: dict[str, Any]) -> Group:
                     throttled,
                 )
             parts.append(table)
+            parts += [Text(line) for line in gpu_processes(gpus)]
 
     sessions = info.get("sessions") or []
     visible = [s for s in sessions if s["client"].get("purpose") != "probe"]

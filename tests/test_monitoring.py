@@ -299,6 +299,7 @@ class FakeNvml:
     def __init__(self):
         self.lost = False
         self.xids = [79]
+        self.asked_since: list[int] = []
 
     def _unsupported(self, *a):
         raise self.NVMLError_NotSupported("Not Supported")
@@ -382,7 +383,11 @@ class FakeNvml:
         return 1000
 
     def nvmlDeviceGetComputeRunningProcesses(self, h):
-        return [SimpleNamespace(pid=42, usedGpuMemory=1 << 30)]
+        return [SimpleNamespace(pid=42, usedGpuMemory=1 << 30), SimpleNamespace(pid=43, usedGpuMemory=None)]
+
+    def nvmlDeviceGetProcessUtilization(self, h, last_seen):
+        self.asked_since.append(last_seen)
+        return [SimpleNamespace(pid=42, smUtil=37, memUtil=12, timeStamp=1000 + len(self.asked_since))]
 
 
 def test_nvml_source_maps_readings_and_keeps_unsupported_ones_unknown():
@@ -395,7 +400,13 @@ def test_nvml_source_maps_readings_and_keeps_unsupported_ones_unknown():
     assert g.throttle_reasons == ["gpu_idle", "hw_thermal_slowdown"]
     assert g.ecc_volatile_dbe == 2 and g.retired_pages_dbe is None and g.retired_pages_pending is None
     assert (g.remapped_rows_correctable, g.remapped_rows_pending) == (1, True)
-    assert g.xid_errors == [79] and g.processes == [{"pid": 42, "memory_used": 1 << 30}]
+    assert g.xid_errors == [79]
+    assert g.processes == [
+        {"pid": 42, "memory_used": 1 << 30, "sm_util": 37.0, "memory_util": 12.0},
+        {"pid": 43, "memory_used": None, "sm_util": None, "memory_util": None},  # no sample: unknown, not 0
+    ]
+    source.read()
+    assert fake.asked_since == [0, 1001]  # each poll asks only for samples newer than the last seen
     assert g.pcie_tx == 1024000.0
     fake.lost = True
     (g,), _ = source.read()

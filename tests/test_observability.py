@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from conftest import run, start_server, wait_until
+from conftest import run, start_server, stdout_of, wait_until
 
 from genie_core.client import Client
 from genie_core.config import ClusterConfig
@@ -18,6 +18,7 @@ from genie_core.events import EventType
 from genie_core.monitoring import Grade, StaticGPUSource
 from genie_core.nodes import GPUInfo
 from genie_core.server import Server
+from genie_core.terminal import gpu_processes
 
 
 @pytest.fixture
@@ -198,3 +199,41 @@ def test_history_and_events_survive_a_restart(tmp_path):
         probe.close()
     finally:
         srv.stop()
+
+
+def test_gpu_memory_and_utilization_are_shown_per_session(injected):
+    """NVML's per-process readings (a labelled fake here: the pids are real, the GPU is not) are
+    mapped to the sessions whose workers (or what the workers started) they are."""
+    readings, _, client = injected
+    worker = int(stdout_of(run(client, "import os\nprint(os.getpid())")))
+    child = subprocess.Popen(["sleep", "30"])  # not a session's: it belongs to the test
+    readings["gpus"] = [
+        GPUInfo(
+            0,
+            name="Fake GPU (test)",
+            utilization=60.0,
+            temperature=50.0,
+            processes=[
+                {"pid": worker, "memory_used": 3 << 30, "sm_util": 45.0, "memory_util": 20.0},
+                {"pid": child.pid, "memory_used": 1 << 30, "sm_util": 5.0, "memory_util": 1.0},
+            ],
+        )
+    ]
+    try:
+        assert wait_until(lambda: client.metrics is not None and client.metrics.gpus[0].processes, 5)
+        assert wait_until(lambda: client.metrics.gpus[0].processes[0].get("session") == client.session[:8], 5)
+        mine, other = client.metrics.gpus[0].processes
+        assert mine["user"] == os.environ.get("USER", "") and "session" not in other
+        info = client.info()
+        text = "\n".join(gpu_processes(info["metrics"]["gpus"]))
+        assert f"pid {worker}" in text and "3.00 GiB, SM 45%" in text and f"session {client.session[:8]}" in text
+        assert f"pid {child.pid}" in text and "not a genie session" in text
+        # What a cell starts counts as its session's too.
+        grandchild = int(
+            stdout_of(run(client, "import subprocess\np = subprocess.Popen(['sleep', '30'])\nprint(p.pid)"))
+        )
+        readings["gpus"][0].processes[1]["pid"] = grandchild
+        assert wait_until(lambda: client.metrics.gpus[0].processes[1].get("session") == client.session[:8], 5)
+    finally:
+        child.kill()
+        child.wait()

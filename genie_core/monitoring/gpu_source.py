@@ -36,9 +36,10 @@ class GPUSource(Protocol):
 
 class NvmlSource:
     """Reads GPUs through NVML. Static facts (names, thresholds, limits) are read once; slow
-    counters (aggregate ECC, retired pages, PCIe throughput, processes) every `slow_every`
-    polls, because NVML calls serialize in the driver. `nvml` is injectable (the pynvml module
-    by default)."""
+    counters (aggregate ECC, retired pages, PCIe throughput) every `slow_every` polls, because
+    NVML calls serialize in the driver; the processes on each GPU (memory, and SM and memory
+    utilization since the last poll, as nvitop shows them) every poll. `nvml` is injectable
+    (the pynvml module by default)."""
 
     name = "nvml"
 
@@ -57,6 +58,7 @@ class NvmlSource:
         self._static: dict[int, dict[str, Any]] = {}
         self._slow: dict[int, dict[str, Any]] = {}
         self._polls = 0
+        self._seen_at: dict[int, int] = {}  # per GPU: NVML's timestamp of the last utilization sample read
         self._events: Any = None
         if nvml is None:
             self.reason = "nvidia-ml-py is not installed"
@@ -143,7 +145,6 @@ class NvmlSource:
         remap = self._call(n.nvmlDeviceGetRemappedRows, h)
         tx = self._call(n.nvmlDeviceGetPcieThroughput, h, n.NVML_PCIE_UTIL_TX_BYTES)
         rx = self._call(n.nvmlDeviceGetPcieThroughput, h, n.NVML_PCIE_UTIL_RX_BYTES)
-        procs = self._call(n.nvmlDeviceGetComputeRunningProcesses, h)
         return {
             "ecc_aggregate_sbe": self._call(
                 n.nvmlDeviceGetTotalEccErrors, h, n.NVML_MEMORY_ERROR_TYPE_CORRECTED, n.NVML_AGGREGATE_ECC
@@ -162,8 +163,31 @@ class NvmlSource:
             "pcie_width": self._call(n.nvmlDeviceGetCurrPcieLinkWidth, h),
             "pcie_tx": None if tx is None else tx * 1024.0,  # NVML gives KB/s
             "pcie_rx": None if rx is None else rx * 1024.0,
-            "processes": None if procs is None else [{"pid": p.pid, "memory_used": p.usedGpuMemory} for p in procs],
         }
+
+    def _processes(self, i: int, h: Any) -> list[dict[str, Any]] | None:
+        """The compute processes on a GPU: memory, and utilization sampled since the last poll."""
+        n = self.nvml
+        procs = self._call(n.nvmlDeviceGetComputeRunningProcesses, h)
+        if procs is None:
+            return None
+        samples = self._call(n.nvmlDeviceGetProcessUtilization, h, self._seen_at.get(i, 0)) or []
+        util: dict[int, Any] = {}
+        for s in samples:
+            util[s.pid] = s
+            self._seen_at[i] = max(self._seen_at.get(i, 0), int(s.timeStamp))
+        out = []
+        for p in procs:
+            s = util.get(p.pid)
+            out.append(
+                {
+                    "pid": int(p.pid),
+                    "memory_used": None if p.usedGpuMemory is None else int(p.usedGpuMemory),
+                    "sm_util": None if s is None else float(s.smUtil),
+                    "memory_util": None if s is None else float(s.memUtil),
+                }
+            )
+        return out
 
     def _throttle(self, h: Any) -> list[str] | None:
         n = self.nvml
@@ -209,6 +233,7 @@ class NvmlSource:
                             n.nvmlDeviceGetTotalEccErrors, h, n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, n.NVML_VOLATILE_ECC
                         ),
                         xid_errors=xids.get(i, []),
+                        processes=self._processes(i, h),
                         **self._slow[i],
                     )
                 )

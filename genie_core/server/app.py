@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import zmq
 
 from ..config import MIN_NETWORK_TOKEN, ClusterConfig, ConnectionInfo, is_loopback, new_token, runtime_dir
@@ -83,6 +84,7 @@ class Server:
         else:
             self.gpus = detected
         self.telemetry = Telemetry(self.config, self.node_id, self.gpus, gpu_reason, gpu_source)
+        self.telemetry.owners = self._process_owners
         self.sessions = SessionTable()
         self.port = 0
         self.connection_file: Path | None = None
@@ -246,6 +248,25 @@ class Server:
             log.warning("the process that started this server is gone; stopping")
             self._loop.remove_socket(fd)
             self._loop.stop(join=False)
+
+    def _process_owners(self) -> dict[int, dict[str, Any]]:
+        """pid -> the session whose worker it is, or whose worker started it (any thread: it reads
+        snapshots of the session and worker tables)."""
+        owners: dict[int, dict[str, Any]] = {}
+        for session in list(self.sessions.live.values()):
+            label = {
+                "session": session.id[:8],
+                "name": session.name,
+                "user": session.client.get("user", ""),
+                "host": session.client.get("host", ""),
+            }
+            for worker in list(self.pool.of(session).values()):
+                owners[worker.pid] = label
+                try:
+                    owners.update((child.pid, label) for child in psutil.Process(worker.pid).children(recursive=True))
+                except psutil.Error:
+                    pass
+        return owners
 
     def _housekeeping(self) -> None:
         self.pool.housekeeping()

@@ -40,6 +40,8 @@ class Telemetry:
         self.store: HistoryStore | None = None
         self.started = time.time()
         self._gpu_source = gpu_source
+        # pid -> the session it works for ({"session", "name", "user", "host"}); the server sets it
+        self.owners: Callable[[], dict[int, dict[str, Any]]] = dict
 
     def start(self, address: str, broadcast: Broadcast) -> None:
         """Poll the host and GPUs, and pass readings and events on through `broadcast`."""
@@ -54,7 +56,10 @@ class Telemetry:
 
         def on_reading(node: NodeInfo) -> None:  # the monitor's thread
             health = self.monitor.health_report if self.monitor is not None else None
-            broadcast(MessageType.METRICS, {"node": node.to_dict(), "health": health.to_dict() if health else None})
+            broadcast(
+                MessageType.METRICS,
+                {"node": self.labelled(node.to_dict()), "health": health.to_dict() if health else None},
+            )
 
         self.bus.subscribe(on_event)
         if not self.config.enable_gpu_monitoring:
@@ -104,13 +109,23 @@ class Telemetry:
             "started": self.started,
         }
 
+    def labelled(self, node: dict[str, Any]) -> dict[str, Any]:
+        """The readings with each GPU process's session, when it is one of a session's workers (or
+        something a worker started): per-session GPU memory and utilization, as nvitop shows per process."""
+        processes = [p for g in node.get("gpus") or [] for p in g.get("processes") or []]
+        if processes:
+            owners = self.owners()
+            for p in processes:
+                p.update(owners.get(int(p.get("pid") or 0), {}))
+        return node
+
     def report(self, history_points: int, events: int) -> dict[str, Any]:
         """Readings, health, history and events, for an `info` request."""
         monitor = self.monitor
         latest = monitor.latest if monitor is not None else None
         health = monitor.health_report if monitor is not None else None
         return {
-            "metrics": latest.to_dict() if latest else None,
+            "metrics": self.labelled(latest.to_dict()) if latest else None,
             "health": health.to_dict() if health else None,
             "history": monitor.history_all(points=history_points) if monitor else {},
             "events": [e.to_dict() for e in self.bus.history(limit=events)],
