@@ -14,7 +14,7 @@ from typing import Any
 from genie_core.events import ClusterEvent, EventType
 
 MAX_RATE = 4.0  # widget updates per second, at most
-HISTORY = 60  # points of history per metric
+HISTORY = 300  # points of history per metric: five minutes at the default one reading a second
 METRICS = ("utilization", "memory", "temperature", "power")
 MAX_EVENTS = 200
 
@@ -30,6 +30,7 @@ class ClusterFeed:
         self._lock = threading.Lock()
         self._dirty = threading.Event()
         self._history: dict[int, deque] = {}
+        self._times: deque = deque(maxlen=HISTORY)  # when each reading was taken
         self._events: deque = deque(maxlen=MAX_EVENTS)
         self._values: dict[str, Any] = {"status": "live"}
         self._unsubscribe = None
@@ -100,6 +101,10 @@ class ClusterFeed:
                 self._history.setdefault(g["index"], deque(maxlen=HISTORY)).append(
                     [float("nan") if v is None else float(v) for v in row]
                 )
+            self._times.append(float(node.get("time") or time.time()))
+            if len(self._times) > 1:  # the chart's whole width: HISTORY readings at the interval seen so far
+                interval = (self._times[-1] - self._times[0]) / (len(self._times) - 1)
+                self._values["history_span"] = interval * (HISTORY - 1)
             self._values["gpus"] = gpus
             self._values["cpu_only_reason"] = node.get("gpu_reason") or ""
             self._values["history"], self._values["history_shape"] = self._pack([g["index"] for g in gpus])

@@ -223,7 +223,9 @@ class GenieMagics(Magics):
             from genie_core.terminal import render
 
             text = io.StringIO()
-            console = Console(file=text, width=120, color_system=None)
+            # Plain text, never rich's Jupyter display (which wraps at 115 columns); lines are not
+            # wrapped here: the notebook wraps them at the window's width, whatever that is.
+            console = Console(file=text, width=200, color_system=None, force_jupyter=False, soft_wrap=True)
             console.print(render(_client("%genie_status").info()))
             print(text.getvalue())
             return

@@ -32,6 +32,7 @@ class GenieWidget(anywidget.AnyWidget):
     cpu_only_reason = t.Unicode("").tag(sync=True)
     history = t.Bytes(b"").tag(sync=True)  # float32 [gpus, metrics, points]: a binary buffer, not JSON
     history_shape = t.List([0, 0, 0]).tag(sync=True)
+    history_span = t.Float(0.0).tag(sync=True)  # seconds from the oldest point of the history to the newest
     health = t.Dict().tag(sync=True)
     backend = t.Dict().tag(sync=True)
     events: t.List[dict[str, Any]] = t.List().tag(sync=True)  # newest first, bounded

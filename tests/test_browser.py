@@ -1,8 +1,9 @@
-"""The dashboard in a real browser: JupyterLab on 127.0.0.1 runs a notebook that loads the
-extension, connects to a real server (simulated GPUs, labelled fake: this machine has none) and
-shows the dashboard; headless Chromium (Debian's package, driven by Playwright) checks that the
-gauges show numbers that change, and that the health badge and backend card are there. The
-screenshot is saved under test-artifacts/."""
+"""The widgets in a real browser: JupyterLab on 127.0.0.1 runs a notebook that loads the
+extension, connects to a real server (simulated GPUs, labelled fake: this machine has none), shows
+the dashboard and a background job; headless Chromium (Debian's package, driven by Playwright)
+checks that the gauges show numbers that change, that the history chart has axes with units, that
+no event-log row is clipped, that the init summary is said once, that the jobs widget follows its
+job, and that text is readable in both JupyterLab themes. Screenshots go under test-artifacts/."""
 
 from __future__ import annotations
 
@@ -60,10 +61,16 @@ def test_dashboard_renders_live_in_jupyterlab(tmp_path):
                     "%load_ext genie_jupyter",
                     f"%genie_init 127.0.0.1:{srv.info.port} --token {srv.info.token}",
                     "%genie_dashboard",
+                    "%%remote --bg --name demo\nimport time\nfor i in range(600):\n"
+                    "    print('step', i, flush=True)\n    time.sleep(0.2)",
+                    "%genie_jobs",
                 ]
             )
         )
     )
+    settings = tmp_path / "lab-settings" / "@jupyterlab" / "apputils-extension"
+    settings.mkdir(parents=True)
+    (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')  # no news toast
     port, token = free_port(), os.urandom(12).hex()
     with open(tmp_path / "lab.log", "w") as log:  # the child holds its own descriptor
         lab = subprocess.Popen(
@@ -82,7 +89,7 @@ def test_dashboard_renders_live_in_jupyterlab(tmp_path):
             ],
             stdout=subprocess.DEVNULL,
             stderr=log,
-            env=dict(os.environ),
+            env=dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "lab-settings")),
         )
     try:
         deadline = time.monotonic() + 60
@@ -131,10 +138,57 @@ def test_dashboard_renders_live_in_jupyterlab(tmp_path):
             assert page.locator(".genie-badge").first.text_content() in ("HEALTHY", "DEGRADED", "UNHEALTHY", "CRITICAL")
             assert page.locator(".genie-backend-chosen").first.text_content().startswith("backend: ")
             assert page.locator('[role="meter"]').count() >= 8  # accessible labels on every bar
-            page.wait_for_timeout(3000)  # a few more readings, so the sparklines show a line
-            ARTIFACTS.mkdir(exist_ok=True)
-            page.locator(".genie-widget").last.screenshot(path=str(ARTIFACTS / "dashboard.png"))
+            check_the_rest(page)
             browser.close()
     finally:
         stop_process(lab, 15)
         srv.stop()
+
+
+def luminance(css_color: str) -> float:
+    """Relative luminance (0 black .. 1 white) of an `rgb(...)`/`rgba(...)` colour."""
+    r, g, b = (int(float(v)) / 255 for v in css_color[css_color.index("(") + 1 : -1].split(",")[:3])
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
+def check_the_rest(page) -> None:
+    """Chart, event log, init summary and jobs widget; then both themes, with screenshots."""
+    page.wait_for_function("document.querySelectorAll('.genie-chart polyline').length >= 4", timeout=30_000)
+    page.wait_for_timeout(3000)  # a few more readings, so the chart shows lines
+    labels = page.locator(".genie-chart").first.locator("text").all_text_contents()
+    assert "100%" in labels and "0%" in labels and "now" in labels, labels
+    assert any(t.endswith(" min") or t.endswith(" s") for t in labels), labels
+    assert page.locator(".genie-chart polyline.genie-series-utilization").first.get_attribute("points")
+    # Every event row starts inside the log: its time is whole, not clipped at the left edge.
+    rows = page.locator(".genie-event-list").first.locator(".genie-event")
+    assert rows.count() >= 2
+    log_box = page.locator(".genie-event-list").first.bounding_box()
+    for i in range(min(rows.count(), 5)):
+        time_box = rows.nth(i).locator(".genie-event-time").bounding_box()
+        assert time_box["x"] >= log_box["x"], (time_box, log_box)
+        assert rows.nth(i).locator(".genie-event-time").text_content()[0].isdigit()
+    # The init summary is said once (in its widget), not also printed beside it.
+    summaries = page.locator(".jp-OutputArea-output:has-text('Connected to genie server')")
+    assert summaries.count() == 1, summaries.count()
+    # The jobs widget follows the background job's output.
+    job = page.locator(".genie-jobs .genie-job-name:has-text('demo')")
+    job.wait_for(timeout=60_000)
+    page.wait_for_function(
+        "[...document.querySelectorAll('.genie-job-tail')].some(e => /step [1-9]/.test(e.textContent))",
+        timeout=30_000,
+    )
+    ARTIFACTS.mkdir(exist_ok=True)
+    for theme, light in (("JupyterLab Light", True), ("JupyterLab Dark", False)):
+        page.evaluate(f"window.jupyterapp.commands.execute('apputils:change-theme', {{theme: {json.dumps(theme)}}})")
+        page.wait_for_function(
+            f"document.body.dataset.jpThemeLight === {json.dumps(str(light).lower())}", timeout=30_000
+        )
+        page.wait_for_timeout(1000)
+        color = page.evaluate("getComputedStyle(document.querySelector('.genie-widget')).color")
+        assert (luminance(color) < 0.4) if light else (luminance(color) > 0.6), (theme, color)
+        axis = page.evaluate("getComputedStyle(document.querySelector('.genie-chart .genie-axis')).fill")
+        assert (luminance(axis) < 0.6) if light else (luminance(axis) > 0.4), (theme, axis)
+        name = "light" if light else "dark"
+        page.locator(".genie-widget:has(.genie-gauges)").last.screenshot(path=str(ARTIFACTS / f"dashboard-{name}.png"))
+        page.locator(".genie-widget:has(.genie-jobs)").last.screenshot(path=str(ARTIFACTS / f"jobs-{name}.png"))
+        page.locator(".genie-widget:has(.genie-init)").last.screenshot(path=str(ARTIFACTS / f"init-{name}.png"))

@@ -225,3 +225,15 @@ def test_autoremote_refuses_anything_but_on_or_off(connected):
     _, kc = connected
     reply, msgs = execute(kc, "%autoremote maybe")
     assert reply["status"] == "error" and "takes on or off" in str(msgs)
+
+
+def test_status_text_is_plain_text_with_no_line_cut(connected):
+    """rich would draw for Jupyter at 115 columns, wrapping the data-plane line and squeezing tables;
+    the text report is printed whole and the notebook wraps it at the window's width."""
+    _, kc = connected
+    reply, msgs = execute(kc, "%genie_status --text")
+    assert reply["status"] == "ok" and not [m for _, m in msgs if m["msg_type"] == "display_data"]
+    lines = stdout(msgs).splitlines()
+    plane = next(line for line in lines if line.startswith("data plane offers"))
+    assert plane.rstrip().endswith(")") and "gpudirect" in plane, plane
+    assert not any("…" in line for line in lines), lines

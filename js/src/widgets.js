@@ -51,6 +51,24 @@ export function historySeries(buffer, shape, gpu, metric) {
   return Array.from(view.subarray(start, start + points));
 }
 
+// "-5 min", "-30 s", "now": how long before the newest reading a point of the history chart is.
+export function timeLabel(secondsAgo) {
+  if (secondsAgo < 0.5) return "now";
+  if (secondsAgo < 90) return `-${Math.round(secondsAgo)} s`;
+  const minutes = secondsAgo / 60;
+  return `-${Number.isInteger(Math.round(minutes * 10) / 10) ? Math.round(minutes) : minutes.toFixed(1)} min`;
+}
+
+// Who holds a GPU, one line per process (named by its session when it is one).
+export function processLines(gpu) {
+  return (gpu.processes || []).map((p) => {
+    const mem = p.memory_used === null || p.memory_used === undefined ? "memory unknown" : formatBytes(p.memory_used);
+    const sm = p.sm_util === null || p.sm_util === undefined ? "" : ` · SM ${Math.round(p.sm_util)}%`;
+    const who = p.session ? `session ${p.name ? `'${p.name}'` : p.session} (${p.user || "?"}@${p.host || "?"})` : "not a genie session";
+    return `pid ${p.pid} · ${mem}${sm} · ${who}`;
+  });
+}
+
 export function visibleEvents(events, filter, limit = 200) {
   const wanted = (filter || "").split(",").map((s) => s.trim().toUpperCase()).filter(Boolean);
   return events.filter((e) => wanted.length === 0 || wanted.includes(e.type)).slice(0, limit);
@@ -71,16 +89,38 @@ function el(tag, attrs = {}, ...children) {
   return node;
 }
 
-function svgSparkline(values) {
-  const ns = "http://www.w3.org/2000/svg";
-  const svg = document.createElementNS(ns, "svg");
-  svg.setAttribute("viewBox", "0 0 120 24");
-  svg.setAttribute("class", "genie-spark");
-  svg.setAttribute("aria-hidden", "true");
-  const line = document.createElementNS(ns, "polyline");
-  line.setAttribute("points", sparklinePoints(values, 120, 24));
-  svg.append(line);
-  return svg;
+const SVG = "http://www.w3.org/2000/svg";
+
+function svg(tag, attrs = {}, text = null) {
+  const node = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, String(v));
+  if (text !== null) node.textContent = text;
+  return node;
+}
+
+// The last minutes of a GPU's utilization and memory (percent), with axes and units, as
+// jupyterlab-nvdashboard draws them. `span`: seconds from the oldest point to the newest.
+function historyChart(gpu, series, span) {
+  const [W, H, left, right, top, bottom] = [420, 120, 40, 8, 8, 20];
+  const w = W - left - right, h = H - top - bottom;
+  const chart = svg("svg", { viewBox: `0 0 ${W} ${H}`, class: "genie-chart", role: "img",
+    "aria-label": `GPU ${gpu.index}: utilization and memory, last ${timeLabel(span).replace("-", "")}` });
+  for (const pct of [0, 50, 100]) {
+    const y = top + h - (pct / 100) * h;
+    chart.append(svg("line", { x1: left, x2: left + w, y1: y, y2: y, class: "genie-grid" }));
+    chart.append(svg("text", { x: left - 4, y: y + 4, "text-anchor": "end", class: "genie-axis" }, `${pct}%`));
+  }
+  [[0, span], [0.5, span / 2], [1, 0]].forEach(([at, ago]) => {
+    chart.append(svg("text", { x: left + at * w, y: H - 4, "text-anchor": at === 0 ? "start" : at === 1 ? "end" : "middle",
+      class: "genie-axis" }, timeLabel(ago)));
+  });
+  const plot = svg("g", { transform: `translate(${left},${top})` });
+  series.forEach(({ name, values }) => plot.append(svg("polyline", { points: sparklinePoints(values, w, h), class: `genie-series genie-series-${name}` })));
+  chart.append(plot);
+  const legend = svg("text", { x: left + w, y: top + 10, "text-anchor": "end", class: "genie-axis" });
+  for (const { name } of series) legend.append(svg("tspan", { class: `genie-legend-${name}`, dx: 8 }, `— ${name}`));
+  chart.append(legend);
+  return chart;
 }
 
 function drawGauges(model) {
@@ -100,11 +140,21 @@ function drawGauges(model) {
       const bar = el("div", { class: "genie-bar", role: "meter", "aria-label": `GPU ${gpu.index} ${row.name}`,
         "aria-valuemin": "0", "aria-valuemax": "100", "aria-valuenow": row.pct === null ? "0" : String(Math.round(row.pct)) });
       bar.append(el("div", { class: `genie-fill genie-${level(row.pct)}`, style: `width:${row.pct === null ? 0 : Math.min(100, row.pct)}%` }));
-      const line = el("div", { class: "genie-row" }, el("span", { class: "genie-label" }, row.name), bar,
-        el("span", { class: "genie-value", "data-metric": row.name }, row.text));
-      if (m < shape[1]) line.append(svgSparkline(historySeries(history, shape, g, m)));
-      card.append(line);
+      card.append(el("div", { class: "genie-row" }, el("span", { class: "genie-label" }, row.name), bar,
+        el("span", { class: "genie-value", "data-metric": row.name }, row.text)));
     });
+    if (shape[2] > 0 && shape[1] >= 2) {
+      card.append(historyChart(gpu, [
+        { name: "utilization", values: historySeries(history, shape, g, 0) },
+        { name: "memory", values: historySeries(history, shape, g, 1) },
+      ], model.get("history_span") || 0));
+    }
+    const held = processLines(gpu);
+    if (held.length) {
+      const list = el("ul", { class: "genie-processes", "aria-label": `processes on GPU ${gpu.index}` });
+      held.forEach((line) => list.append(el("li", {}, line)));
+      card.append(list);
+    }
     box.append(card);
   });
   return box;
@@ -144,10 +194,11 @@ function drawEvents(model) {
   input.value = model.get("event_filter") || "";
   input.addEventListener("change", () => { model.set("event_filter", input.value); model.save_changes(); });
   box.append(input);
-  const list = el("ol", { class: "genie-event-list" });
+  const list = el("ul", { class: "genie-event-list" });
   for (const e of visibleEvents(model.get("events") || [], model.get("event_filter"))) {
     const when = new Date(e.time * 1000).toLocaleTimeString();
-    list.append(el("li", { class: `genie-sev-${e.severity}` }, `${when} ${e.type} ${(e.data && e.data.message) || ""}`));
+    list.append(el("li", { class: `genie-event genie-sev-${e.severity}` }, el("span", { class: "genie-event-time" }, when),
+      el("span", { class: "genie-event-type" }, e.type), el("span", { class: "genie-event-message" }, (e.data && e.data.message) || "")));
   }
   box.append(list);
   return box;
@@ -192,7 +243,7 @@ function draw(model, el_) {
 
 function render({ model, el: el_ }) {
   const redraw = () => draw(model, el_);
-  for (const name of ["gpus", "history", "health", "backend", "events", "event_filter", "phases", "summary", "status", "last_seen", "sections", "jobs"]) {
+  for (const name of ["gpus", "history", "health", "backend", "events", "event_filter", "phases", "summary", "status", "last_seen", "sections", "jobs", "history_span"]) {
     model.on(`change:${name}`, redraw);
   }
   redraw();

@@ -1,6 +1,6 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
-import { formatBytes, gaugeRows, sparklinePoints, historySeries, visibleEvents, level, ago } from "../src/widgets.js";
+import { formatBytes, gaugeRows, sparklinePoints, historySeries, visibleEvents, level, ago, timeLabel, processLines } from "../src/widgets.js";
 
 test("bytes read like a person writes them", () => {
   assert.equal(formatBytes(0), "0 B");
@@ -48,4 +48,19 @@ test("the event log filters by type and stays bounded", () => {
 test("time since last seen", () => {
   assert.equal(ago(5), "5 s ago");
   assert.equal(ago(180), "3 min ago");
+});
+
+test("the history chart's time axis reads in seconds, then minutes", () => {
+  assert.equal(timeLabel(0), "now");
+  assert.equal(timeLabel(30), "-30 s");
+  assert.equal(timeLabel(299), "-5 min");
+  assert.equal(timeLabel(150), "-2.5 min");
+});
+
+test("who holds a GPU: sessions by name, other processes said plainly", () => {
+  const lines = processLines({ processes: [
+    { pid: 7, memory_used: 3 * 1024 ** 3, sm_util: 45.2, session: "ab12cd34", name: "work", user: "alice", host: "lap" },
+    { pid: 9, memory_used: null, sm_util: null },
+  ] });
+  assert.deepEqual(lines, ["pid 7 · 3.0 GiB · SM 45% · session 'work' (alice@lap)", "pid 9 · memory unknown · not a genie session"]);
 });
