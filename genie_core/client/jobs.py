@@ -28,7 +28,7 @@ class Job:
     """A cell running in the background on the session's worker (ipyparallel's AsyncResult, for cells).
 
     `state`: running, ok, error or stopped (the session ended under it). `output()` is its
-    printed text so far, `tail()` the last lines, `display()` replays its rich outputs here;
+    printed text so far, `tail()` the last lines, `outputs()` every output (rich ones too);
     `wait(timeout)`, `result(timeout)` and `cancel()` (an interrupt) as in concurrent.futures.
     """
 
