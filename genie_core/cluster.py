@@ -194,7 +194,8 @@ def _init_client(config: ClusterConfig, phases: list[tuple[str, float]]) -> Clus
             client.sync(config.sync)
             phases.append(("sync", time.perf_counter() - t))
     except BaseException:
-        client.close(notify=client.connected)  # a no-op when the connect itself failed
+        # A no-op when the connect itself failed; a named session this client attached to keeps running.
+        client.close(notify=client.connected and not client.attached)
         if local is not None:
             local.stop()
         raise

@@ -308,8 +308,10 @@ class GenieMagics(Magics):
             del words[at : at + 2]
         if not words:
             raise UsageError("%genie_push needs variable names, e.g. %genie_push x y")
+        client = _client("%genie_push")
+        _say_queued(client)
         with _progress("push") as bar:
-            _client("%genie_push").push(self._local_values(words, "%genie_push"), device=device, progress=bar)
+            client.push(self._local_values(words, "%genie_push"), device=device, progress=bar)
 
     @line_magic
     def genie_pull(self, line: str) -> None:
@@ -317,8 +319,10 @@ class GenieMagics(Magics):
         names = shlex.split(line)
         if not names:
             raise UsageError("%genie_pull needs variable names, e.g. %genie_pull x y")
+        client = _client("%genie_pull")
+        _say_queued(client)
         with _progress("pull") as bar:
-            self._user_ns.update(_client("%genie_pull").pull(names, progress=bar))
+            self._user_ns.update(client.pull(names, progress=bar))
 
     @magic_arguments()
     @argument("path", nargs="?", default=".", help="the directory to sync (default: the notebook's)")
@@ -365,8 +369,10 @@ class GenieMagics(Magics):
         """Copy a file to the server over the data plane, with a progress bar; checksummed, and
         continued where it stopped if the connection drops (or when run again)."""
         args = parse_argstring(self.genie_upload, line)
+        client = _client("%genie_upload")
+        _say_queued(client)
         with _progress("upload") as bar:
-            print(f"uploaded {_client('%genie_upload').upload(args.local, args.remote, progress=bar)}")
+            print(f"uploaded {client.upload(args.local, args.remote, progress=bar)}")
 
     @magic_arguments()
     @argument("remote", help="the file on the server (relative: in the session directory)")
@@ -375,8 +381,10 @@ class GenieMagics(Magics):
     def genie_download(self, line: str) -> None:
         """Copy a file from the server here, as %genie_upload does the other way."""
         args = parse_argstring(self.genie_download, line)
+        client = _client("%genie_download")
+        _say_queued(client)
         with _progress("download") as bar:
-            print(f"downloaded {_client('%genie_download').download(args.remote, args.local, progress=bar)}")
+            print(f"downloaded {client.download(args.remote, args.local, progress=bar)}")
 
     @line_magic
     def genie_shutdown(self, line: str) -> None:
@@ -402,13 +410,13 @@ class GenieMagics(Magics):
 
 
 def _say_queued(client: Client) -> None:
-    """A cell sent while a background job runs waits behind it on the worker: say so."""
+    """Remote work sent while a background job runs waits behind it on the worker: say so."""
     running = client.running_jobs()
     if running:
         job = running[0]
         print(
-            f"genie: this cell waits behind background job {job.name!r} (running {job.elapsed:.0f} s); "
-            "interrupting it cancels this cell, not the job (job.cancel() does that)",
+            f"genie: this waits behind background job {job.name!r} (running {job.elapsed:.0f} s); "
+            "interrupting it cancels this, not the job (job.cancel() does that)",
             file=sys.stderr,
         )
 

@@ -389,3 +389,39 @@ def test_the_records_of_ended_sessions_keep_the_newest():
         ended.append(session.id)
     assert ended[0] not in table.ended
     assert all(session_id in table.ended for session_id in ended[1:])
+
+
+@pytest.mark.parametrize("replay", ["the same hello again", "a hello stamped 10 minutes ago"])
+def test_a_replayed_or_stale_hello_gets_no_welcome(srv, replay):
+    """A recorded hello replayed later could take a named session over: a hello is taken once,
+    and only near the time it says it was sent."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{srv.info.port}")
+    codec = Codec(derive_key(srv.info.token))
+    hello = Message("hello", {"client": {"user": "replay-test"}}, seq=1)
+
+    def welcomes(seconds: float) -> list[str]:
+        """Welcomes answering `hello`s within `seconds` (a session also gets readings meanwhile)."""
+        got, deadline = [], time.monotonic() + seconds
+        while sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            reply = codec.unpack(sock.recv_multipart())
+            if reply.type == "welcome":
+                got.append(reply.parent)
+        return got
+
+    try:
+        if replay == "the same hello again":
+            sock.send_multipart(codec.pack(hello))
+            assert welcomes(2) == [hello.id]
+        else:
+            hello.time -= 600
+        sock.send_multipart(codec.pack(hello))
+        assert welcomes(1) == [], "the hello was answered"
+        fresh = Message("hello", {"client": {"user": "replay-test"}}, seq=2)
+        sock.send_multipart(codec.pack(fresh))  # a new hello on the same connection is still welcome
+        assert welcomes(3) == [fresh.id]
+    finally:
+        sock.close()
+        ctx.term()

@@ -140,3 +140,23 @@ def test_the_magics_in_a_real_kernel(server, tmp_path):
         execute(kc, "%genie_shutdown")
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+@pytest.mark.parametrize("part", ["the start of this file", "the start of another file"])
+def test_an_upload_continues_a_part_only_when_its_hash_matches(client, tmp_path, small_pieces, part):
+    sha = pattern_file(tmp_path / "x.bin", 10 << 20)
+    head = (tmp_path / "x.bin").read_bytes()[: 3 << 20]
+    left_there = head if part == "the start of this file" else bytes(len(head))  # an earlier, cut upload
+    client.transfers.send(MessageType.FILE_PUT, {"path": "x.bin", "offset": 0}, [left_there], timeout=10)
+    result = client.upload(tmp_path / "x.bin")
+    assert result.resumed_from == (3 << 20 if part == "the start of this file" else 0)
+    assert result.sha256 == sha and remote_sha(client, "x.bin") == sha
+
+
+def test_relative_paths_are_in_the_session_directory_whatever_a_cell_did(client, tmp_path):
+    (tmp_path / "a.txt").write_text("here")
+    client.upload(tmp_path / "a.txt", "a.txt")
+    home = stdout_of(run(client, "import os\nprint(os.getcwd())")).strip()
+    run(client, "import os, tempfile\nos.chdir(tempfile.gettempdir())")
+    client.upload(tmp_path / "a.txt", "b.txt")
+    assert stdout_of(run(client, f"print(sorted(os.listdir({home!r})))")) == "['a.txt', 'b.txt']\n"

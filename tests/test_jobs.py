@@ -12,7 +12,8 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
 import genie_core
-from genie_core.errors import RemoteError
+from genie_core.client import Job, Request
+from genie_core.errors import ConnectionLost, RemoteError
 from genie_core.protocol import Message, MessageType
 
 STEPS = "import time\nfor i in range({n}):\n    print('step', i, flush=True)\n    time.sleep({pause})\n"
@@ -146,3 +147,46 @@ def test_many_short_jobs_back_to_back_each_end_in_order(client):
     assert all(j.wait(20) for j in jobs)
     assert [j.output() for j in jobs] == [f"{i}\n" for i in range(20)]
     assert len({j.name for j in jobs}) == 20
+
+
+# -- the handle's bookkeeping, with the server's answers given by the test -----------------------------
+def _request(*replies: Message) -> Request:
+    request = Request(Message(MessageType.EXECUTE, {"code": ""}), "test")
+    for reply in replies:
+        request.put(reply)
+    return request
+
+
+def test_outputs_lost_on_the_way_are_fetched_before_the_job_says_it_ended():
+    """The reply says how many outputs there were; a job that holds fewer asks for the rest."""
+    asked: list[dict[str, int]] = []
+
+    def ask(since: dict[str, int]) -> list[dict]:
+        asked.append(since)
+        return [{"id": "j", "name": "j", "state": "ok", "messages": [[1, "stream", {"text": "b\n", "n": 1}]]}]
+
+    request = _request(
+        Message(MessageType.STREAM, {"text": "a\n", "n": 0}),
+        Message(MessageType.STREAM, {"text": "c\n", "n": 2}),  # number 1 never arrived
+        Message(MessageType.EXECUTE_REPLY, {"status": "ok", "outputs": 3}),
+    )
+    job = Job(ask, lambda rid: None, lambda: "", {"id": "j", "name": "j"}, request)
+    assert job.wait(5) and job.state == "ok"
+    assert asked == [{"j": 1}] and job.output() == "a\nb\nc\n"
+
+
+def test_a_polled_job_asks_only_for_what_the_server_still_keeps_and_ends_when_its_session_does():
+    asked: list[dict[str, int]] = []
+    gone = {"why": ""}
+
+    def ask(since: dict[str, int]) -> list[dict]:
+        asked.append(dict(since))
+        return [{"id": "j", "name": "j", "state": "running", "dropped": 3, "messages": []}]
+
+    job = Job(ask, lambda rid: None, lambda: gone["why"], {"id": "j", "name": "j", "dropped": 3}, None)
+    assert wait_until(lambda: len(asked) >= 2, 5)
+    assert all(since == {"j": 3} for since in asked)  # outputs 0-2 were let go on the server
+    gone["why"] = "the session ended"
+    assert job.wait(5) and job.state == "unknown"
+    with pytest.raises(ConnectionLost, match="the session ended"):
+        job.result(1)

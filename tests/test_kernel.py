@@ -125,6 +125,47 @@ def test_interrupt_button_interrupts_the_remote_cell(connected):
     assert reply["status"] == "ok" and stdout(msgs) == "still here\n"
 
 
+def test_autoremote_runs_every_cell_remotely_until_turned_off(connected):
+    _, kc = connected
+    execute(kc, "import os\nlocal_pid = os.getpid()")
+    reply, msgs = execute(kc, "%autoremote on")
+    assert reply["status"] == "ok" and "autoremote on: every cell now runs on genie://" in stdout(msgs)
+    reply, msgs = execute(kc, "import os\nremote_pid = os.getpid()\nprint(remote_pid)")
+    assert reply["status"] == "ok", msgs
+    remote_pid = int(stdout(msgs))
+    reply, msgs = execute(kc, "def f():\n    return 1 / 0\nf()")
+    assert reply["status"] == "error"
+    traceback = plain("\n".join(next(m["content"]["traceback"] for _, m in msgs if m["msg_type"] == "error")))
+    assert "return 1 / 0" in traceback and "ZeroDivisionError" in traceback
+    reply, msgs = execute(kc, "%genie_jobs --text")  # Genie's own magics stay local
+    assert reply["status"] == "ok" and "background jobs" in stdout(msgs).lower()
+    reply, msgs = execute(kc, "%autoremote off")
+    assert "autoremote off" in stdout(msgs)
+    reply, msgs = execute(kc, f"print(os.getpid() == local_pid, os.getpid() != {remote_pid}, 'remote_pid' in dir())")
+    assert stdout(msgs) == "True True False\n", msgs
+
+
+def test_autoremote_refuses_anything_but_on_or_off(connected):
+    _, kc = connected
+    reply, msgs = execute(kc, "%autoremote maybe")
+    assert reply["status"] == "error" and "takes on or off" in str(msgs)
+
+
+def test_status_text_is_plain_text_with_no_line_cut(connected):
+    """rich would draw for Jupyter at 115 columns, wrapping the data-plane line and squeezing tables;
+    the text report is printed whole and the notebook wraps it at the window's width."""
+    _, kc = connected
+    reply, msgs = execute(kc, "%genie_status --text")
+    assert reply["status"] == "ok" and not [m for _, m in msgs if m["msg_type"] == "display_data"]
+    lines = stdout(msgs).splitlines()
+    plane = next(line for line in lines if line.startswith("data plane offers"))
+    assert plane.rstrip().endswith(")") and "gpudirect" in plane, plane
+    assert not any("…" in line for line in lines), lines
+
+
+# The tests above share the module's connected kernel; the ones below replace its connection.
+
+
 def test_embedded_local_server_in_a_kernel(kernel):
     _, kc = kernel
     execute(kc, "%load_ext genie_jupyter")
@@ -199,41 +240,3 @@ def test_a_killed_kernel_has_its_session_reaped_and_its_worker_memory_freed(tmp_
         kc.stop_channels()
         km.shutdown_kernel(now=True)
         srv.stop()
-
-
-def test_autoremote_runs_every_cell_remotely_until_turned_off(connected):
-    _, kc = connected
-    execute(kc, "import os\nlocal_pid = os.getpid()")
-    reply, msgs = execute(kc, "%autoremote on")
-    assert reply["status"] == "ok" and "autoremote on: every cell now runs on genie://" in stdout(msgs)
-    reply, msgs = execute(kc, "import os\nremote_pid = os.getpid()\nprint(remote_pid)")
-    assert reply["status"] == "ok", msgs
-    remote_pid = int(stdout(msgs))
-    reply, msgs = execute(kc, "def f():\n    return 1 / 0\nf()")
-    assert reply["status"] == "error"
-    traceback = plain("\n".join(next(m["content"]["traceback"] for _, m in msgs if m["msg_type"] == "error")))
-    assert "return 1 / 0" in traceback and "ZeroDivisionError" in traceback
-    reply, msgs = execute(kc, "%genie_jobs --text")  # Genie's own magics stay local
-    assert reply["status"] == "ok" and "background jobs" in stdout(msgs).lower()
-    reply, msgs = execute(kc, "%autoremote off")
-    assert "autoremote off" in stdout(msgs)
-    reply, msgs = execute(kc, f"print(os.getpid() == local_pid, os.getpid() != {remote_pid}, 'remote_pid' in dir())")
-    assert stdout(msgs) == "True True False\n", msgs
-
-
-def test_autoremote_refuses_anything_but_on_or_off(connected):
-    _, kc = connected
-    reply, msgs = execute(kc, "%autoremote maybe")
-    assert reply["status"] == "error" and "takes on or off" in str(msgs)
-
-
-def test_status_text_is_plain_text_with_no_line_cut(connected):
-    """rich would draw for Jupyter at 115 columns, wrapping the data-plane line and squeezing tables;
-    the text report is printed whole and the notebook wraps it at the window's width."""
-    _, kc = connected
-    reply, msgs = execute(kc, "%genie_status --text")
-    assert reply["status"] == "ok" and not [m for _, m in msgs if m["msg_type"] == "display_data"]
-    lines = stdout(msgs).splitlines()
-    plane = next(line for line in lines if line.startswith("data plane offers"))
-    assert plane.rstrip().endswith(")") and "gpudirect" in plane, plane
-    assert not any("…" in line for line in lines), lines

@@ -25,6 +25,7 @@ BASE = {
     "monitoring",
     "protocol",
     "versions",
+    "partfiles",
 }
 ALLOWED = {
     "protocol": {"errors", "threads"},

@@ -12,7 +12,7 @@ from conftest import run, start_server, stdout_of, wait_until
 from jupyter_client.manager import start_new_kernel
 from test_kernel import execute, init_summary, stdout
 
-from genie_core.errors import ConnectionLost
+from genie_core.errors import ConnectionFailed, ConnectionLost
 
 STEPS = "import time\nfor i in range(30):\n    print('step', i, flush=True)\n    time.sleep(0.1)\n"
 
@@ -139,6 +139,34 @@ def test_an_idle_named_session_ends_after_a_warning_and_a_busy_one_never(tmp_pat
         kinds = [t for t, _ in mine]
         assert "SESSION_DETACHED" in kinds and "SESSION_IDLE" in kinds, mine
         assert kinds.index("SESSION_IDLE") < len(kinds) - 1 and kinds[-1] == "SESSION_CLOSED", mine
+    finally:
+        watcher.close()
+        server.stop()
+
+
+def test_another_users_client_cannot_take_a_live_named_session(srv, monkeypatch):
+    """Two people who both pick "train" do not end up sharing a namespace."""
+    first = srv.client(session_name="train")
+    try:
+        monkeypatch.setenv("USER", "someone-else")
+        with pytest.raises(ConnectionFailed, match=r"session 'train' is in use by .*pick another --session name"):
+            srv.client(session_name="train")
+        monkeypatch.undo()
+        assert stdout_of(run(first, "print('untouched')")) == "untouched\n"
+    finally:
+        first.close()
+
+
+def test_a_running_cell_keeps_a_detached_session_from_being_culled(tmp_path):
+    """Not only jobs: a plain cell still running when its client went counts as busy."""
+    server = start_server(tmp_path, "--idle-timeout", "2", env={"GENIE_SESSION_LEASE": "1.5"})
+    watcher = server.client(heartbeat_interval=0.2, heartbeat_timeout=1.0)
+    try:
+        owner = server.client(session_name="cell")
+        owner.execute("import time\ntime.sleep(6)")
+        owner.close(notify=False)
+        time.sleep(5)  # past the lease and the idle timeout, the cell still running
+        assert "cell" in [s["name"] for s in watcher.info()["sessions"]]
     finally:
         watcher.close()
         server.stop()

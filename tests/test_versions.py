@@ -3,16 +3,19 @@ error naming both sides' versions and what to install; a smaller difference is a
 
 from __future__ import annotations
 
+import importlib.metadata
+import re
 import sys
 import time
 
 import pytest
-from conftest import plain
+from conftest import plain, run, stdout_of
 from jupyter_client.manager import start_new_kernel
 
 import genie_core.protocol.codec as codec
-from genie_core import versions
+from genie_core import __version__, versions
 from genie_core.errors import VersionMismatch
+from genie_core.protocol import PROTOCOL
 from genie_core.versions import compare, local_versions
 
 
@@ -26,17 +29,11 @@ def test_the_welcome_carries_the_servers_versions(server):
     client = server.client()
     try:
         theirs = client.server_versions
-        assert theirs["protocol"] == "genie/2" and theirs["genie"] == genie_version()
+        assert theirs["protocol"] == PROTOCOL.decode() and theirs["genie"] == __version__
         assert theirs["python"] == ".".join(map(str, sys.version_info[:3]))
-        assert theirs["torch"].startswith("2.13") and client.version_warnings == []
+        assert theirs["torch"] == importlib.metadata.version("torch") and client.version_warnings == []
     finally:
         client.close()
-
-
-def genie_version() -> str:
-    from genie_core import __version__
-
-    return __version__
 
 
 def test_a_client_of_another_protocol_is_told_at_once_which_to_install(server, monkeypatch):
@@ -47,14 +44,15 @@ def test_a_client_of_another_protocol_is_told_at_once_which_to_install(server, m
         server.client(timeout=10)
     took = time.monotonic() - start
     text = str(err.value)
-    assert "genie/1 (Genie 0.0.9)" in text and "genie/2 (Genie 0.1.0)" in text
-    assert "pip install 'genie-jupyter==0.1.0'" in text
+    assert "genie/1 (Genie 0.0.9)" in text and f"{PROTOCOL.decode()} (Genie {__version__})" in text
+    assert f"pip install 'genie-jupyter=={__version__}'" in text
     assert took < 5, f"answered only after {took:.1f} s: the server did not say its versions, the client timed out"
 
 
 def test_another_python_minor_version_is_refused_and_leaves_no_session(server, monkeypatch):
-    pretend(monkeypatch, python="3.10.4")
-    with pytest.raises(VersionMismatch, match=r"this client has python 3\.10\.4, the server .* has python 3\.11"):
+    other = f"{sys.version_info[0]}.{sys.version_info[1] - 1}.4"
+    pretend(monkeypatch, python=other)
+    with pytest.raises(VersionMismatch, match=rf"this client has python {re.escape(other)}, the server .* has python"):
         server.client()
     monkeypatch.undo()
     watcher = server.client()
@@ -63,6 +61,20 @@ def test_another_python_minor_version_is_refused_and_leaves_no_session(server, m
         assert [s["id"][:8] for s in sessions] == [watcher.session[:8]], sessions
     finally:
         watcher.close()
+
+
+def test_a_mismatched_client_cannot_take_a_named_session_over(server, monkeypatch):
+    """The server checks versions before it attaches: the session's client and its work go on."""
+    owner = server.client(session_name="work")
+    try:
+        run(owner, "x = 'still here'")
+        pretend(monkeypatch, python="2.7.18")
+        with pytest.raises(VersionMismatch, match="Python mismatch"):
+            server.client(session_name="work")
+        monkeypatch.undo()
+        assert stdout_of(run(owner, "print(x)")) == "still here\n"
+    finally:
+        owner.close()
 
 
 def test_a_minor_difference_connects_with_a_warning(server, monkeypatch):
@@ -117,7 +129,7 @@ def test_an_old_protocol_client_in_a_real_kernel_gets_one_clear_error(server):
         assert reply["content"]["status"] == "error"
         shown = plain("\n".join(errors[0]["traceback"]))
         assert shown.startswith("VersionMismatch: protocol mismatch: this client speaks genie/1 (Genie 0.0.9)")
-        assert "genie-jupyter==0.1.0" in shown and len(shown.splitlines()) == 1  # one line, no plumbing
+        assert f"genie-jupyter=={__version__}" in shown and len(shown.splitlines()) == 1  # one line, no plumbing
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)

@@ -67,6 +67,7 @@ class Client:
         self.attached = False  # this client attached to a named session that was already running
         self.session_created: float | None = None
         self._jobs: dict[str, Job] = {}
+        self._job_names: set[str] = set()
         self.code_sync: CodeSync | None = None  # the directory %genie_sync keeps in step
         self._job_count = 0
 
@@ -137,14 +138,15 @@ class Client:
         self.attached = bool(welcome.get("attached"))
         self.session_created = welcome.get("created")
         for record in welcome.get("jobs") or []:  # jobs an earlier client of this named session started
-            self._jobs[str(record["id"])] = Job(self._ask_jobs, self.interrupt, record, None)
+            self._follow_job(record, None)
+        self._job_names = set(welcome.get("job_names") or [])  # also ended ones: a new job-N must not replace one
         self.server_versions = welcome.get("versions") or {}
         if not self.server_versions:
             self.version_warnings = [f"the server at {self.address} did not say its versions (an older Genie)"]
         else:
             verdict = compare(local_versions(), self.server_versions, self.address)
-            if verdict.errors:
-                self.close()
+            if verdict.errors:  # a server too old to check: leave a session we attached to running
+                self.close(notify=not self.attached)
                 raise VersionMismatch("; ".join(verdict.errors))
             self.version_warnings = verdict.warnings
         self._event(
@@ -179,17 +181,24 @@ class Client:
         if name is None:
             self._job_count += 1
             name = f"job-{self._job_count}"
-            while any(j.name == name for j in self._jobs.values()):
+            while name in self._job_names or any(j.name == name for j in self._jobs.values()):
                 self._job_count += 1
                 name = f"job-{self._job_count}"
         clash = next((j for j in self._jobs.values() if j.name == name and not j.done()), None)
         if clash is not None:
             raise ValueError(f"a job named {name!r} is still running ({clash.elapsed:.0f} s): pick another name")
-        request = self.request(Message(T.EXECUTE, {"code": code, "gpu": gpu, "silent": False, "job": name}))
-        request.background = True
-        job = Job(
-            self._ask_jobs, self.interrupt, {"id": request.id, "name": name, "summary": code.strip()[:60]}, request
+        request = self.connection.request(
+            Message(T.EXECUTE, {"code": code, "gpu": gpu, "silent": False, "job": name}), background=True
         )
+        return self._follow_job({"id": request.id, "name": name, "summary": code.strip()[:60]}, request)
+
+    def _follow_job(self, record: dict[str, Any], request: Request | None) -> Job:
+        def gone() -> str:
+            if self.connection.session_gone:
+                return f"the session ended ({self.lost_reason or 'the server no longer has it'})"
+            return "this client closed its connection" if self.closed else ""
+
+        job = Job(self._ask_jobs, self.interrupt, gone, record, request)
         self._jobs[job.id] = job
         return job
 
@@ -198,9 +207,9 @@ class Client:
         for record in self._ask_jobs({}, timeout):
             job = self._jobs.get(str(record["id"]))
             if job is None:
-                self._jobs[str(record["id"])] = Job(self._ask_jobs, self.interrupt, record, None)
+                self._follow_job(record, None)
             else:
-                job._update(record)
+                job.update(record)
         return sorted(self._jobs.values(), key=lambda j: j.started)
 
     def sync(self, path: str | Path = ".", *, max_file: int | None = None, max_total: int | None = None) -> SyncReport:
@@ -286,7 +295,7 @@ class Client:
             except Exception:
                 pass  # the server reaps the session after its lease anyway
         for job in self._jobs.values():
-            job.stop_following()
+            job.stop_following("this client closed its session" if notify else "this client detached")
         self.connection.session_closed()
         if self.session:
             left = not notify and self.session_name

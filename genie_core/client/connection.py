@@ -332,11 +332,13 @@ class Connection:
                 pass
 
     # -- requests and replies -----------------------------------------------------------
-    def request(self, msg: Message, *, heartbeat: bool = False) -> Request:
-        """Send `msg` (on the heartbeat connection if asked); its replies arrive on the Request."""
+    def request(self, msg: Message, *, heartbeat: bool = False, background: bool = False) -> Request:
+        """Send `msg` (on the heartbeat connection if asked); its replies arrive on the Request.
+        `background`: a job's, which follows itself after a lost connection (client/jobs.py)."""
         if self.closed or self._loop is None:
             raise ConnectionLost(f"the connection to {self.address} is closed")
         request = Request(msg, self.address)
+        request.background = background
         # Registered first, then checked: a connection lost meanwhile either sees it, or is seen here.
         self.pending[msg.id] = request
         if self.lost_reason is not None and msg.type not in ANSWERED_WHILE_LOST:
@@ -418,8 +420,10 @@ class Connection:
     def _on_other_protocol(self, frame: Any) -> None:
         """The server speaks another protocol version and said which: fail the hello, naming both."""
         try:
-            theirs = json.loads(bytes(frame))
-            problems = compare(local_versions(), {k: str(v) for k, v in dict(theirs).items()}, self.address).errors
+            theirs = {str(k): str(v) for k, v in dict(json.loads(bytes(frame))).items()}
+            mine = local_versions()
+            # The answer names only the protocol and Genie: compare those alone.
+            problems = compare(mine, {**mine, **theirs}, self.address).errors
         except (ValueError, TypeError):
             problems = []
         if not problems:

@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConnectionLost
+from ..partfiles import hash_prefix, part_of
 from ..protocol import MessageType
 from .connection import Connection
 from .transfers import Transfers
 
 T = MessageType
 PIECE = 64 << 20
-PART = ".genie-part"  # as the worker names its half-written uploads
 ATTEMPTS = 5  # lost connections one transfer rides out
 
 Progress = Callable[[int, int], None]
@@ -38,18 +38,6 @@ class FileResult:
     def __str__(self) -> str:
         resumed = f", continued from byte {self.resumed_from:,}" if self.resumed_from else ""
         return f"{self.path}: {self.size:,} bytes in {self.seconds:.2f} s, SHA-256 {self.sha256[:16]}…{resumed}"
-
-
-def _hash_prefix(path: Path, length: int) -> Any:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while length > 0:
-            chunk = f.read(min(8 << 20, length))
-            if not chunk:
-                break
-            digest.update(chunk)
-            length -= len(chunk)
-    return digest
 
 
 class FileTransfers:
@@ -93,7 +81,7 @@ class FileTransfers:
         there = self.transfers.send(T.FILE_STAT, {"path": remote, "for": "upload"}, [])
         offset, digest = int(there.get("part_size") or 0), hashlib.sha256()
         if 0 < offset <= size:
-            digest = _hash_prefix(source, offset)
+            digest = hash_prefix(source, offset)
             if digest.hexdigest() != there.get("part_sha256"):
                 offset, digest = 0, hashlib.sha256()  # the part is of another file: start again
         else:
@@ -124,13 +112,13 @@ class FileTransfers:
 
     def _download(self, remote: str, target: Path, progress: Progress | None) -> FileResult:
         start = time.monotonic()
-        part = target.with_name(target.name + PART)
+        part = part_of(target)
         have = part.stat().st_size if part.exists() else 0
         there = self.transfers.send(T.FILE_STAT, {"path": remote, "prefix": have}, [])
         size, expected = int(there["size"]), str(there["sha256"])
         digest = hashlib.sha256()
         if 0 < have <= size:
-            digest = _hash_prefix(part, have)
+            digest = hash_prefix(part, have)
             if digest.hexdigest() != there.get("prefix_sha256"):
                 have, digest = 0, hashlib.sha256()
         else:

@@ -36,11 +36,13 @@ class Job:
         self,
         ask: Callable[[dict[str, int]], list[dict[str, Any]]],
         interrupt: Callable[[str], None],
+        gone: Callable[[], str],
         record: dict[str, Any],
         request: Request | None,
     ) -> None:
         self._ask = ask  # since {id: first output wanted} -> the session's job records
         self._interrupt = interrupt  # request id -> an interrupt of it
+        self._gone = gone  # why this client can no longer follow the job ("" while it can)
         self.id = str(record["id"])
         self.name = str(record["name"])
         self.summary = str(record.get("summary", ""))
@@ -53,7 +55,7 @@ class Job:
         self._extra: list[tuple[str, dict[str, Any]]] = []  # outputs without a number (a cancellation's)
         self._done = threading.Event()
         self._stop = threading.Event()
-        self._update(record)
+        self.update(record)
         self._thread = threading.Thread(
             target=self._follow, args=(request,), name=f"genie-job-{self.name}", daemon=True
         )
@@ -76,8 +78,8 @@ class Job:
         Raises the remote error if it failed, TimeoutError if it is still running after `timeout`."""
         if not self.wait(timeout):
             raise TimeoutError(f"job {self.name!r} is still running after {timeout:g} s")
-        if self.state == "stopped":
-            raise ConnectionLost(f"job {self.name!r} did not finish: {self.error}")
+        if self.state in ("stopped", "unknown"):
+            raise ConnectionLost(f"job {self.name!r}: {self.error}")
         if self.state == "error":
             err = next((c for t, c in reversed(self.outputs()) if t == T.ERROR), None)
             if err is not None:
@@ -114,8 +116,8 @@ class Job:
                     if msg.type not in TERMINAL:
                         self._add(msg)
                         continue
-                    if self._gaps():  # outputs the connection dropped: the server has them
-                        self.refresh()
+                    if len(self._outputs) < int(msg.content.get("outputs") or 0) - self.dropped:
+                        self.refresh()  # outputs the connection dropped on the way: the server has them
                     self._finish(msg.content)
                 return
             except ConnectionLost:
@@ -124,6 +126,10 @@ class Job:
                 self._end("error", str(exc))
                 return
         while not self._done.is_set() and not self._stop.is_set():
+            gone = self._gone()
+            if gone:
+                self._end("unknown", f"no longer followed: {gone}")
+                return
             try:
                 self.refresh()
             except Exception as exc:  # not connected now: try again
@@ -134,10 +140,12 @@ class Job:
         """Fetch from the server what this job has not seen (outputs, state)."""
         for record in self._ask({self.id: self._first_missing()}):
             if record.get("id") == self.id:
-                self._update(record)
+                self.update(record)
 
-    def stop_following(self) -> None:
+    def stop_following(self, why: str) -> None:
+        """This client is going: a job still running is left to the server, and its waiters told."""
         self._stop.set()
+        self._end("unknown", f"no longer followed: {why}")
 
     def _add(self, msg: Message) -> None:
         n = msg.content.get("n")
@@ -146,7 +154,7 @@ class Job:
         else:
             self._extra.append((str(msg.type), msg.content))
 
-    def _update(self, record: dict[str, Any]) -> None:
+    def update(self, record: dict[str, Any]) -> None:
         """Take in a record from the server. It ends the job only with the outputs it has not seen
         (a record without them, as in a listing, is followed by a request for them)."""
         for n, kind, content in record.get("messages") or []:
@@ -174,10 +182,8 @@ class Job:
         self._done.set()
 
     def _first_missing(self) -> int:
-        n = 0
-        while n in self._outputs:
+        """The first output number not held, counting from the first the server still keeps."""
+        n = min(self._outputs) if self._outputs else 0
+        while n in self._outputs or n < self.dropped:  # below `dropped`: gone from the server too
             n += 1
         return n
-
-    def _gaps(self) -> bool:
-        return bool(self._outputs) and len(self._outputs) != max(self._outputs) + 1 - min(self._outputs)

@@ -5,13 +5,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import ConnectionLost, GenieError, LimitExceeded, ProtocolError, RemoteError, WorkerDied
+from ..errors import (
+    ConnectionFailed,
+    ConnectionLost,
+    GenieError,
+    LimitExceeded,
+    ProtocolError,
+    RemoteError,
+    VersionMismatch,
+    WorkerDied,
+)
 
 # Errors Genie itself raises on the server side, by name; any other name is the user's code's.
 GENIE_ERRORS: dict[str, type[GenieError]] = {
     "WorkerDied": WorkerDied,
     "LimitExceeded": LimitExceeded,
     "ProtocolError": ProtocolError,
+    "VersionMismatch": VersionMismatch,
+    "SessionInUse": ConnectionFailed,  # a named session another user's client holds
 }
 SESSION_NOT_FOUND = "SessionNotFound"
 

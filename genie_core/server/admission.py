@@ -29,6 +29,8 @@ log = logging.getLogger("genie.server")
 
 VERIFIERS = 2  # threads that check big messages' signatures (a bounded pool)
 BIG_MESSAGE = 8 << 20  # bytes of buffers above which a signature is checked off the loop thread
+HELLO_MAX_AGE = 300.0  # seconds: a hello stamped further from our clock is refused (replayed, or a clock far off)
+HELLOS_REMEMBERED = 10_000  # ids of recent hellos: a hello is taken once
 
 
 @dataclass
@@ -63,6 +65,7 @@ class Admission:
         self._reply = reply
         self._send_raw = send_raw  # for the one unsigned answer: a hello with the wrong token
         self._backlog: dict[bytes, deque[list[Any]]] = {}
+        self._hellos: OrderedDict[str, float] = OrderedDict()  # recent hello ids, oldest first
         self._verifier = ThreadPoolExecutor(
             max_workers=VERIFIERS, thread_name_prefix="genie-verify", initializer=name_os_thread
         )
@@ -122,7 +125,8 @@ class Admission:
             self._answer_failed_hello(identity, body, str(exc))
             return
         if msg.type == MessageType.HELLO:
-            self._admit(Admitted(identity, msg, MessageType.HELLO, Peer.CLIENT, None))
+            if self._fresh_hello(msg):
+                self._admit(Admitted(identity, msg, MessageType.HELLO, Peer.CLIENT, None))
             return
         session = self.sessions.get(msg.session)
         if session is None:
@@ -185,19 +189,40 @@ class Admission:
             return
         self._admit(Admitted(identity, msg, kind, peer, session))
 
+    def _fresh_hello(self, msg: Message) -> bool:
+        """A signed hello is taken once, and only near the time it says it was sent: a recorded
+        hello replayed later (it would take a named session over) is refused."""
+        now = time.time()
+        if abs(now - msg.time) > HELLO_MAX_AGE:
+            self._refuse(
+                f"a hello stamped {now - msg.time:+.0f} s from this server's clock (over {HELLO_MAX_AGE:.0f} s)"
+            )
+            return False
+        while self._hellos and (
+            len(self._hellos) >= HELLOS_REMEMBERED or next(iter(self._hellos.values())) < now - HELLO_MAX_AGE
+        ):
+            self._hellos.popitem(last=False)
+        if msg.id in self._hellos:
+            self._refuse(f"a replayed hello ({msg.id})")
+            return False
+        self._hellos[msg.id] = now
+        return True
+
     @staticmethod
     def _refuse(what: str) -> None:
         log.warning("refused %s", what)
 
     def _answer_other_protocol(self, frames: list[Any]) -> None:
         """A client speaking another protocol version (a tag `genie/N` in its second frame) is told
-        this server's versions, unsigned, so that it can say what to install instead of timing out.
-        They are what the server's greeting would show anyway; nothing about sessions is sent."""
-        if len(frames) < 2:
+        this server's protocol and Genie version, unsigned, so that it can say what to install
+        instead of timing out. Only those two: nothing else about the server or its sessions."""
+        if len(frames) < 2 or len(frames[1]) > 16:
             return
         identity, tag = (bytes(f.bytes if hasattr(f, "bytes") else f) for f in frames[:2])
-        if tag.startswith(b"genie/") and len(tag) <= 16:
-            self._send_raw(identity, [VERSIONS_TAG, json.dumps(local_versions()).encode()])
+        if tag.startswith(b"genie/"):
+            ours = local_versions()
+            answer = {"protocol": ours["protocol"], "genie": ours["genie"]}
+            self._send_raw(identity, [VERSIONS_TAG, json.dumps(answer).encode()])
 
     def _answer_failed_hello(self, identity: bytes, body: list[Any], reason: str) -> None:
         """Tell a client whose hello fails authentication why, so it need not wait for a timeout.

@@ -28,10 +28,11 @@ from ..lifeline import Lifeline, parent_gone
 from ..loop import SocketLoop
 from ..monitoring import GPUSource
 from ..protocol import PROTOCOL_VERSION, Codec, Message, MessageType, Peer, accepted_from, derive_key, error_content
-from ..versions import local_versions
+from ..threads import name_os_thread
+from ..versions import compare, local_versions
 from .admission import Admission, Admitted
 from .data import DataPlane
-from .files import SessionFiles, SyncError
+from .session_dir import SessionDirectory, SyncError
 from .sessions import Session, SessionTable, outcomes
 from .telemetry import Telemetry
 from .workers import WorkerPool, sweep_orphans
@@ -260,12 +261,19 @@ class Server:
                 "user": session.client.get("user", ""),
                 "host": session.client.get("host", ""),
             }
-            for worker in list(self.pool.of(session).values()):
-                owners[worker.pid] = label
-                try:
-                    owners.update((child.pid, label) for child in psutil.Process(worker.pid).children(recursive=True))
-                except psutil.Error:
-                    pass
+            owners.update((worker.pid, label) for worker in list(self.pool.of(session).values()))
+        if not owners:
+            return owners
+        children: dict[int, list[int]] = {}  # one pass over the process table, not one per worker
+        for proc in psutil.process_iter(["ppid"]):
+            children.setdefault(proc.info["ppid"] or 0, []).append(proc.pid)
+        todo = list(owners)
+        while todo:
+            parent = todo.pop()
+            for child in children.get(parent, []):
+                if child not in owners:
+                    owners[child] = owners[parent]
+                    todo.append(child)
         return owners
 
     def _housekeeping(self) -> None:
@@ -390,6 +398,19 @@ class Server:
         return handlers
 
     def _on_hello(self, identity: bytes, msg: Message) -> None:
+        """Open a session, or attach to the named one, unless the client's versions cannot work with
+        ours (refused before anything is opened or attached: a running named session is left alone)."""
+        theirs = msg.content.get("versions")
+        if isinstance(theirs, dict):
+            client = {str(k): None if v is None else str(v) for k, v in theirs.items()}
+            problems = compare(client, local_versions(), self.address).errors
+            if problems:
+                self._reply(identity, msg, T.ERROR_REPLY, error_content("VersionMismatch", "; ".join(problems)))
+                return
+        problem = self.sessions.refuse_attach(msg)
+        if problem:
+            self._reply(identity, msg, T.ERROR_REPLY, error_content("SessionInUse", problem))
+            return
         session, attached = self.sessions.open(identity, msg, self.pool.next_slot)
         log.info("session %s %s for %s", session.id[:8], "attached" if attached else "opened", session.client)
         welcome = {
@@ -401,6 +422,7 @@ class Server:
             "attached": attached,  # to a named session that was already running
             "created": session.created,
             "jobs": [j.to_dict() for j in session.jobs.running()],
+            "job_names": [j.name for j in session.jobs.by_id.values()],
         }
         self._reply(identity, msg, T.WELCOME, welcome)
         if attached:
@@ -417,22 +439,34 @@ class Server:
                 return
         self._to_worker(session, msg)
 
+    def _directory(self, session: Session) -> SessionDirectory:
+        if session.directory is None:
+            session.directory = SessionDirectory(Path(self._worker_dir) / f"session-{session.id[:16]}")
+        return session.directory
+
     def _on_sync(self, session: Session, msg: Message) -> None:
-        """`%genie_sync`: make the session directory hold the manifest; the reply names what is missing."""
+        """`%genie_sync`: make the session directory hold the manifest; the reply names what is
+        missing. Hashing and writing (up to tens of MiB) happen on a thread of their own, so that
+        heartbeats and other sessions are answered meanwhile."""
         names = [str(n) for n in list(msg.content.get("files") or [])]
         if len(names) != len(msg.buffers):
             self._refuse(session, msg, "ValueError", f"{len(names)} file names for {len(msg.buffers)} contents")
             return
-        files = session.files or SessionFiles(Path(self._worker_dir) / f"session-{session.id[:16]}")
-        try:
-            report = files.apply(
-                dict(msg.content.get("manifest") or {}), dict(zip(names, map(bytes, msg.buffers), strict=True))
-            )
-        except (SyncError, OSError) as exc:
-            self._refuse(session, msg, type(exc).__name__, str(exc))
-            return
-        session.files = files
-        self._reply(session.identity, msg, T.SYNC_REPLY, report)
+        directory = self._directory(session)
+        manifest = dict(msg.content.get("manifest") or {})
+        contents = dict(zip(names, map(bytes, msg.buffers), strict=True))
+
+        def apply() -> None:
+            name_os_thread()
+            try:
+                report = directory.apply(manifest, contents)
+            except (SyncError, OSError) as exc:
+                error = exc
+                self._loop.call_soon(lambda: self._refuse(session, msg, type(error).__name__, str(error)))
+                return
+            self._loop.call_soon(lambda: self._reply(session.identity, msg, T.SYNC_REPLY, report))
+
+        threading.Thread(target=apply, name="genie-sync", daemon=True).start()
 
     def _on_file(self, session: Session, msg: Message) -> None:
         """An upload's or download's step, for the worker; relative paths are in the session directory."""
@@ -440,9 +474,7 @@ class Server:
         if problem:
             self._refuse(session, msg, "PermissionError", problem)
             return
-        if session.files is None:
-            session.files = SessionFiles(Path(self._worker_dir) / f"session-{session.id[:16]}")
-        session.files.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._directory(session).root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._to_worker(session, msg)
 
     def _on_jobs(self, session: Session, msg: Message) -> None:
@@ -458,8 +490,8 @@ class Server:
         self._reply(session.identity, msg, T.ERROR_REPLY, content)
 
     def _to_worker(self, session: Session, msg: Message) -> None:
-        if session.files is not None:  # the worker runs in the session directory, re-importing what changed
-            msg.content["sync"] = {"dir": str(session.files.root), "generation": session.files.generation}
+        if session.directory is not None:  # the worker runs in the session directory, re-importing what changed
+            msg.content["sync"] = {"dir": str(session.directory.root), "generation": session.directory.generation}
         problem = self.pool.route(session, msg)
         if problem:
             self._refuse(session, msg, "ValueError", problem)
@@ -533,8 +565,8 @@ class Server:
                 )
             )
         self.pool.release(session)
-        if session.files is not None:
-            session.files.remove()
+        if session.directory is not None:
+            session.directory.remove()
 
 
 def run_server(config: ClusterConfig, parent_lifeline: int | None = None) -> int:

@@ -110,9 +110,14 @@ class Jobs:
         return ""
 
     def record(self, msg: Message) -> None:
-        """An output from the worker: kept if it belongs to a job (its reply: `finish`)."""
+        """An output from the worker: kept if it belongs to a job. Its reply carries how many
+        outputs there were, so a client that missed some on the way asks for them."""
         job = self.by_id.get(msg.parent)
-        if job is not None and msg.type not in TERMINAL:
+        if job is None:
+            return
+        if msg.type in TERMINAL:
+            msg.content["outputs"] = job.next_n
+        else:
             job.add(msg)
 
     def finish(self, request_id: str, content: dict[str, Any]) -> None:

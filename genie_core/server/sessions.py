@@ -14,8 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ..protocol import Message, Peer
-from .files import SessionFiles
 from .jobs import Jobs
+from .session_dir import SessionDirectory
 
 REMEMBERED = 1000  # requests whose outcome a session remembers, for "did it run?" after a lost connection
 ENDED_REMEMBERED = 64  # ended sessions whose request records are kept
@@ -42,10 +42,9 @@ class Session:
         self.requests: OrderedDict[str, dict[str, Any]] = OrderedDict()  # id -> what became of it
         self.name = name
         self.jobs = Jobs()
-        self.files: SessionFiles | None = None  # the session directory, once %genie_sync has filled it
+        self.directory: SessionDirectory | None = None  # the session directory, once %genie_sync has filled it
         self.former: set[bytes] = set()  # connections of clients it had before this one attached
         self.detached = False  # named, and its client has been silent for the lease: kept, waiting
-        self.attached_at = self.created
         self.idle_warned = False  # the SESSION_IDLE warning went out
         self.quiet_since = time.monotonic()  # since when nothing has run (monotonic)
 
@@ -112,7 +111,6 @@ class Session:
         self.identity, self.heartbeat_identity, self.client = identity, heartbeat_identity, client
         self._seqs = {identity: seq}
         self.last_seen = time.monotonic()
-        self.attached_at = time.time()
         self.detached = False
 
     def idle_s(self) -> float:
@@ -158,6 +156,23 @@ class SessionTable:
         session.accept_seq(identity, hello.seq)
         self.live[session.id] = session
         return session, False
+
+    def refuse_attach(self, hello: Message) -> str:
+        """Why a hello may not take a named session over ("" if it may): a session whose client is
+        still there is only handed to the same user (a second notebook of theirs), so that two
+        people who pick the same name do not share a namespace. The token is what authenticates;
+        this only keeps honest users apart."""
+        name = str(hello.content.get("name") or "").strip()[:64]
+        session = self.named(name) if name else None
+        if session is None or session.detached:
+            return ""
+        user = str(dict(hello.content.get("client") or {}).get("user", ""))[:200]
+        if user == session.client.get("user", ""):
+            return ""
+        return (
+            f"session {name!r} is in use by {session.client.get('user') or '?'}@{session.client.get('host', '?')} "
+            f"(pid {session.client.get('pid', '?')}): pick another --session name"
+        )
 
     def named(self, name: str) -> Session | None:
         return next((s for s in self.live.values() if s.name == name), None)

@@ -1,62 +1,51 @@
 """Files moved by `%genie_upload` and `%genie_download`, on the worker's side: an upload is
-written piece by piece into `NAME.genie-part` and renamed only once its SHA-256 matches, so a cut
-transfer leaves a part that the next attempt continues (after checking that part's hash)."""
+written piece by piece into its part file (genie_core/partfiles.py) and renamed only once its
+SHA-256 matches, so a cut transfer leaves a part that the next attempt continues."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 from typing import Any
 
-PART = ".genie-part"
-HASH_CHUNK = 8 << 20
+from ..partfiles import hash_prefix, part_of
 
 
-def sha256_of(path: Path, length: int | None = None) -> str:
-    """SHA-256 of the file's first `length` bytes (all of it: None)."""
-    digest = hashlib.sha256()
-    left = path.stat().st_size if length is None else length
-    with open(path, "rb") as f:
-        while left > 0:
-            chunk = f.read(min(HASH_CHUNK, left))
-            if not chunk:
-                break
-            digest.update(chunk)
-            left -= len(chunk)
-    return digest.hexdigest()
-
-
-def _target(path: str) -> Path:
+def _target(content: dict[str, Any], base: Path | None) -> Path:
+    """The file a request names: a relative path is in the session directory (`base`), whatever
+    directory a cell has moved the worker to."""
+    path = str(content.get("path", ""))
     if not path or "\x00" in path:
         raise ValueError(f"invalid path {path!r}")
-    return Path(path).expanduser()
+    target = Path(path).expanduser()
+    return target if target.is_absolute() or base is None else base / target
 
 
-def stat(content: dict[str, Any]) -> dict[str, Any]:
+def stat(content: dict[str, Any], base: Path | None) -> dict[str, Any]:
     """What is there: for an upload, the part so far (its size and hash); for a download, the
     file's size and hash, and the hash of its first `prefix` bytes (what the client holds)."""
-    target = _target(str(content.get("path", "")))
+    target = _target(content, base)
     if content.get("for") == "upload":
-        part = target.with_name(target.name + PART)
+        part = part_of(target)
         size = part.stat().st_size if part.exists() else 0
-        return {"status": "ok", "part_size": size, "part_sha256": sha256_of(part) if size else ""}
+        return {"status": "ok", "part_size": size, "part_sha256": hash_prefix(part).hexdigest() if size else ""}
     if not target.is_file():
-        raise FileNotFoundError(f"no file {target} on the server (relative paths are in the session's directory)")
+        where = f" (relative paths are in the session's directory, {base})" if base is not None else ""
+        raise FileNotFoundError(f"no file {content.get('path')} on the server{where}")
     size = target.stat().st_size
     prefix = min(int(content.get("prefix") or 0), size)
     return {
         "status": "ok",
         "size": size,
-        "sha256": sha256_of(target),
-        "prefix_sha256": sha256_of(target, prefix) if prefix else "",
+        "sha256": hash_prefix(target).hexdigest(),
+        "prefix_sha256": hash_prefix(target, prefix).hexdigest() if prefix else "",
     }
 
 
-def put(content: dict[str, Any], data: memoryview) -> dict[str, Any]:
+def put(content: dict[str, Any], data: memoryview, base: Path | None) -> dict[str, Any]:
     """Write one piece at its offset; the last one (with `sha256`) checks the whole and renames."""
-    target = _target(str(content.get("path", "")))
-    part = target.with_name(target.name + PART)
+    target = _target(content, base)
+    part = part_of(target)
     offset = int(content.get("offset") or 0)
     if offset == 0 and part.exists():
         part.unlink()  # a fresh start
@@ -70,7 +59,7 @@ def put(content: dict[str, Any], data: memoryview) -> dict[str, Any]:
     expected = content.get("sha256")
     if not expected:
         return {"status": "ok", "size": offset + len(data)}
-    got = sha256_of(part)
+    got = hash_prefix(part).hexdigest()
     if got != expected:
         part.unlink()
         raise ValueError(f"{target}: the uploaded bytes do not match the file's SHA-256 (sent {expected}, got {got})")
@@ -78,9 +67,9 @@ def put(content: dict[str, Any], data: memoryview) -> dict[str, Any]:
     return {"status": "ok", "size": target.stat().st_size, "sha256": got, "path": str(target.resolve())}
 
 
-def read(content: dict[str, Any], into: memoryview) -> int:
+def read(content: dict[str, Any], into: memoryview, base: Path | None) -> int:
     """Read `length` bytes from `offset` into `into`; returns how many."""
-    target = _target(str(content.get("path", "")))
+    target = _target(content, base)
     with open(target, "rb") as f:
         f.seek(int(content.get("offset") or 0))
         return f.readinto(into)

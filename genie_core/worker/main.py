@@ -325,13 +325,15 @@ class Worker:
     # -- files (%genie_upload, %genie_download) ------------------------------------------------
     def on_file_stat(self, msg: Message) -> None:
         with self._file_errors():
-            self.send("file_reply", files.stat(msg.content))
+            self.send("file_reply", files.stat(msg.content, self.synced.root))
 
     def on_file_put(self, msg: Message) -> None:
         ref = msg.content.get("data")
         data = Segment.adopt(ref["segment"]) if ref else memoryview(msg.buffers[0] if msg.buffers else b"")
         with self._file_errors():
-            self.send("file_reply", files.put(msg.content, data[: int(ref["sizes"][0])] if ref else data))
+            self.send(
+                "file_reply", files.put(msg.content, data[: int(ref["sizes"][0])] if ref else data, self.synced.root)
+            )
 
     def on_file_get(self, msg: Message) -> None:
         length = int(msg.content.get("length") or 0)
@@ -340,14 +342,14 @@ class Worker:
                 for old in self.staged:
                     old.unlink()
                 segment = self.spares.take(length, refill=False)
-                n = files.read(msg.content, segment.view[:length])
+                n = files.read(msg.content, segment.view[:length], self.synced.root)
                 segment.close()
                 self.staged = [segment]
                 self.send("file_reply", {"status": "ok", "data": {"segment": segment.name, "sizes": [n]}})
                 self.spares.refill(length)
                 return
             buffer = bytearray(length)
-            n = files.read(msg.content, memoryview(buffer))
+            n = files.read(msg.content, memoryview(buffer), self.synced.root)
             self.send("file_reply", {"status": "ok", "size": n}, [bytes(buffer[:n])])
 
     @contextlib.contextmanager

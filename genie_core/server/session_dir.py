@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import threading
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -28,15 +29,22 @@ def _safe(relpath: str) -> PurePosixPath:
     return path
 
 
-class SessionFiles:
+class SessionDirectory:
+    """The directory, and the hash of each file synced into it."""
+
     def __init__(self, root: Path) -> None:
         self.root = root
         self.hashes: dict[str, str] = {}  # what is there now: relative path -> SHA-256
         self.generation = 0  # bumped at each change: workers re-import changed modules when it moves
+        self._lock = threading.Lock()  # one sync at a time (each runs on a thread of its own)
 
     def apply(self, manifest: dict[str, Any], files: dict[str, bytes]) -> dict[str, Any]:
         """Make the directory hold `manifest` (path -> SHA-256): write `files` (their content),
         remove what the manifest no longer lists, and say which files are still missing."""
+        with self._lock:
+            return self._apply(manifest, files)
+
+    def _apply(self, manifest: dict[str, Any], files: dict[str, bytes]) -> dict[str, Any]:
         if len(manifest) > MAX_FILES:
             raise SyncError(f"{len(manifest)} files to sync: at most {MAX_FILES}")
         wanted = {str(_safe(str(p))): str(h) for p, h in manifest.items()}
