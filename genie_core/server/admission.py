@@ -135,28 +135,16 @@ class Admission:
                 # "Did it run?" from a client whose session ended while it was cut off: answer from the record.
                 self._admit(Admitted(identity, msg, MessageType.OUTCOME, Peer.CLIENT, ended))
                 return
-            self._reply(
-                identity,
-                msg,
-                MessageType.ERROR_REPLY,
-                error_content(
-                    SESSION_NOT_FOUND,
-                    "this session is unknown to the server (it ended, expired, or the server restarted)",
-                ),
+            self._not_yours(
+                identity, msg, "this session is unknown to the server (it ended, expired, or the server restarted)"
             )
             return
         peer = session.peer(identity)
         if peer is None and identity in session.former:
             # Its client was replaced by one that attached to this named session: tell it so, once per request.
-            self._reply(
-                identity,
-                msg,
-                MessageType.ERROR_REPLY,
-                error_content(
-                    SESSION_NOT_FOUND,
-                    f"session {session.name!r} was attached by another client "
-                    f"({session.client.get('host', '?')}, pid {session.client.get('pid', '?')}); this one is detached",
-                ),
+            who = f"{session.client.get('host', '?')}, pid {session.client.get('pid', '?')}"
+            self._not_yours(
+                identity, msg, f"session {session.name!r} was attached by another client ({who}); this one is detached"
             )
             return
         if peer is None:
@@ -188,6 +176,10 @@ class Admission:
             )
             return
         self._admit(Admitted(identity, msg, kind, peer, session))
+
+    def _not_yours(self, identity: bytes, msg: Message, why: str) -> None:
+        """The session named is not (or no longer) this connection's: the client ends it on its side."""
+        self._reply(identity, msg, MessageType.ERROR_REPLY, error_content(SESSION_NOT_FOUND, why))
 
     def _fresh_hello(self, msg: Message) -> bool:
         """A signed hello is taken once, and only near the time it says it was sent: a recorded
