@@ -189,6 +189,7 @@ def check_the_rest(page) -> None:
         axis = page.evaluate("getComputedStyle(document.querySelector('.genie-chart .genie-axis')).fill")
         assert (luminance(axis) < 0.6) if light else (luminance(axis) > 0.4), (theme, axis)
         name = "light" if light else "dark"
-        page.locator(".genie-widget:has(.genie-gauges)").last.screenshot(path=str(ARTIFACTS / f"dashboard-{name}.png"))
-        page.locator(".genie-widget:has(.genie-jobs)").last.screenshot(path=str(ARTIFACTS / f"jobs-{name}.png"))
-        page.locator(".genie-widget:has(.genie-init)").last.screenshot(path=str(ARTIFACTS / f"init-{name}.png"))
+        # The output areas, not the widgets' own roots: a widget redraws its root at each update.
+        for what, section in (("dashboard", "genie-gauges"), ("jobs", "genie-jobs"), ("init", "genie-init")):
+            area = page.locator(f".jp-OutputArea-output:has(.{section})").last
+            area.screenshot(path=str(ARTIFACTS / f"{what}-{name}.png"))
