@@ -190,3 +190,24 @@ def test_a_polled_job_asks_only_for_what_the_server_still_keeps_and_ends_when_it
     assert job.wait(5) and job.state == "unknown"
     with pytest.raises(ConnectionLost, match="the session ended"):
         job.result(1)
+
+
+def test_the_server_keeps_a_bounded_output_per_job_and_a_bounded_number_of_ended_jobs(monkeypatch):
+    from genie_core.server import jobs as server_jobs
+
+    monkeypatch.setattr(server_jobs, "OUTPUT_BYTES", 2000)
+    record = server_jobs.JobRecord("r", "big", "for i in range(100): print(i)")
+    for i in range(100):
+        record.add(Message(MessageType.STREAM, {"text": f"line {i}\n" + "x" * 40}, parent="r"))
+    kept = [n for n, _, _ in record.messages]
+    assert record.bytes <= 2000 and record.dropped == 100 - len(kept) > 0
+    assert kept == list(range(record.dropped, 100))  # the newest are kept, numbered as they came
+    assert [m[0] for m in record.to_dict(since=98)["messages"]] == [98, 99]
+
+    table = server_jobs.Jobs()
+    for i in range(server_jobs.ENDED_KEPT + 5):
+        msg = Message(MessageType.EXECUTE, {"code": "pass", "job": f"j{i}"})
+        assert table.start(msg) == ""
+        table.finish(msg.id, {"status": "ok"})
+    names = [j.name for j in table.by_id.values()]
+    assert len(names) == server_jobs.ENDED_KEPT and names[-1] == f"j{server_jobs.ENDED_KEPT + 4}"

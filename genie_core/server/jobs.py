@@ -104,9 +104,6 @@ class Jobs:
             del self.by_id[old.id]  # an ended job of the same name: the new one replaces it
         self.by_id[msg.id] = JobRecord(msg.id, name, str(msg.content.get("code", "")))
         msg.content["job"] = name
-        ended = [j.id for j in self.by_id.values() if j.ended is not None]
-        for rid in ended[: max(0, len(ended) - ENDED_KEPT)]:
-            del self.by_id[rid]
         return ""
 
     def record(self, msg: Message) -> None:
@@ -122,8 +119,12 @@ class Jobs:
 
     def finish(self, request_id: str, content: dict[str, Any]) -> None:
         job = self.by_id.get(request_id)
-        if job is not None:
-            job.finish(content)
+        if job is None:
+            return
+        job.finish(content)
+        ended = [j.id for j in self.by_id.values() if j.ended is not None]
+        for rid in ended[: max(0, len(ended) - ENDED_KEPT)]:  # the oldest first
+            del self.by_id[rid]
 
     def running(self) -> list[JobRecord]:
         return [j for j in self.by_id.values() if j.ended is None]
