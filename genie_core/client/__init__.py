@@ -225,9 +225,7 @@ class Client:
 
     def sync_if_changed(self) -> SyncReport | None:
         """Sync again if a file under the synced directory changed (None: nothing to do)."""
-        if self.code_sync is None or not self.code_sync.changed():
-            return None
-        return self.code_sync.run(self._send_sync)
+        return None if self.code_sync is None else self.code_sync.run_if_changed(self._send_sync)
 
     def _send_sync(self, manifest: dict[str, str], names: list[str], contents: list[bytes]) -> dict[str, Any]:
         msg = Message(T.SYNC, {"manifest": manifest, "files": names}, list(contents))

@@ -91,13 +91,22 @@ class CodeSync:
         return stamps, skipped
 
     # -- syncing ----------------------------------------------------------------------------
-    def changed(self) -> bool:
-        """Whether anything differs from the last sync (sizes, times, files added or gone)."""
-        return self._synced is None or self._stamps()[0] != self._synced
+    def run_if_changed(self, send: Send) -> SyncReport | None:
+        """`run`, if anything differs from the last sync (sizes, times, files added or gone);
+        None, and no round trip, if nothing does. One scan either way."""
+        scan = self._stamps()
+        if self._synced is not None and scan[0] == self._synced:
+            return None
+        return self.run(send, scan=scan)
 
-    def run(self, send: Send, attempts: int = 3) -> SyncReport:
+    def run(
+        self,
+        send: Send,
+        attempts: int = 3,
+        scan: tuple[dict[str, tuple[int, int]], list[tuple[str, str]]] | None = None,
+    ) -> SyncReport:
         """Send what the server lacks: one round trip when nothing changed, two otherwise."""
-        stamps, skipped = self._stamps()
+        stamps, skipped = scan or self._stamps()
         manifest = {rel: self._hash(rel, stamp) for rel, stamp in stamps.items()}
         report = SyncReport(self.root, skipped=skipped)
         reply = send(manifest, [], [])

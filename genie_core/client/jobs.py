@@ -116,7 +116,7 @@ class Job:
                     if msg.type not in TERMINAL:
                         self._add(msg)
                         continue
-                    if len(self._outputs) < int(msg.content.get("outputs") or 0) - self.dropped:
+                    if self._lacks(msg.content):
                         self.refresh()  # outputs the connection dropped on the way: the server has them
                     self._finish(msg.content)
                 return
@@ -163,7 +163,7 @@ class Job:
         state = str(record.get("state") or "running")
         if state == "running" or self._done.is_set():
             return
-        if "messages" not in record and len(self._outputs) < int(record.get("outputs") or 0) - self.dropped:
+        if "messages" not in record and self._lacks(record):
             self.refresh()
         else:
             self._end(state, str(record.get("error") or ""), record.get("ended"))
@@ -180,6 +180,10 @@ class Job:
         self.state, self.error = state, error
         self.ended = float(ended) if isinstance(ended, (int, float)) else time.time()
         self._done.set()
+
+    def _lacks(self, said: dict[str, Any]) -> bool:
+        """Whether this job holds fewer outputs than the server says there were (`outputs`)."""
+        return len(self._outputs) < int(said.get("outputs") or 0) - self.dropped
 
     def _first_missing(self) -> int:
         """The first output number not held, counting from the first the server still keeps."""
