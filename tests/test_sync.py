@@ -123,3 +123,9 @@ def test_in_a_real_kernel_an_edit_between_two_cells_is_re_imported(server, proje
         execute(kc, "%genie_shutdown")
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+def test_names_and_contents_that_do_not_pair_up_are_refused(client):
+    msg = Message(MessageType.SYNC, {"manifest": {"a.py": "0" * 64}, "files": ["a.py"]}, [])
+    with pytest.raises(RemoteError, match="1 file names for 0 contents"):
+        client.request(msg).wait(10)
