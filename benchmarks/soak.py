@@ -79,15 +79,21 @@ def _client(address: str, token: str, seconds: float, seed: int, results: Any) -
     results.put((seed, counts, errors))
 
 
-def _shm_bytes() -> int:
-    return (
-        sum(p.stat().st_size for p in Path("/dev/shm").glob("genie-*") if p.is_file())
-        if Path("/dev/shm").is_dir()
-        else 0
-    )
+def _shm_bytes(owners: set[int]) -> int:
+    """Bytes in the segments these processes made (a segment's name carries its creator's pid);
+    other tests may run beside the soak."""
+    total = 0
+    for p in Path("/dev/shm").glob("genie-*") if Path("/dev/shm").is_dir() else ():
+        parts = p.name.split("-")
+        if len(parts) >= 4 and parts[2].isdigit() and int(parts[2]) in owners:
+            total += p.stat().st_size if p.is_file() else 0
+    return total
 
 
-def _sample(server: psutil.Process) -> dict[str, float]:
+def _sample(server: psutil.Process, owners: set[int]) -> dict[str, float]:
+    """One reading of the server; its workers join `owners`, whose segments are counted."""
+    children = server.children()
+    owners.update(child.pid for child in children)
     status = dict(
         line.split(":", 1) for line in Path(f"/proc/{server.pid}/status").read_text().splitlines() if ":" in line
     )
@@ -98,8 +104,8 @@ def _sample(server: psutil.Process) -> dict[str, float]:
         "shmem_mib": kib.get("RssShmem", 0) / 1024,
         "fds": server.num_fds(),
         "threads": server.num_threads(),
-        "shm_mib": _shm_bytes() / 2**20,
-        "workers": len(server.children()),
+        "shm_mib": _shm_bytes(owners) / 2**20,
+        "workers": len(children),
     }
 
 
@@ -139,7 +145,8 @@ def run(quick: bool = False, minutes: float | None = None) -> dict:
     seconds = 20.0 if quick else 60.0 * (2.0 if minutes is None else minutes)
     proc, info = _servers.start("--no-ucx")
     server = psutil.Process(proc.pid)
-    shm_before = _shm_bytes()
+    owners = {server.pid}  # the server, its workers and the soak's clients
+    shm_before = _shm_bytes(owners)
     ctx = multiprocessing.get_context("spawn")
     samples: list[tuple[float, dict[str, float]]] = []
     try:
@@ -147,24 +154,26 @@ def run(quick: bool = False, minutes: float | None = None) -> dict:
         # server keeps from then on (thread pools grown to their size under concurrent load,
         # caches) is the baseline.
         procs, results = _clients(ctx, info, CLIENTS, 5.0 if quick else 15.0)
+        owners.update(p.pid for p in procs if p.pid)
         for _ in procs:
             results.get(timeout=120)
         for p in procs:
             p.join(30)
         time.sleep(3.0)
-        baseline = _sample(server)
+        baseline = _sample(server, owners)
         threads_before = _thread_names(server.pid)
         procs, results = _clients(ctx, info, CLIENTS, seconds)
+        owners.update(p.pid for p in procs if p.pid)
         start = time.monotonic()
         while any(p.is_alive() for p in procs) and time.monotonic() - start < seconds + 120:
-            samples.append((time.monotonic() - start, _sample(server)))
+            samples.append((time.monotonic() - start, _sample(server, owners)))
             time.sleep(SAMPLE_EVERY)
         reports = [results.get(timeout=30) for _ in procs]
         for _ in range(20):  # sessions closed by their clients: workers end, connections close, segments go
             time.sleep(0.5)
-            after = _sample(server)
+            after = _sample(server, owners)
             settled = all(after[k] <= baseline[k] for k in ("fds", "threads", "workers", "shmem_mib"))
-            if settled and _shm_bytes() <= shm_before:
+            if settled and _shm_bytes(owners) <= shm_before:
                 break
         threads_after = _thread_names(server.pid)
     finally:
@@ -189,7 +198,7 @@ def run(quick: bool = False, minutes: float | None = None) -> dict:
     pooled_before, pooled_after = _pooled(threads_before), _pooled(threads_after)
     left["threads"] -= sum(pooled_after.values()) - sum(pooled_before.values())
     pools_within_size = all(pooled_after[pool] <= size for pool, size in POOLS.items())
-    shm_left = round((_shm_bytes() - shm_before) / 2**20, 1)
+    shm_left = round((_shm_bytes(owners) - shm_before) / 2**20, 1)
     # Judged idle: before the soak's clients came and after they went. Under load the server's
     # memory also holds whatever big messages are in flight (a client whose discovery picked zmq
     # sends 16 MiB pushes and pulls through it), so medians under load are reported, not judged.

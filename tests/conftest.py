@@ -15,9 +15,19 @@ from genie_core.client import Client
 from genie_core.config import ConnectionInfo
 from genie_core.local_server import start_server_process, stop_process
 
+# The longest files first, so that the two test processes finish together (measured in a CI run).
+LONGEST_FIRST = ("test_soak", "test_interrupts", "test_connect", "test_netns", "test_kernel", "test_benchmarks")
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`@pytest.mark.gpu` tests need a CUDA GPU here (the server they start then computes on it)."""
+    """The longest files first; `@pytest.mark.gpu` tests need a CUDA GPU here (the server they
+    start then computes on it)."""
+
+    def rank(item: pytest.Item) -> int:
+        stem = item.path.stem
+        return LONGEST_FIRST.index(stem) if stem in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: a file's tests keep their order
     gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_tests:
         return
@@ -136,43 +146,59 @@ def pytest_runtest_makereport(item, call):
     _repeats.setdefault(name, []).append(report.passed)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _reliability_document():
+def _is_xdist_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def _segments() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("genie-*")} if Path("/dev/shm").is_dir() else set()
+
+
+_segments_before: set[str] = set()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Once per run (in the controller when pytest-xdist runs the tests in workers)."""
+    if _is_xdist_worker(session.config):
+        return
     import reliability
 
     reliability.reset()
-    yield
+    _segments_before.update(_segments())
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Each test process records its repeated tests; the run's last process writes the document
+    and checks that no shared-memory segment outlived the servers and workers that made it."""
+    import reliability
+
     for name, runs in sorted(_repeats.items()):
         reliability.record(
             "Repeated fault-path tests (flaky is failing)", name, f"{sum(runs)} of {len(runs)} runs passed"
         )
+    if _is_xdist_worker(session.config):
+        return
     reliability.write_document()
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _no_leaked_segments():
-    """Shared-memory segments must not outlive the servers and workers that made them."""
-    before = {p.name for p in Path("/dev/shm").glob("genie-*")} if Path("/dev/shm").is_dir() else set()
-    yield
     time.sleep(0.5)
-    after = {p.name for p in Path("/dev/shm").glob("genie-*")} if Path("/dev/shm").is_dir() else set()
+    leaked = sorted(name for name in _segments() - _segments_before if _orphaned(name))
+    if leaked:
+        session.config.get_terminal_writer().line(f"leaked shared-memory segments: {leaked}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
-    def orphaned(name: str) -> bool:  # its creator is gone (or is this test process): nobody will remove it
-        parts = name.split("-")
-        if len(parts) < 4 or not parts[2].isdigit():
-            return True
-        pid = int(parts[2])
-        if pid == os.getpid():
-            return True
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            pass
-        return False
 
-    leaked = sorted(
-        n for n in after - before if orphaned(n)
-    )  # live processes elsewhere on the machine are not ours to judge
-    assert not leaked, f"leaked shared-memory segments: {leaked}"
+def _orphaned(name: str) -> bool:
+    """Its creator is gone (or is this process): nobody will remove it. Live processes elsewhere on
+    the machine are not ours to judge."""
+    parts = name.split("-")
+    if len(parts) < 4 or not parts[2].isdigit():
+        return True
+    pid = int(parts[2])
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    return False

@@ -3,8 +3,10 @@ the run, so the document is written by the tests, not by hand."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -16,11 +18,20 @@ STORE = ROOT / "test-artifacts" / "reliability.json"
 BY_HAND = "<!-- Below: measured outside the test run, by the commands given; kept when the tests rewrite the rest. -->"
 
 
-def record(section: str, key: str, value: object) -> None:
+@contextmanager
+def _locked():
+    """Test processes (pytest-xdist workers) record into one store: one at a time."""
     STORE.parent.mkdir(exist_ok=True)
-    data = json.loads(STORE.read_text()) if STORE.exists() else {}
-    data.setdefault(section, {})[key] = value
-    STORE.write_text(json.dumps(data, indent=1, sort_keys=True))
+    with open(STORE.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def record(section: str, key: str, value: object) -> None:
+    with _locked():
+        data = json.loads(STORE.read_text()) if STORE.exists() else {}
+        data.setdefault(section, {})[key] = value
+        STORE.write_text(json.dumps(data, indent=1, sort_keys=True))
 
 
 def reset() -> None:
