@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="report N simulated GPUs (labelled as fake) instead of reading NVML: for demos and tests without a GPU",
     )
 
+    _add_pool_commands(sub)
+
     for name, text in (
         ("status", "print one report of a server: node, GPUs, health, sessions, events"),
         ("top", "a live terminal dashboard of a server"),
@@ -118,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return _serve(args)
+        if args.command == "pool":
+            from .pool.commands import run
+
+            return run(args)
         if args.command == "status":
             from .terminal import status
 
@@ -162,3 +168,47 @@ def _serve(args: argparse.Namespace) -> int:
     )
     logging.basicConfig(level=config.log_level.upper(), format="[genie %(levelname)s] %(message)s")
     return run_server(config, parent_lifeline=args.lifeline_fd)
+
+
+def _add_pool_commands(sub: argparse._SubParsersAction) -> None:
+    pool = sub.add_parser("pool", help="a pool of GPU machines run by Ray, shared by several users")
+    pool_sub = pool.add_subparsers(dest="pool_command", required=True)
+    db_help = "the registry: sqlite:///PATH or postgresql://... (default: SQLite in the state directory)"
+    up = pool_sub.add_parser("up", help="run the pool's endpoint, where notebooks ask for GPUs")
+    up.add_argument("--ray-address", default=None, help="a running Ray cluster (default: start a local head)")
+    up.add_argument("--db", default=None, help=db_help)
+    up.add_argument("--ip", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    up.add_argument("--port", type=_port, default=5555, help="port (default 5555; 0 picks a free one)")
+    up.add_argument(
+        "--simulate-gpus",
+        type=int,
+        default=None,
+        metavar="N",
+        help="declare N GPUs on the local head, with simulated readings labelled as fake (no GPU needed)",
+    )
+    up.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="end a session with no client and nothing running for this long, after a warning (default: never)",
+    )
+    up.add_argument(
+        "--queue-timeout", type=float, default=600.0, metavar="SECONDS", help="longest wait in the queue (600)"
+    )
+    user = pool_sub.add_parser("user", help="users of the pool and their quotas")
+    user_sub = user.add_subparsers(dest="user_command", required=True)
+    for name, text in (("add", "add a user and print their token"), ("token", "give a user a new token")):
+        cmd = user_sub.add_parser(name, help=text)
+        cmd.add_argument("name", help="the user's name (letters, digits, . _ -)")
+        cmd.add_argument("--db", default=None, help=db_help)
+        if name == "add":
+            cmd.add_argument("--max-gpus", type=int, default=None, help="GPUs at once (default: no limit)")
+            cmd.add_argument("--max-sessions", type=int, default=None, help="sessions at once (default: no limit)")
+            cmd.add_argument(
+                "--gpu-hours-per-day", type=float, default=None, help="GPU-hours in any 24 hours (default: no limit)"
+            )
+    status = pool_sub.add_parser("status", help="nodes, GPUs and who holds them, and the queue")
+    status.add_argument("address", help="the pool's host:port")
+    status.add_argument("--token", default=None, help="a pool token (else $GENIE_TOKEN)")
+    status.add_argument("--json", action="store_true", help="machine-readable output")

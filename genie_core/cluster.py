@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .client import Client
+from .client.pool import PoolSession, is_pool_token
 from .config import DEFAULT_PORT, ClusterConfig, ConnectionInfo, parse_address
 from .errors import ConfigError, NotInitializedError
-from .events import EventBus
+from .events import ClusterEvent, EventBus, EventType, Severity
 from .local_server import LocalServer
 from .monitoring.health import HealthReport
 from .nodes import NodeInfo
@@ -40,6 +41,8 @@ class ClusterState:
     client: Client | None = None
     server: Any = None
     local_server: LocalServer | None = None
+    pool: Any = None  # client.pool.PoolSession, when a pool placed this session
+    placement: dict[str, Any] | None = None  # where the pool placed it: node, GPUs, how many were free
     started: float = field(default_factory=time.time)
 
     @property
@@ -105,13 +108,15 @@ def init_sync(
     **kwargs: Any,
 ) -> ClusterState:
     """Connect to a genie server (or, with no address, start an embedded one) and return the state.
-    `on_phase(name, seconds)` is called as each phase completes (the init widget shows them).
+    `on_phase(name, seconds)` is called as each phase completes (the init widget shows them);
+    `on_wait(text)` as a pool's queue moves, while this waits for GPUs.
 
     `master_port` defaults to 5555; every argument left out falls back to its `GENIE_*`
     environment variable. `node_role="server"` serves from this process instead.
     Calling it again replaces the previous connection.
     """
     phases: list[tuple[str, float]] = _Phases(kwargs.pop("on_phase", None))
+    on_wait = kwargs.pop("on_wait", None)
     t0 = time.perf_counter()
     connection_file = kwargs.pop("connection_file", None)
     config = ClusterConfig.resolve(
@@ -131,7 +136,7 @@ def init_sync(
             _close(end_named=False)
         if config.node_role == "server":
             return _init_server(config, phases, t0)
-        return _init_client(config, phases)
+        return _init_client(config, phases, on_wait)
 
 
 class _Phases(list[tuple[str, float]]):
@@ -159,7 +164,9 @@ def _init_server(config: ClusterConfig, phases: list[tuple[str, float]], t0: flo
     return _state
 
 
-def _init_client(config: ClusterConfig, phases: list[tuple[str, float]]) -> ClusterState:
+def _init_client(
+    config: ClusterConfig, phases: list[tuple[str, float]], on_wait: Callable[[str], None] | None = None
+) -> ClusterState:
     global _state
     t = time.perf_counter()
     local: LocalServer | None = None
@@ -170,6 +177,16 @@ def _init_client(config: ClusterConfig, phases: list[tuple[str, float]]) -> Clus
         phases.append(("local server", time.perf_counter() - t))
     else:
         host, port, token, curve = resolve_server(config)
+    pool = None
+    if is_pool_token(token):  # a pool: ask it for a session, then connect to that session's server
+        pool = PoolSession(host, port, token, timeout=config.timeout)
+        try:
+            placed = pool.place(config.pool_gpus, config.session_name or "", config.pool_wait, on_wait)
+        except BaseException:
+            pool.close()
+            raise
+        host, port, token, curve = str(placed["host"]), int(placed["port"]), str(placed["token"]), None
+        phases.append((f"placed on {placed['node']}", time.perf_counter() - t))
     t = time.perf_counter()
     client = Client(
         host,
@@ -198,7 +215,11 @@ def _init_client(config: ClusterConfig, phases: list[tuple[str, float]]) -> Clus
         client.close(notify=client.connected and not client.attached)
         if local is not None:
             local.stop()
+        if pool is not None:
+            pool.close()
         raise
+    if pool is not None:
+        pool.watch(lambda reason: _session_lost(client, reason))
     from .remote_tensor import enable
 
     enable(
@@ -214,8 +235,17 @@ def _init_client(config: ClusterConfig, phases: list[tuple[str, float]]) -> Clus
         phases=phases,
         backend=report.chosen,
         backend_report=report,
+        pool=pool,
+        placement=placed if pool is not None else None,
     )
     return _state
+
+
+def _session_lost(client: Client, reason: str) -> None:
+    """The pool says this client's session is gone (its node left): say so once, and fail what waits."""
+    text = f"session lost: {reason}"
+    client.events.emit(ClusterEvent(EventType.NODE_LOST, client.address, Severity.ERROR, {"message": text}))
+    client.connection._session_ended(f"{text}; %genie_init again to be placed on another node")
 
 
 def resolve_server(config: ClusterConfig) -> tuple[str, int, str, dict[str, str] | None]:
@@ -266,6 +296,8 @@ def _close(end_named: bool) -> None:
         state.server.stop()
     if state.local_server is not None:
         state.local_server.stop()
+    if state.pool is not None:
+        state.pool.close()
 
 
 def is_initialized() -> bool:

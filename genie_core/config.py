@@ -10,6 +10,7 @@ import secrets
 import socket
 import tempfile
 from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,8 @@ class ClusterConfig:
     heartbeat_timeout: float = 4.0
     session_lease: float = 30.0
     sync: str | None = None  # client: a directory to %genie_sync at connect (its code, on the server's sys.path)
+    pool_gpus: int = 1  # client: GPUs to ask a pool for (a pool token, user:secret, says the address is a pool)
+    pool_wait: float = 600.0  # client: seconds to wait in a full pool's queue before giving up
     session_name: str | None = None  # client: a named session outlives this process; the same name attaches to it
     idle_timeout: float = 0.0  # server: end sessions with no client and no cell running for this long (0: never)
     enable_gpu_monitoring: bool = True
@@ -204,15 +207,18 @@ def parse_address(text: str, default_port: int | None = None) -> tuple[str, int 
     return host, port
 
 
+def runtime_dir_for(environ: Mapping[str, str]) -> Path:
+    """The runtime folder that a process with this environment uses."""
+    if environ.get("GENIE_RUNTIME_DIR"):
+        return Path(environ["GENIE_RUNTIME_DIR"])
+    if environ.get("XDG_RUNTIME_DIR"):
+        return Path(environ["XDG_RUNTIME_DIR"]) / "genie"
+    return Path(environ.get("HOME") or Path.home()) / ".local" / "share" / "genie" / "runtime"
+
+
 def runtime_dir() -> Path:
     """Private folder (mode 0700) for connection files and server logs."""
-    base = os.environ.get("GENIE_RUNTIME_DIR")
-    if base:
-        path = Path(base)
-    elif os.environ.get("XDG_RUNTIME_DIR"):
-        path = Path(os.environ["XDG_RUNTIME_DIR"]) / "genie"
-    else:
-        path = Path.home() / ".local" / "share" / "genie" / "runtime"
+    path = runtime_dir_for(os.environ)
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     return path
 

@@ -36,6 +36,7 @@ ALLOWED = {
     "server": BASE | {"dataplane"},
     "client": BASE | {"dataplane"},
     "cluster": BASE | {"client", "local_server", "remote_tensor", "server", "dataplane"},
+    "pool": BASE | {"server"},  # its session actors run a server; clients reach it through client.pool
 }
 
 

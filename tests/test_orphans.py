@@ -89,6 +89,10 @@ def test_the_start_up_sweep_ends_workers_whose_server_is_gone(tmp_path):
         srv.proc.kill()
         time.sleep(0.5)
         assert not _gone(worker)
+        # A server of another runtime folder (another installation, another test process) leaves it
+        elsewhere = start_server(tmp_path, env={"GENIE_RUNTIME_DIR": str(tmp_path / "elsewhere")})
+        elsewhere.stop()
+        assert not _gone(worker)
         nxt = start_server(tmp_path)
         try:
             assert wait_until(lambda: _gone(worker), timeout=2.0)

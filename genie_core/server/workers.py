@@ -20,6 +20,7 @@ from typing import Any
 
 import zmq
 
+from ..config import runtime_dir_for
 from ..dataplane.segment import sweep_worker
 from ..protocol import TERMINAL, Codec, Message, MessageType, Peer, error_content, parse
 from .sessions import Session
@@ -73,10 +74,22 @@ def oom_kill_record(pid: int, records: int = 20000) -> str | None:
     return found
 
 
+def _runtime_dir_of(pid: str) -> Path | None:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    environ = dict(item.decode(errors="replace").partition("=")[::2] for item in raw if b"=" in item)
+    return runtime_dir_for(environ)
+
+
 def sweep_orphans() -> int:
-    """End the workers of servers that died without ending them (and their process groups).
-    The lifeline makes this rare; a worker that ignored SIGIO is one way to need it."""
+    """End the workers of servers that died without ending them (and their process groups): those
+    of this user's servers that shared this server's runtime folder (another installation's, or
+    another test run's, are theirs to sweep). The lifeline makes this rare; a worker that ignored
+    SIGIO is one way to need it."""
     ended = 0
+    ours = runtime_dir_for(os.environ)
     for proc_dir in Path("/proc").glob("[0-9]*"):
         try:
             if proc_dir.stat().st_uid != os.getuid():
@@ -90,7 +103,7 @@ def sweep_orphans() -> int:
             parent = int((proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
-        if parent != int(argv[6]):
+        if parent != int(argv[6]) and _runtime_dir_of(proc_dir.name) == ours:
             try:
                 os.killpg(int(proc_dir.name), signal.SIGKILL)  # a worker leads its own process group
                 ended += 1

@@ -1,0 +1,148 @@
+"""A client's side of a GPU pool: ask `genie pool up` for a session, wait in its queue, and hear
+when the session is lost (its node left). Cells then go to the session's own server.
+
+A pool token reads `user:secret` (`genie pool user add NAME` prints it); that form tells a pool
+from a single genie server.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from ..errors import AuthenticationError, ConfigError, ConnectionFailed, GenieError
+from ..protocol import pool as wire
+
+log = logging.getLogger("genie.pool")
+
+WATCH_EVERY = 1.0  # seconds between keep-alives that tell the pool where this client is
+
+
+class PlacementFailed(GenieError):
+    """The pool could not give a session: a quota, no such GPUs, or the queue's timeout."""
+
+
+def is_pool_token(token: str | None) -> bool:
+    user, colon, secret = (token or "").partition(":")
+    return bool(colon and user and secret)
+
+
+class PoolSession:
+    """One placement request and, once placed, the keep-alive that hears about the session."""
+
+    def __init__(self, host: str, port: int, token: str, timeout: float = 30.0) -> None:
+        if not is_pool_token(token):
+            raise ConfigError("a pool token reads user:secret (printed by `genie pool user add NAME`)")
+        self.address = f"{host}:{port}"
+        self.user, _, _ = token.partition(":")
+        self._token = token
+        self.timeout = timeout
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.linger = 0
+        self._sock.connect(f"tcp://{host}:{port}")
+        self.session_id = ""
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def _request(self, op: str, **args: Any) -> tuple[str, bytes]:
+        request, key = wire.sign_request(self.user, self._token, op, **args)
+        self._sock.send(json.dumps(request).encode())
+        return request["id"], key
+
+    def _receive(self, request_id: str, key: bytes, timeout: float) -> dict[str, Any]:
+        """The next genuine reply to this request (others, and forgeries, are dropped)."""
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            if not self._sock.poll(int(left * 1000) + 1):
+                break
+            try:
+                reply = json.loads(self._sock.recv())
+            except ValueError:
+                continue
+            if reply.get("kind") == "refused" and reply.get("re") == request_id:
+                raise AuthenticationError(
+                    f"the pool at {self.address} does not know user {self.user!r} with this token "
+                    "(`genie pool user add` prints a user's token)"
+                )
+            if reply.get("re") == request_id and wire.reply_is_genuine(reply, key):
+                return dict(reply)
+        raise ConnectionFailed(f"no answer from the genie pool at {self.address} within {timeout:.0f} s")
+
+    def place(
+        self, gpus: int, name: str = "", wait: float = 600.0, on_wait: Callable[[str], None] | None = None
+    ) -> dict[str, Any]:
+        """Ask for a session with `gpus` GPUs; block (calling `on_wait` as the queue moves) until it
+        is placed. Returns where its server is, with its token unsealed."""
+        request_id, key = self._request("place", gpus=gpus, name=name, wait=wait)
+        reply = self._receive(request_id, key, self.timeout)
+        deadline = time.monotonic() + wait + self.timeout
+        while reply["kind"] == "queued":
+            self.session_id = str(reply.get("session", ""))
+            if on_wait is not None:
+                ahead = int(reply["ahead"])
+                on_wait(
+                    f"waiting for {gpus} GPU(s): {ahead} session(s) ahead of you; "
+                    f"{reply['free']} of {reply['total']} GPUs free"
+                )
+            try:
+                reply = self._receive(request_id, key, max(0.1, deadline - time.monotonic()))
+            except BaseException:
+                self.cancel()
+                raise
+        if reply["kind"] == "error":
+            raise PlacementFailed(f"the pool at {self.address}: {reply['error']}")
+        if reply["kind"] != "placed":
+            raise PlacementFailed(f"the pool at {self.address} answered {reply['kind']!r}")
+        reply["token"] = wire.unseal(str(reply["token"]), key, request_id)
+        self.session_id = str(reply["session"])
+        return reply
+
+    def cancel(self) -> None:
+        """Leave the queue (a KeyboardInterrupt while waiting)."""
+        if self.session_id:
+            self._request("end", session=self.session_id)
+
+    def status(self) -> dict[str, Any]:
+        request_id, key = self._request("status")
+        return self._receive(request_id, key, self.timeout)
+
+    def watch(self, on_lost: Callable[[str], None]) -> None:
+        """From now on, keep telling the pool where this client is, and call `on_lost(reason)` if
+        the pool says the session is lost. The socket is this thread's from here on."""
+
+        def run() -> None:
+            last = 0.0
+            while not self._stop.is_set():
+                if time.monotonic() - last >= WATCH_EVERY:
+                    self._request("watch", sessions=[self.session_id])
+                    last = time.monotonic()
+                if not self._sock.poll(100):
+                    continue
+                try:
+                    reply = json.loads(self._sock.recv())
+                except ValueError:
+                    continue
+                if (
+                    reply.get("kind") == "session_lost"
+                    and reply.get("session") == self.session_id
+                    and wire.reply_is_genuine(reply, wire.client_key(self._token))
+                ):
+                    on_lost(str(reply.get("reason", "the pool lost it")))
+                    return
+
+        self._thread = threading.Thread(target=run, name="genie-pool-watch", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(2)
+        self._sock.close()
+        self._ctx.term()

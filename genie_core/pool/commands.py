@@ -1,0 +1,122 @@
+"""`genie pool up | user add | user token | status`: what an admin and a user type in a terminal."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import secrets
+from typing import Any
+
+from ..config import state_dir
+from ..errors import ConfigError
+from ..protocol import pool as wire
+from .registry import Registry
+
+USER_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+def default_db() -> str:
+    return f"sqlite:///{state_dir('pool') / 'registry.sqlite'}"
+
+
+def new_user_token(name: str) -> str:
+    """A pool token: the user's name, a colon, a secret. The name tells a pool which key to check."""
+    return f"{name}:{secrets.token_urlsafe(24)}"
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.pool_command == "up":
+        return _up(args)
+    if args.pool_command == "user":
+        return _user(args)
+    return _status(args)
+
+
+def _user(args: argparse.Namespace) -> int:
+    if not USER_NAME.match(args.name):
+        raise ConfigError(f"invalid user name {args.name!r}: letters, digits, '.', '_' and '-' only")
+    registry = Registry(args.db or default_db())
+    token = new_user_token(args.name)
+    try:
+        if args.user_command == "add":
+            registry.add_user(
+                args.name, wire.stored_key(token), args.max_gpus, args.max_sessions, args.gpu_hours_per_day
+            )
+        else:
+            if registry.user(args.name) is None:
+                raise ConfigError(f"no user {args.name!r}: `genie pool user add {args.name}` adds them")
+            registry.set_key(args.name, wire.stored_key(token))
+            registry.event("token_changed", args.name, None, {})
+    finally:
+        registry.close()
+    print(token)  # only printed, never stored: the registry keeps a key derived from it
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    import ray
+
+    from .endpoint import Pool
+    from .head import start_local_head
+
+    address = args.ray_address
+    if address is None:
+        try:
+            ray.init(address="auto", namespace="genie-pool", log_to_driver=False)  # a head left by an earlier `up`
+        except ConnectionError:
+            address = start_local_head(args.simulate_gpus or 0)
+    pool = Pool(
+        ray_address=address,
+        db=args.db or default_db(),
+        ip=args.ip,
+        port=args.port,
+        simulate_gpus=bool(args.simulate_gpus),
+        idle_timeout=args.idle_timeout,
+        queue_timeout=args.queue_timeout,
+    ).start()
+    free = pool.status()
+    print(
+        f"genie pool at {pool.ip}:{pool.port}: {len([n for n in free['nodes'] if n['alive']])} node(s), "
+        f"{free['total']} GPU(s), {len(pool.sessions)} running session(s); registry {pool.registry.kind}",
+        flush=True,
+    )
+    try:
+        pool.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    print("genie pool stopped (running sessions go on; `genie pool up` again finds them)", flush=True)
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from ..client.pool import PoolSession
+    from ..config import parse_address
+
+    host, port = parse_address(args.address, 5555)
+    token = args.token or os.environ.get("GENIE_TOKEN", "")
+    session = PoolSession(host, port or 5555, token)
+    try:
+        report = session.status()
+    finally:
+        session.close()
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print(render(report))
+    return 0
+
+
+def render(report: dict[str, Any]) -> str:
+    """The pool as text: a line a node, a line a session on it, then the queue."""
+    lines = [f"{report['free']} of {report['total']} GPUs free"]
+    for node in report["nodes"]:
+        state = "alive" if node["alive"] else "dead"
+        lines.append(f"{node['name']:<24} {node['ip']:<15} {node['gpus']} GPU(s)  {state}")
+        for held in node["sessions"]:
+            name = f" {held['name']!r}" if held.get("name") else ""
+            lines.append(f"    GPU {','.join(held['gpu_ids']) or '-'}: {held['user']}{name}")
+    for i, ask in enumerate(report["queue"]):
+        lines.append(f"queue {i + 1}: {ask['user']} wants {ask['gpus']} GPU(s), waiting {ask['waiting_s']:.0f} s")
+    return "\n".join(lines)

@@ -1,0 +1,493 @@
+"""`genie pool up`: the notebook-facing endpoint of a pool of GPU machines run by Ray.
+
+A user's `%genie_init pool-host:5555` asks here for a session; the pool queues the request
+(FIFO, quotas), asks Ray for a session actor with the GPUs (Ray picks the node), and answers with
+the address of the session's own genie server and its token, sealed for that user. Cells and
+tensors then go straight to that server. The endpoint watches Ray's node table and each session
+actor: a node that dies has its sessions reported lost to their clients.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from ..protocol import VERSIONS_TAG
+from ..protocol import pool as wire
+from ..version import __version__
+from .queue import Ask, Queue, QuotaExceeded, check_quota
+from .registry import Registry
+from .session_actor import NAMESPACE, PREFIX, SessionActor
+
+log = logging.getLogger("genie.pool")
+
+DAY = 86400.0
+
+
+@dataclass
+class Placed:
+    """A session whose actor exists (pending in Ray, or running)."""
+
+    session_id: str
+    user: str
+    name: str
+    gpus: int
+    actor: Any
+    node_id: str = ""
+    host: str = ""
+    port: int = 0
+    gpu_ids: list[str] = field(default_factory=list)
+    watcher: bytes | None = None  # the client connection that hears about this session
+    key: bytes = b""
+    ask: Ask | None = None  # until its client has been answered
+    token: str = ""  # its server's token
+
+
+class Pool:
+    """`Pool(...).start()` connects to Ray and binds; `serve_forever()` or `start_in_thread()` runs it."""
+
+    def __init__(
+        self,
+        ray_address: str | None = None,
+        db: str | None = None,
+        ip: str = "127.0.0.1",
+        port: int = 5555,
+        simulate_gpus: bool = False,
+        idle_timeout: float = 0.0,
+        queue_timeout: float = 600.0,
+        node_poll: float = 0.5,
+    ) -> None:
+        self.ray_address = ray_address
+        self.registry = Registry(db)
+        self.ip, self.port = ip, port
+        self.simulate_gpus = simulate_gpus
+        self.idle_timeout = idle_timeout
+        self.queue_timeout = queue_timeout
+        self.node_poll = node_poll
+        self.queue = Queue()
+        self.sessions: dict[str, Placed] = {}
+        self.nodes: dict[str, dict[str, Any]] = {}  # Ray's node table, by node id
+        self._placing: dict[Any, str] = {}  # info() refs of actors being created -> session id
+        self._ending: dict[Any, str] = {}  # wait_ended() refs -> session id
+        self._replays = wire.Replays()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._actor_class: Any = None
+        self._nodes_read = 0.0
+        self.placements = 0
+
+    # -- life --------------------------------------------------------------------------
+    def start(self) -> Pool:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=self.ray_address or "auto", namespace=NAMESPACE, log_to_driver=False)
+        # max_concurrency: info() answers while wait_ended() blocks
+        options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0, "max_concurrency": 4}
+        self._actor_class = ray.remote(**options)(SessionActor)
+        self._ctx = zmq.Context()
+        self.router = self._ctx.socket(zmq.ROUTER)
+        self.router.linger = 0
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.router.maxmsgsize = wire.MAX_REQUEST_BYTES * 4
+        if self.port == 0:
+            self.port = self.router.bind_to_random_port(f"tcp://{self.ip}")
+        else:
+            self.router.bind(f"tcp://{self.ip}:{self.port}")
+        self._read_nodes()
+        self._recover()
+        return self
+
+    def start_in_thread(self) -> Pool:
+        self._thread = threading.Thread(target=self.serve_forever, name="genie-pool", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stops the endpoint; running sessions go on (their actors are detached)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(10)
+
+    def serve_forever(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if self.router.poll(50):
+                    for _ in range(100):
+                        try:
+                            frames = self.router.recv_multipart(zmq.NOBLOCK, copy=True)
+                        except zmq.Again:
+                            break
+                        self._on_frames(frames)
+                self._tick()
+        finally:
+            self.router.close()
+            self._ctx.term()
+            self.registry.close()
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        if now - self._nodes_read >= self.node_poll:
+            self._read_nodes()
+        self._collect()
+        for ask in self.queue.expired(time.time()):
+            self.registry.session_ended(ask.session_id, "queue timeout")
+            self._answer(ask, {"kind": "error", "error": self._timeout_text(ask)})
+        self._place()
+
+    # -- requests ----------------------------------------------------------------------
+    def _on_frames(self, frames: list[bytes]) -> None:
+        identity = frames[0]
+        if len(frames) >= 2 and frames[1].startswith(b"genie/") and len(frames[1]) <= 16:
+            # A genie client's hello: this is a pool, not a server. Say so in the version-neutral frame.
+            answer = {"protocol": wire.PROTOCOL, "genie": __version__, "pool": "true"}
+            self.router.send_multipart([identity, VERSIONS_TAG, json.dumps(answer).encode()])
+            return
+        if len(frames) != 2 or len(frames[1]) > wire.MAX_REQUEST_BYTES:
+            return
+        try:
+            request = json.loads(frames[1])
+            user = self.registry.user(str(request["user"]))
+        except (ValueError, KeyError, TypeError):
+            return
+        key = wire.verify_request(request, user.stored_key) if user is not None else None
+        if user is None or key is None:
+            log.warning("refused a request signed with no user's token (user %r)", str(request.get("user"))[:40])
+            self.router.send_multipart(
+                [
+                    identity,
+                    json.dumps(
+                        {"re": request.get("id"), "kind": "refused", "error": "unknown user or wrong token"}
+                    ).encode(),
+                ]
+            )
+            return
+        why = self._replays.fresh(request)
+        if why:
+            log.warning("refused %s from %s", why, user.name)
+            return
+        op, args = str(request.get("op")), dict(request.get("args") or {})
+        reply: dict[str, Any] | None
+        try:
+            if op == "place":
+                reply = self._on_place(identity, request["id"], key, user, args)
+            elif op == "watch":
+                reply = self._on_watch(identity, key, user.name, [str(s) for s in args.get("sessions", [])])
+            elif op == "end":
+                reply = self._on_end(user.name, str(args.get("session", "")))
+            elif op == "status":
+                reply = {"kind": "status", **self.status(viewer=user.name)}
+            else:
+                reply = {"kind": "error", "error": f"unknown request {op!r}"}
+        except QuotaExceeded as exc:
+            reply = {"kind": "error", "error": str(exc)}
+        if reply is not None:
+            self._send(identity, key, {"re": request["id"], **reply})
+
+    def _on_place(
+        self, identity: bytes, request_id: str, key: bytes, user: Any, args: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        gpus = int(args.get("gpus", 1))
+        largest = max((n["gpus"] for n in self.nodes.values() if n["alive"]), default=0)
+        if gpus < 0 or gpus > largest:
+            return {"kind": "error", "error": f"no node of this pool has {gpus} GPUs (the largest has {largest})"}
+        live = self.registry.sessions(user=user.name)
+        check_quota(user, gpus, live, self.registry.gpu_hours(user.name, time.time() - DAY))
+        session_id = secrets.token_hex(8)
+        name = str(args.get("name") or "")[:64]
+        wait = float(args.get("wait", self.queue_timeout))
+        ask = Ask(session_id, user.name, name, gpus, time.time() + wait, identity, request_id, key)
+        self.registry.session_asked(session_id, user.name, name, gpus)
+        self.registry.event("asked", user.name, session_id, {"gpus": gpus})
+        self.queue.add(ask)
+        self._place()
+        if session_id not in self.queue.positions():
+            return None  # being placed: the answer comes when its actor is up
+        return {"kind": "queued", "session": session_id, "ahead": self.queue.positions()[session_id], **self._free()}
+
+    def _on_watch(self, identity: bytes, key: bytes, user: str, session_ids: list[str]) -> dict[str, Any]:
+        """A client's keep-alive: notices about its sessions go to this connection."""
+        known = []
+        for session_id in session_ids:
+            placed = self.sessions.get(session_id)
+            if placed is not None and placed.user == user:
+                placed.watcher, placed.key = identity, key
+                known.append(session_id)
+        return {"kind": "watching", "sessions": known}
+
+    def _on_end(self, user: str, session_id: str) -> dict[str, Any]:
+        placed = self.sessions.get(session_id)
+        if placed is None or placed.user != user:
+            ask = self.queue.remove(session_id)
+            if ask is not None and ask.user == user:
+                self.registry.session_ended(session_id, "cancelled")
+                return {"kind": "ended", "session": session_id}
+            if ask is not None:
+                self.queue.add(ask)
+            return {"kind": "error", "error": f"no session {session_id!r} of {user}"}
+        placed.actor.stop.remote()
+        return {"kind": "ended", "session": session_id}
+
+    # -- placement ---------------------------------------------------------------------
+    def _free(self) -> dict[str, int]:
+        free = self._free_by_node()
+        total = sum(n["gpus"] for n in self.nodes.values() if n["alive"])
+        return {"free": max(0, sum(free.values())), "total": total}
+
+    def _free_by_node(self) -> dict[str, int]:
+        free = {nid: n["gpus"] for nid, n in self.nodes.items() if n["alive"]}
+        for placed in self.sessions.values():
+            if placed.node_id in free:
+                free[placed.node_id] -= placed.gpus
+            elif free:  # not placed yet: count it against the node with the most room
+                most = max(free, key=lambda nid: free[nid])
+                free[most] -= placed.gpus
+        return free
+
+    def _place(self) -> None:
+        while (ask := self.queue.head()) is not None:
+            free = self._free_by_node()
+            if max(free.values(), default=0) < ask.gpus:
+                return
+            self.queue.pop_head()
+            self._create(ask)
+            for waiting in self.queue:
+                self._answer(
+                    waiting,
+                    {
+                        "kind": "queued",
+                        "session": waiting.session_id,
+                        "ahead": self.queue.positions()[waiting.session_id],
+                        **self._free(),
+                    },
+                )
+
+    def _create(self, ask: Ask) -> None:
+        token = secrets.token_hex(24)
+        spec = {
+            "token": token,
+            "host": self.ip if self.ip in ("127.0.0.1", "localhost") else "",
+            "idle_timeout": self.idle_timeout,
+            "simulate_gpus": self.simulate_gpus,
+        }
+        actor = self._actor_class.options(
+            name=PREFIX + ask.session_id, namespace=NAMESPACE, lifetime="detached", num_gpus=ask.gpus
+        ).remote(spec)
+        placed = Placed(
+            ask.session_id,
+            ask.user,
+            ask.name,
+            ask.gpus,
+            actor,
+            watcher=ask.reply_to,
+            key=ask.key,
+            ask=ask,
+            token=token,
+        )
+        self.sessions[ask.session_id] = placed
+        self._placing[actor.info.remote()] = ask.session_id
+        self.placements += 1
+
+    def _collect(self) -> None:
+        """Actors that came up (answer their users) and sessions that ended (free their GPUs)."""
+        import ray
+
+        refs = list(self._placing) + list(self._ending)
+        if not refs:
+            return
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        for ref in ready:
+            if ref in self._placing:
+                self._on_up(self._placing.pop(ref), ref)
+            else:
+                self._on_ended(self._ending.pop(ref), ref)
+
+    def _on_up(self, session_id: str, ref: Any) -> None:
+        import ray
+
+        placed = self.sessions.get(session_id)
+        if placed is None:
+            return
+        try:
+            info = ray.get(ref)
+        except Exception as exc:
+            self._forget(placed, f"its actor failed to start: {type(exc).__name__}: {exc}"[:500])
+            return
+        placed.node_id, placed.host, placed.port = info["node_id"], info["host"], info["port"]
+        placed.gpu_ids = list(info["gpu_ids"])
+        self.registry.session_placed(session_id, placed.node_id, placed.host, placed.gpu_ids)
+        node = self.nodes.get(placed.node_id, {})
+        self.registry.event(
+            "placed", placed.user, session_id, {"node": node.get("name", placed.node_id), "gpu_ids": placed.gpu_ids}
+        )
+        self._ending[placed.actor.wait_ended.remote()] = session_id
+        if placed.ask is not None:
+            ask, placed.ask = placed.ask, None
+            self._answer(
+                ask,
+                {
+                    "kind": "placed",
+                    "session": session_id,
+                    "host": placed.host,
+                    "port": placed.port,
+                    "token": wire.seal(placed.token, ask.key, ask.request_id),
+                    "node": node.get("name", placed.node_id[:12]),
+                    "node_id": placed.node_id,
+                    "gpu_ids": placed.gpu_ids,
+                    "gpu_names": info.get("gpus", []),
+                    "waited": round(time.time() - ask.asked, 3),
+                    **self._free(),
+                },
+            )
+
+    def _on_ended(self, session_id: str, ref: Any) -> None:
+        import ray
+
+        placed = self.sessions.get(session_id)
+        if placed is None:
+            return
+        try:
+            reason = str(ray.get(ref))
+        except Exception as exc:  # the actor died: its node, or its process
+            node = self.nodes.get(placed.node_id, {})
+            reason = (
+                f"node {node.get('name', placed.node_id[:12])} left the pool"
+                if not node.get("alive", False)
+                else f"its process died ({type(exc).__name__})"
+            )
+            self._lost(placed, reason)
+            return
+        self._forget(placed, reason)
+
+    def _lost(self, placed: Placed, reason: str) -> None:
+        if placed.watcher is not None:
+            self._send(
+                placed.watcher, placed.key, {"kind": "session_lost", "session": placed.session_id, "reason": reason}
+            )
+        self._forget(placed, reason, lost=True)
+
+    def _forget(self, placed: Placed, reason: str, lost: bool = False) -> None:
+        """The session is over: its actor goes (Ray frees its GPUs), and the queue may move."""
+        import ray
+
+        try:
+            ray.kill(placed.actor, no_restart=True)
+        except Exception as exc:  # already gone with its node
+            log.debug("session actor %s: %s", placed.session_id, exc)
+        self.sessions.pop(placed.session_id, None)
+        for refs in (self._placing, self._ending):
+            for ref in [r for r, s in refs.items() if s == placed.session_id]:
+                refs.pop(ref)
+        self.registry.session_ended(placed.session_id, reason)
+        self.registry.event("lost" if lost else "ended", placed.user, placed.session_id, {"reason": reason})
+        if placed.ask is not None:
+            self._answer(placed.ask, {"kind": "error", "error": f"the session could not start: {reason}"})
+
+    # -- Ray's view of the nodes -------------------------------------------------------
+    def _read_nodes(self) -> None:
+        import ray
+
+        self._nodes_read = time.monotonic()
+        seen = {}
+        for entry in ray.nodes():
+            node_id = str(entry["NodeID"])
+            seen[node_id] = {
+                "alive": bool(entry.get("Alive")),
+                "gpus": int(entry.get("Resources", {}).get("GPU", 0)),
+                "name": f"{entry.get('NodeManagerHostname', '?')}/{node_id[:6]}",
+                "ip": entry.get("NodeManagerAddress", ""),
+                "death": entry.get("DeathReasonMessage", ""),
+            }
+            if not seen[node_id]["alive"] and node_id in self.nodes:
+                seen[node_id]["gpus"] = self.nodes[node_id]["gpus"]
+        for node_id, node in seen.items():
+            before = self.nodes.get(node_id)
+            if before is not None and before["alive"] and not node["alive"]:
+                self._node_died(node_id, node)
+        self.nodes = seen
+
+    def _node_died(self, node_id: str, node: dict[str, Any]) -> None:
+        log.warning("node %s left the pool: %s", node["name"], node["death"])
+        self.registry.event("node_lost", None, None, {"node": node["name"], "reason": node["death"]})
+        self.nodes[node_id] = node
+        for placed in [p for p in self.sessions.values() if p.node_id == node_id]:
+            self._lost(placed, f"node {node['name']} left the pool (Ray reports it dead)")
+
+    def _recover(self) -> None:
+        """After a restart: the session actors that outlived the last endpoint are still sessions."""
+        import ray
+
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            if entry.get("namespace") != NAMESPACE or not str(entry.get("name", "")).startswith(PREFIX):
+                continue
+            session_id = entry["name"][len(PREFIX) :]
+            known = [s for s in self.registry.sessions() if s["id"] == session_id]
+            try:
+                actor = ray.get_actor(entry["name"], namespace=NAMESPACE)
+                info: dict[str, Any] = dict(ray.get(actor.info.remote(), timeout=10))
+            except Exception as exc:
+                log.warning("session actor %s did not answer: %s", entry["name"], exc)
+                continue
+            row = known[0] if known else {"user": "?", "name": "", "gpus": len(info["gpu_ids"])}
+            placed = Placed(
+                session_id,
+                row["user"],
+                row["name"],
+                int(row["gpus"]),
+                actor,
+                info["node_id"],
+                info["host"],
+                info["port"],
+                list(info["gpu_ids"]),
+            )
+            self.sessions[session_id] = placed
+            self._ending[actor.wait_ended.remote()] = session_id
+            log.info("recovered session %s of %s", session_id, placed.user)
+
+    # -- replies -----------------------------------------------------------------------
+    def _send(self, identity: bytes, key: bytes, reply: dict[str, Any]) -> None:
+        try:
+            self.router.send_multipart([identity, json.dumps(wire.sign_reply(reply, key)).encode()], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.info("could not answer a client: %s", exc)
+
+    def _answer(self, ask: Ask, reply: dict[str, Any]) -> None:
+        self._send(ask.reply_to, ask.key, {"re": ask.request_id, **reply})
+
+    def _timeout_text(self, ask: Ask) -> str:
+        waited = time.time() - ask.asked
+        return f"no {ask.gpus} GPU(s) came free within {waited:.0f} s; try again, or ask for fewer GPUs"
+
+    # -- watching ----------------------------------------------------------------------
+    def status(self, viewer: str | None = None) -> dict[str, Any]:
+        """Nodes, their GPUs and who holds them, and the queue. Session names are their owner's to see."""
+        holders: dict[str, list[dict[str, Any]]] = {}
+        for placed in self.sessions.values():
+            holders.setdefault(placed.node_id, []).append(
+                {
+                    "user": placed.user,
+                    "gpu_ids": placed.gpu_ids,
+                    **({"session": placed.session_id, "name": placed.name} if viewer in (None, placed.user) else {}),
+                }
+            )
+        nodes = [
+            {"id": nid, **node, "sessions": holders.get(nid, [])}
+            for nid, node in sorted(self.nodes.items(), key=lambda kv: kv[1]["name"])
+        ]
+        queue = [
+            {
+                "user": a.user,
+                "gpus": a.gpus,
+                "waiting_s": round(time.time() - a.asked, 1),
+                **({"session": a.session_id} if viewer in (None, a.user) else {}),
+            }
+            for a in self.queue
+        ]
+        return {"nodes": nodes, "queue": queue, **self._free()}

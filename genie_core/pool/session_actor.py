@@ -1,0 +1,82 @@
+"""One pool session: a Ray actor holding the GPUs Ray gave it and running a genie server for them.
+
+The actor is detached and named, so it outlives the pool endpoint that made it; its client talks
+to its server directly (cells, tensors and the data plane are those of `genie serve`). Ray picks
+the node and sets CUDA_VISIBLE_DEVICES; the server offers exactly those GPUs.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..config import ClusterConfig
+from ..server import Server
+
+NAMESPACE = "genie-pool"
+PREFIX = "s:"  # session actors' names: s:<session id>
+
+
+class SessionActor:
+    """Made by the pool with `ray.remote(...)(SessionActor).options(num_gpus=N, ...)`."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        import ray
+
+        context = ray.get_runtime_context()
+        self.spec = spec
+        self.node_id = context.get_node_id()
+        self.gpu_ids = [str(g) for g in ray.get_gpu_ids()]
+        host = spec.get("host") or ray.util.get_node_ip_address()
+        simulated = len(self.gpu_ids) if spec.get("simulate_gpus") else None
+        config = ClusterConfig.resolve(
+            node_role="server",
+            ip=host,
+            master_port=0,
+            token=spec["token"],
+            gpus=",".join(g for g in self.gpu_ids if g.isdigit()),  # its workers get CUDA_VISIBLE_DEVICES
+            node_id=spec.get("node_name") or None,
+            idle_timeout=spec.get("idle_timeout") or None,
+            simulate_gpus=simulated,
+            enable_ucx=False,
+            session_lease=spec.get("session_lease") or None,
+        )
+        self.started = time.time()
+        self.server = Server(config).start().start_in_thread()
+
+    def info(self) -> dict[str, Any]:
+        """Where the session's client connects, and what it holds."""
+        return {
+            "host": self.server.config.ip,
+            "port": self.server.port,
+            "node_id": self.node_id,
+            "gpu_ids": self.gpu_ids,
+            "gpus": [g.get("name", "GPU") for g in self.server.gpus] or ["simulated GPU"] * len(self.gpu_ids),
+            "started": self.started,
+            "sessions": len(self.server.sessions.live),
+        }
+
+    def wait_ended(self) -> str:
+        """Returns why the session is over: its client ended it (or it was culled for idleness), its
+        client never came within `connect_within` seconds, or the server was stopped. The actor
+        then exits, and Ray frees its GPUs."""
+        thread = self.server._thread
+        deadline = self.started + float(self.spec.get("connect_within", 60.0))
+        seen = False
+        while thread is not None and thread.is_alive():
+            live = len(self.server.sessions.live)
+            seen = seen or live > 0
+            if seen and live == 0:
+                reason = "its client ended it"
+                break
+            if not seen and time.time() > deadline:
+                reason = "no client connected in time"
+                break
+            thread.join(0.2)
+        else:
+            reason = "the server stopped"
+        self.server.stop()
+        return reason
+
+    def stop(self) -> None:
+        self.server.stop()

@@ -1,0 +1,223 @@
+"""The GPU pool against a real Ray cluster (`ray.cluster_utils.Cluster`: a head and two worker
+nodes on this machine, each declaring 2 GPUs, with simulated readings labelled as fake).
+
+Each session is a Ray actor running its own genie server; users reach it through the pool."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+# Ray binds its processes to this machine's address unless clusters are "not supported" here, when
+# it uses the loopback; tests must stay on 127.0.0.1 (set before Ray is imported: read at import).
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+ray = pytest.importorskip("ray", reason="the pool needs Ray: pip install 'genie-jupyter[pool]'")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from genie_core.client import Client  # noqa: E402
+from genie_core.client.pool import PlacementFailed, PoolSession  # noqa: E402
+from genie_core.errors import AuthenticationError, ConnectionLost, GenieError  # noqa: E402
+from genie_core.pool.commands import new_user_token  # noqa: E402
+from genie_core.pool.endpoint import Pool  # noqa: E402
+from genie_core.pool.head import HEALTH_CHECKS  # noqa: E402
+from genie_core.protocol import pool as wire  # noqa: E402
+
+
+LOOPBACK = "127.0.0.1"  # every Ray process of the test binds here, never to the machine's address
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(
+        initialize_head=True,
+        connect=True,
+        head_node_args={
+            "node_ip_address": LOOPBACK,
+            "num_cpus": 1,
+            "num_gpus": 0,
+            "include_dashboard": False,
+            "_system_config": HEALTH_CHECKS,
+        },
+    )
+    workers = [c.add_node(node_ip_address=LOOPBACK, num_cpus=1, num_gpus=2) for _ in range(2)]
+    c.wait_for_nodes()
+    c.workers = workers
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pool(cluster, tmp_path_factory):
+    db = f"sqlite:///{tmp_path_factory.mktemp('pool') / 'registry.sqlite'}"
+    p = Pool(ray_address=cluster.address, db=db, port=0, simulate_gpus=True, node_poll=0.2).start().start_in_thread()
+    p.tokens = {}
+    for name, quotas in (("alice", {}), ("bob", {}), ("carol", {}), ("dave", {"max_gpus": 1, "max_sessions": 1})):
+        token = new_user_token(name)
+        p.registry.add_user(name, wire.stored_key(token), **quotas)
+        p.tokens[name] = token
+    yield p
+    p.stop()
+
+
+class Seat:
+    """A user's placed session: the pool's answer and a client connected to the session's server."""
+
+    def __init__(self, pool: Pool, user: str, gpus: int = 1, wait: float = 60.0, on_wait=None) -> None:
+        self.pool_session = PoolSession("127.0.0.1", pool.port, pool.tokens[user], timeout=60)
+        self.placed = self.pool_session.place(gpus, wait=wait, on_wait=on_wait)
+        self.client = Client(self.placed["host"], self.placed["port"], self.placed["token"], timeout=30).connect()
+
+    def run(self, code: str) -> str:
+        return "".join(
+            m.content.get("text", "") for m in self.client.execute(code).replies(30) if m.type == "stream"
+        ).strip()
+
+    def close(self) -> None:
+        self.client.close()
+        self.pool_session.close()
+
+
+def _wait_free(pool: Pool, gpus: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while pool.status()["free"] < gpus and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def test_two_users_are_placed_on_distinct_gpus_that_ray_gave_them(pool):
+    alice, bob = Seat(pool, "alice"), Seat(pool, "bob")
+    try:
+        seats = {(s.placed["node_id"], tuple(s.placed["gpu_ids"])) for s in (alice, bob)}
+        assert len(seats) == 2, seats
+        for seat in (alice, bob):
+            # Ray set CUDA_VISIBLE_DEVICES for the actor; the session's cells run under it
+            assert seat.run("import os; print(os.environ.get('CUDA_VISIBLE_DEVICES'))") == ",".join(
+                seat.placed["gpu_ids"]
+            )
+            assert seat.placed["total"] == 4
+        assert alice.run("x = 41; print(x + 1)") == "42"
+        status = pool.status(viewer="bob")
+        held = [h for n in status["nodes"] for h in n["sessions"]]
+        assert {h["user"] for h in held} == {"alice", "bob"}
+        assert all("name" not in h for h in held if h["user"] == "alice")  # bob sees who, not what
+    finally:
+        alice.close()
+        bob.close()
+    _wait_free(pool, 4)
+    assert pool.status()["free"] == 4  # both sessions ended with their clients: Ray freed the GPUs
+
+
+def test_a_full_pool_queues_in_order_and_places_when_a_gpu_frees(pool):
+    _wait_free(pool, 4)
+    holders = [Seat(pool, "alice", gpus=2), Seat(pool, "bob", gpus=2)]
+    waits: list[str] = []
+    try:
+        import threading
+
+        got: dict[str, Seat] = {}
+        t = threading.Thread(target=lambda: got.setdefault("carol", Seat(pool, "carol", on_wait=waits.append)))
+        t.start()
+        deadline = time.monotonic() + 10
+        while not waits and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert waits and "0 session(s) ahead of you; 0 of 4 GPUs free" in waits[0], waits
+        assert not got
+        holders.pop(0).close()  # alice leaves: her 2 GPUs free, carol is placed
+        t.join(60)
+        assert "carol" in got
+        assert got["carol"].run("print('placed')") == "placed"
+        assert got["carol"].placed["waited"] > 0.1
+        holders.append(got["carol"])
+    finally:
+        for seat in holders:
+            seat.close()
+
+
+def test_quotas_are_refused_with_the_quota_named(pool):
+    _wait_free(pool, 4)
+    with pytest.raises(PlacementFailed, match="quota: dave may hold 1 GPU"):
+        Seat(pool, "dave", gpus=2)
+    first = Seat(pool, "dave")
+    try:
+        with pytest.raises(PlacementFailed, match="quota: dave may have 1 session"):
+            Seat(pool, "dave")
+    finally:
+        first.close()
+    with pytest.raises(PlacementFailed, match="no node of this pool has 3 GPUs"):
+        Seat(pool, "alice", gpus=3)
+
+
+def test_no_user_reaches_another_users_session(pool):
+    _wait_free(pool, 4)
+    alice = Seat(pool, "alice")
+    try:
+        alice.run("secret = 'alice only'")
+        # bob knows where alice's server is, but not its token: his own token does not open it
+        with pytest.raises(AuthenticationError):
+            Client(alice.placed["host"], alice.placed["port"], pool.tokens["bob"], timeout=5).connect()
+        # a wrong token for a user is refused by the pool itself
+        with pytest.raises(AuthenticationError):
+            PoolSession("127.0.0.1", pool.port, "alice:not-her-token", timeout=5).status()
+        # bob cannot end alice's session through the pool
+        bob = PoolSession("127.0.0.1", pool.port, pool.tokens["bob"], timeout=10)
+        rid, key = bob._request("end", session=alice.placed["session"])
+        assert bob._receive(rid, key, 10)["kind"] == "error"
+        bob.close()
+        assert alice.run("print(secret)") == "alice only"
+    finally:
+        alice.close()
+
+
+def test_a_restarted_pool_endpoint_leaves_sessions_running_and_finds_them(pool, cluster):
+    _wait_free(pool, 4)
+    alice = Seat(pool, "alice")
+    try:
+        alice.run("kept = 7")
+        session_id = alice.placed["session"]
+        pool.stop()
+        again = Pool(ray_address=cluster.address, db=pool.registry.url, port=0, simulate_gpus=True).start()
+        again.start_in_thread()
+        try:
+            assert session_id in again.sessions
+            assert again.sessions[session_id].user == "alice"
+            assert alice.run("print(kept)") == "7"  # the session's server never stopped
+        finally:
+            again.stop()
+    finally:
+        alice.close()
+        # the module's pool object is stopped: later tests use a fresh one
+        pool.__init__(ray_address=cluster.address, db=pool.registry.url, port=0, simulate_gpus=True, node_poll=0.2)
+        tokens = pool.tokens if hasattr(pool, "tokens") else {}
+        pool.start().start_in_thread()
+        pool.tokens = tokens
+
+
+def test_a_node_that_dies_has_its_sessions_reported_lost_within_5_s(pool, cluster):
+    _wait_free(pool, 4)
+    alice = Seat(pool, "alice", gpus=2)
+    bob = Seat(pool, "bob", gpus=2)  # on the other node: the pool has two, each with 2 GPUs
+    try:
+        lost: list[str] = []
+        alice.pool_session.watch(lost.append)
+        bob_lost: list[str] = []
+        bob.pool_session.watch(bob_lost.append)
+        time.sleep(1.5)  # the watch has told the pool where alice is
+        node = next(n for n in cluster.workers if n.node_id == alice.placed["node_id"])
+        t0 = time.monotonic()
+        cluster.remove_node(node, allow_graceful=False)
+        while not lost and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        took = time.monotonic() - t0
+        assert lost and "left the pool" in lost[0], lost
+        assert took < 5.0, f"NODE_LOST took {took:.1f} s"
+        assert bob.run("print('still here')") == "still here"
+        assert not bob_lost
+    finally:
+        for seat in (alice, bob):
+            try:
+                seat.close()
+            except (GenieError, ConnectionLost):
+                pass
