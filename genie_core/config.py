@@ -9,8 +9,8 @@ import os
 import secrets
 import socket
 import tempfile
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 

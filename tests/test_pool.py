@@ -25,7 +25,6 @@ from genie_core.pool.endpoint import Pool  # noqa: E402
 from genie_core.pool.head import HEALTH_CHECKS  # noqa: E402
 from genie_core.protocol import pool as wire  # noqa: E402
 
-
 LOOPBACK = "127.0.0.1"  # every Ray process of the test binds here, never to the machine's address
 
 
