@@ -16,6 +16,7 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 ray = pytest.importorskip("ray", reason="the pool needs Ray: pip install 'genie-jupyter[pool]'")
 
 from ray.cluster_utils import Cluster  # noqa: E402
+from reliability import record  # noqa: E402
 
 from genie_core.client import Client  # noqa: E402
 from genie_core.client.pool import PlacementFailed, PoolSession  # noqa: E402
@@ -67,7 +68,11 @@ class Seat:
 
     def __init__(self, pool: Pool, user: str, gpus: int = 1, wait: float = 60.0, on_wait=None) -> None:
         self.pool_session = PoolSession("127.0.0.1", pool.port, pool.tokens[user], timeout=60)
-        self.placed = self.pool_session.place(gpus, wait=wait, on_wait=on_wait)
+        try:
+            self.placed = self.pool_session.place(gpus, wait=wait, on_wait=on_wait)
+        except BaseException:
+            self.pool_session.close()
+            raise
         self.client = Client(self.placed["host"], self.placed["port"], self.placed["token"], timeout=30).connect()
 
     def run(self, code: str) -> str:
@@ -80,10 +85,12 @@ class Seat:
         self.pool_session.close()
 
 
-def _wait_free(pool: Pool, gpus: int, timeout: float = 30.0) -> None:
+def _wait_free(pool: Pool, gpus: int, timeout: float = 10.0) -> None:
+    """Sessions whose clients left are ended and their GPUs free again, within seconds."""
     deadline = time.monotonic() + timeout
     while pool.status()["free"] < gpus and time.monotonic() < deadline:
         time.sleep(0.1)
+    assert pool.status()["free"] >= gpus, pool.status()
 
 
 def test_two_users_are_placed_on_distinct_gpus_that_ray_gave_them(pool):
@@ -158,8 +165,10 @@ def test_no_user_reaches_another_users_session(pool):
         with pytest.raises(AuthenticationError):
             Client(alice.placed["host"], alice.placed["port"], pool.tokens["bob"], timeout=5).connect()
         # a wrong token for a user is refused by the pool itself
+        impostor = PoolSession("127.0.0.1", pool.port, "alice:not-her-token", timeout=5)
         with pytest.raises(AuthenticationError):
-            PoolSession("127.0.0.1", pool.port, "alice:not-her-token", timeout=5).status()
+            impostor.status()
+        impostor.close()
         # bob cannot end alice's session through the pool
         bob = PoolSession("127.0.0.1", pool.port, pool.tokens["bob"], timeout=10)
         rid, key = bob._request("end", session=alice.placed["session"])
@@ -212,6 +221,9 @@ def test_a_node_that_dies_has_its_sessions_reported_lost_within_5_s(pool, cluste
         took = time.monotonic() - t0
         assert lost and "left the pool" in lost[0], lost
         assert took < 5.0, f"NODE_LOST took {took:.1f} s"
+        record(
+            "Pool (tests/test_pool.py)", "a node removed (crash): its session's client told it is lost", f"{took:.1f} s"
+        )
         assert bob.run("print('still here')") == "still here"
         assert not bob_lost
     finally:

@@ -29,6 +29,7 @@ from .session_actor import NAMESPACE, PREFIX, SessionActor
 log = logging.getLogger("genie.pool")
 
 DAY = 86400.0
+UNREACHABLE_GRACE = 15.0  # seconds a session actor may be unreachable on a live node before we ask again
 
 
 @dataclass
@@ -76,6 +77,7 @@ class Pool:
         self.nodes: dict[str, dict[str, Any]] = {}  # Ray's node table, by node id
         self._placing: dict[Any, str] = {}  # info() refs of actors being created -> session id
         self._ending: dict[Any, str] = {}  # wait_ended() refs -> session id
+        self._unreachable: dict[str, float] = {}  # session id -> since when its actor could not be reached
         self._replays = wire.Replays()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -136,6 +138,7 @@ class Pool:
         now = time.monotonic()
         if now - self._nodes_read >= self.node_poll:
             self._read_nodes()
+            self._recheck_unreachable()
         self._collect()
         for ask in self.queue.expired(time.time()):
             self.registry.session_ended(ask.session_id, "queue timeout")
@@ -349,22 +352,34 @@ class Pool:
 
     def _on_ended(self, session_id: str, ref: Any) -> None:
         import ray
+        from ray.exceptions import ActorUnavailableError
 
         placed = self.sessions.get(session_id)
         if placed is None:
             return
         try:
             reason = str(ray.get(ref))
-        except Exception as exc:  # the actor died: its node, or its process
+        except ActorUnavailableError:
+            # Cannot reach it: its node may be dying. Ray's node table says so within seconds (see
+            # head.HEALTH_CHECKS); until then, or UNREACHABLE_GRACE, it is only unreachable.
+            self._unreachable[session_id] = time.monotonic()
+            return
+        except Exception as exc:  # the actor died: its process, or its node
             node = self.nodes.get(placed.node_id, {})
-            reason = (
-                f"node {node.get('name', placed.node_id[:12])} left the pool"
-                if not node.get("alive", False)
-                else f"its process died ({type(exc).__name__})"
-            )
-            self._lost(placed, reason)
+            gone = f"node {node.get('name', placed.node_id[:12])} left the pool"
+            self._lost(placed, gone if not node.get("alive", False) else f"its process died ({type(exc).__name__})")
             return
         self._forget(placed, reason)
+
+    def _recheck_unreachable(self) -> None:
+        """Sessions unreachable for longer than the grace, on a node Ray still calls alive: ask again."""
+        for session_id, since in list(self._unreachable.items()):
+            placed = self.sessions.get(session_id)
+            if placed is None:
+                self._unreachable.pop(session_id)
+            elif time.monotonic() - since > UNREACHABLE_GRACE:
+                self._unreachable.pop(session_id)
+                self._ending[placed.actor.wait_ended.remote()] = session_id
 
     def _lost(self, placed: Placed, reason: str) -> None:
         if placed.watcher is not None:

@@ -65,7 +65,7 @@ class SessionActor:
         seen = False
         while thread is not None and thread.is_alive():
             live = len(self.server.sessions.live)
-            seen = seen or live > 0
+            seen = seen or live > 0 or bool(self.server.sessions.ended)  # one may have come and gone between looks
             if seen and live == 0:
                 reason = "its client ended it"
                 break
