@@ -178,7 +178,11 @@ class GenieMagics(Magics):
     )
     @argument("--connection-file", default=None, help="connection file written by `genie serve`")
     @argument("--timeout", type=float, default=None, help="seconds to wait for the server (default 30)")
-    @argument("--gpus", default=None, help="GPU indices for an embedded server, e.g. 0,1")
+    @argument(
+        "--gpus",
+        default=None,
+        help="a pool: how many GPUs to ask for (default 1); an embedded server: GPU indices, e.g. 0,1",
+    )
     @argument(
         "--session",
         default=None,
@@ -196,14 +200,20 @@ class GenieMagics(Magics):
         def on_phase(name: str, seconds: float) -> None:
             progress.phases = [*progress.phases, {"name": name, "seconds": seconds}]
 
+        def on_wait(text: str) -> None:  # a full pool: the queue, live
+            progress.summary = text
+
+        local = args.address in (None, "", "local")
         state = genie_core.init_sync(
             master_addr=args.address,
             token=args.token,
             connection_file=args.connection_file,
             timeout=args.timeout,
-            gpus=args.gpus,
+            gpus=args.gpus if local else None,
+            pool_gpus=_gpu_count(args.gpus) if not local and args.gpus is not None else None,
             session_name=args.session,
             on_phase=on_phase,
+            on_wait=on_wait,
         )
         progress.summary = summary(state)
         # Shown once: the widget draws it, and the text snapshot (front ends without widgets) is refreshed.
@@ -431,6 +441,16 @@ def jobs_table(jobs: list[Job]) -> str:
     return "\n".join(rows)
 
 
+def _gpu_count(text: str) -> int:
+    try:
+        count = int(text)
+    except ValueError:
+        raise genie_core.ConfigError(f"--gpus {text!r}: a pool takes a number of GPUs, e.g. --gpus 2") from None
+    if count < 0:
+        raise genie_core.ConfigError(f"--gpus {count}: expected 0 or more")
+    return count
+
+
 def summary(state: genie_core.ClusterState) -> str:
     node = state.node
     gpus = node.get("gpus") or []
@@ -449,6 +469,14 @@ def summary(state: genie_core.ClusterState) -> str:
         f"Connected to {where} genie://{state.address} "
         f"(node {node.get('node_id', '?')}; {gpu_text}; session {session}) in {took:.2f} s"
     )
+    placed = state.placement
+    if placed is not None:
+        held = ", ".join(
+            f"GPU {i} ({n})" for i, n in zip(placed["gpu_ids"], placed.get("gpu_names") or [], strict=False)
+        )
+        text += f"\nplaced on {placed['node']}, {held or 'no GPU'}; {placed['free']} of {placed['total']} GPUs free" + (
+            f" (waited {placed['waited']:.0f} s)" if placed.get("waited", 0) >= 1 else ""
+        )
     if client is not None and client.session_name:
         if client.attached:
             age = _age(time.time() - (client.session_created or time.time()))

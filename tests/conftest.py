@@ -202,3 +202,58 @@ def _orphaned(name: str) -> bool:
     except PermissionError:
         pass
     return False
+
+
+class PostgreSQL:
+    """A private PostgreSQL server for one test run: its own data folder, a Unix socket in its own
+    folder, no TCP port. Started as the postgres user (PostgreSQL refuses to run as root)."""
+
+    def __init__(self) -> None:
+        import glob
+        import pwd
+        import shutil
+        import tempfile
+
+        found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+        bindir = Path(found[-1]).parent if found else None
+        if bindir is None and shutil.which("initdb"):
+            bindir = Path(shutil.which("initdb") or "").parent
+        if bindir is None:
+            pytest.skip("PostgreSQL is not installed (Debian: apt-get install postgresql; .ci/run does)")
+        self.bindir = bindir
+        self.home = Path(tempfile.mkdtemp(prefix="genie-pg-"))
+        self.data, self.socket = self.home / "data", self.home / "socket"
+        self.socket.mkdir()
+        self.as_user: list[str] = []
+        if os.geteuid() == 0:
+            entry = pwd.getpwnam("postgres")
+            for path in (self.home, self.socket):
+                os.chown(path, entry.pw_uid, entry.pw_gid)
+            self.as_user = ["runuser", "-u", "postgres", "--"]
+        self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", "genie", "--no-sync")
+        self.start()
+
+    def _run(self, tool: str, *args: str) -> None:
+        done = subprocess.run([*self.as_user, str(self.bindir / tool), *args], capture_output=True, text=True)
+        assert done.returncode == 0, f"{tool}: {done.stderr or done.stdout}"
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://genie@/postgres?host={self.socket}"
+
+    def start(self) -> None:
+        options = f"-c listen_addresses='' -k {self.socket} -c fsync=off"
+        self._run("pg_ctl", "-D", str(self.data), "-o", options, "-l", str(self.home / "log"), "-w", "start")
+
+    def stop(self) -> None:
+        self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop")
+
+
+@pytest.fixture(scope="session")
+def postgresql():
+    import shutil
+
+    server = PostgreSQL()
+    yield server
+    server.stop()
+    shutil.rmtree(server.home, ignore_errors=True)

@@ -232,3 +232,41 @@ def test_a_node_that_dies_has_its_sessions_reported_lost_within_5_s(pool, cluste
                 seat.close()
             except (GenieError, ConnectionLost):
                 pass
+
+
+def test_a_notebook_waits_in_the_queue_then_runs_cells_on_its_gpu(pool):
+    """%genie_init against the pool in a real kernel: the queue shown live while the pool is full,
+    then "placed on ...", and %%remote cells on the GPUs Ray gave the session."""
+    import json
+    import threading
+
+    from jupyter_client.manager import start_new_kernel
+    from test_kernel import execute, init_summary, stdout
+
+    _wait_free(pool, 4)
+    holders = [Seat(pool, "bob", gpus=2), Seat(pool, "carol", gpus=2)]
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        execute(kc, "%load_ext genie_jupyter")
+        threading.Timer(4.0, lambda: holders.pop(0).close()).start()  # bob leaves while alice waits
+        reply, msgs = execute(kc, f"%genie_init 127.0.0.1:{pool.port} --token {pool.tokens['alice']} --gpus 2")
+        assert reply["status"] == "ok", msgs
+        shown = json.dumps([m["content"] for _, m in msgs])
+        assert "waiting for 2 GPU(s): 0 session(s) ahead of you; 0 of 4 GPUs free" in shown
+        text = init_summary(msgs)
+        assert "placed on " in text and "of 4 GPUs free" in text and "(waited " in text, text
+        reply, msgs = execute(kc, "import genie_core; print(*genie_core.get_cluster_state().placement['gpu_ids'])")
+        held = stdout(msgs).split()
+        assert len(held) == 2, msgs
+        for gpu in held:  # one worker a GPU, each seeing only its own (%%remote --gpu N)
+            reply, msgs = execute(kc, f"%%remote --gpu {gpu}\nimport os\nprint(os.environ['CUDA_VISIBLE_DEVICES'])")
+            assert reply["status"] == "ok", msgs
+            assert stdout(msgs).strip() == gpu
+        reply, msgs = execute(kc, "%genie_shutdown")
+        assert reply["status"] == "ok", msgs
+        _wait_free(pool, 2)  # alice's session ended with her shutdown: only carol's 2 GPUs are held
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+        for seat in holders:
+            seat.close()
