@@ -16,7 +16,15 @@ from genie_core.config import ConnectionInfo
 from genie_core.local_server import start_server_process, stop_process
 
 # The longest files first, so that the two test processes finish together (measured in a CI run).
-LONGEST_FIRST = ("test_soak", "test_interrupts", "test_connect", "test_netns", "test_kernel", "test_benchmarks")
+LONGEST_FIRST = (
+    "test_soak",
+    "test_interrupts",
+    "test_connect",
+    "test_pool",
+    "test_netns",
+    "test_kernel",
+    "test_benchmarks",
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -56,10 +56,13 @@ def _user(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
+    from .head import LOCAL_ONLY, start_local_head
+
+    if args.ray_address is None:
+        os.environ.update(LOCAL_ONLY)  # read when ray is imported
     import ray
 
     from .endpoint import Pool
-    from .head import start_local_head
 
     address = args.ray_address
     if address is None:

@@ -8,6 +8,7 @@ endpoint stops); `ray start --head` runs it apart, and a later `genie pool up` f
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -22,6 +23,12 @@ HEALTH_CHECKS = {
     "health_check_timeout_ms": 1000,
     "health_check_failure_threshold": 3,
 }
+
+
+# Ray puts a node on this machine's network address, even when told 127.0.0.1, unless multi-node
+# clusters are off, as they are on Windows and macOS; then every address is the loopback. A local
+# head is for one machine (and Ray's ports have no authentication), so it runs that way.
+LOCAL_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 def _free_port() -> int:
@@ -48,7 +55,7 @@ def start_local_head(gpus: int, cpus: int | None = None) -> str:
     ]
     if cpus is not None:
         command.append(f"--num-cpus={cpus}")
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=dict(os.environ, **LOCAL_ONLY))
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
         raise ConfigError("could not start a local Ray head: " + " | ".join(tail))
