@@ -196,6 +196,7 @@ def _add_pool_commands(sub: argparse._SubParsersAction) -> None:
     up.add_argument(
         "--queue-timeout", type=float, default=600.0, metavar="SECONDS", help="longest wait in the queue (600)"
     )
+    pool_sub.add_parser("down", help="stop the local Ray head that `genie pool up` started (ends its sessions)")
     user = pool_sub.add_parser("user", help="users of the pool and their quotas")
     user_sub = user.add_subparsers(dest="user_command", required=True)
     for name, text in (("add", "add a user and print their token"), ("token", "give a user a new token")):

@@ -5,6 +5,7 @@ Each session is a Ray actor running its own genie server; users reach it through
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 
@@ -112,8 +113,14 @@ def test_two_users_are_placed_on_distinct_gpus_that_ray_gave_them(pool):
     finally:
         alice.close()
         bob.close()
-    _wait_free(pool, 4)
-    assert pool.status()["free"] == 4  # both sessions ended with their clients: Ray freed the GPUs
+    _wait_free(pool, 4)  # both sessions ended with their clients: Ray freed the GPUs
+    # The audit log: alice's cells by hash and size, with the node and GPU, in the registry
+    cells = [e for e in pool.registry.events(user="alice") if e["kind"] == "cell"]
+    code = "x = 41; print(x + 1)"
+    mine = [c for c in cells if c["code_sha256"] == hashlib.sha256(code.encode()).hexdigest()]
+    assert len(mine) == 1 and mine[0]["bytes"] == len(code), cells
+    assert mine[0]["gpu"] == alice.placed["gpu_ids"][0] and mine[0]["node"] == alice.placed["node"]
+    assert mine[0]["session"] == alice.placed["session"]
 
 
 def test_a_full_pool_queues_in_order_and_places_when_a_gpu_frees(pool):
@@ -270,3 +277,46 @@ def test_a_notebook_waits_in_the_queue_then_runs_cells_on_its_gpu(pool):
         km.shutdown_kernel(now=True)
         for seat in holders:
             seat.close()
+
+
+def test_the_embedded_pool_from_the_command_line(tmp_path):
+    """What an admin types: `genie pool user add`, `genie pool up --simulate-gpus 2` (a local Ray
+    head of its own, on the loopback), `genie pool status`, `genie pool down`."""
+    import subprocess
+    import sys
+
+    import genie_core
+
+    env = dict(os.environ, GENIE_STATE_DIR=str(tmp_path / "state"))
+    env.pop("RAY_ADDRESS", None)
+    genie = [sys.executable, "-m", "genie_core"]
+    token = subprocess.run([*genie, "pool", "user", "add", "erin"], env=env, capture_output=True, text=True)
+    assert token.returncode == 0 and token.stdout.startswith("erin:"), token
+    up = subprocess.Popen(
+        [*genie, "pool", "up", "--simulate-gpus", "2", "--port", "0"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        line = up.stdout.readline() if up.stdout else ""
+        assert line.startswith("genie pool at 127.0.0.1:") and "2 GPU(s)" in line, line
+        address = line.split()[3].rstrip(":")
+        state = genie_core.init_sync(address, token=token.stdout.strip(), pool_gpus=1)
+        try:
+            assert state.client.execute("print(6 * 7)").wait(30).content["status"] == "ok"
+            status = subprocess.run(
+                [*genie, "pool", "status", address, "--token", token.stdout.strip()],
+                env=env,
+                capture_output=True,
+                text=True,
+            )
+            assert "1 of 2 GPUs free" in status.stdout and "erin" in status.stdout, status
+        finally:
+            genie_core.shutdown_sync()
+    finally:
+        up.terminate()
+        up.wait(30)
+        down = subprocess.run([*genie, "pool", "down"], env=env, capture_output=True, text=True)
+        assert down.returncode == 0 and "stopped the local Ray head" in down.stdout, down

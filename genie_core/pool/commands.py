@@ -7,6 +7,7 @@ import json
 import os
 import re
 import secrets
+from pathlib import Path
 from typing import Any
 
 from ..config import state_dir
@@ -31,6 +32,8 @@ def run(args: argparse.Namespace) -> int:
         return _up(args)
     if args.pool_command == "user":
         return _user(args)
+    if args.pool_command == "down":
+        return _down(args)
     return _status(args)
 
 
@@ -60,16 +63,18 @@ def _up(args: argparse.Namespace) -> int:
 
     if args.ray_address is None:
         os.environ.update(LOCAL_ONLY)  # read when ray is imported
-    import ray
 
     from .endpoint import Pool
 
     address = args.ray_address
-    if address is None:
-        try:
-            ray.init(address="auto", namespace="genie-pool", log_to_driver=False)  # a head left by an earlier `up`
-        except ConnectionError:
-            address = start_local_head(args.simulate_gpus or 0)
+    if address is None:  # the local head an earlier `up` started, else a new one
+        head = _head_file()
+        known = json.loads(head.read_text()) if head.exists() else {}
+        if known and Path(known.get("folder", "")).is_dir():
+            address = known["address"]
+        else:
+            address, folder = start_local_head(args.simulate_gpus or 0)
+            head.write_text(json.dumps({"address": address, "folder": folder}))
     pool = Pool(
         ray_address=address,
         db=args.db or default_db(),
@@ -90,6 +95,25 @@ def _up(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     print("genie pool stopped (running sessions go on; `genie pool up` again finds them)", flush=True)
+    return 0
+
+
+def _head_file() -> Path:
+    return state_dir("pool") / "local-head.json"
+
+
+def _down(args: argparse.Namespace) -> int:
+    """End the local Ray head that `genie pool up` started, and with it every session on it."""
+    from .head import stop_local_head
+
+    head = _head_file()
+    if not head.exists():
+        print("no local Ray head was started by `genie pool up` (a cluster of your own: `ray stop` on its nodes)")
+        return 1
+    known = json.loads(head.read_text())
+    ended = stop_local_head(known["folder"])
+    head.unlink()
+    print(f"stopped the local Ray head at {known['address']} ({ended} processes)")
     return 0
 
 

@@ -29,6 +29,7 @@ from .session_actor import NAMESPACE, PREFIX, SessionActor
 log = logging.getLogger("genie.pool")
 
 DAY = 86400.0
+AUDIT_EVERY = 1.0  # seconds between collections of the cells sessions ran (the audit log)
 UNREACHABLE_GRACE = 15.0  # seconds a session actor may be unreachable on a live node before we ask again
 
 
@@ -78,6 +79,8 @@ class Pool:
         self._placing: dict[Any, str] = {}  # info() refs of actors being created -> session id
         self._ending: dict[Any, str] = {}  # wait_ended() refs -> session id
         self._unreachable: dict[str, float] = {}  # session id -> since when its actor could not be reached
+        self._auditing: dict[Any, str] = {}  # take_cells() refs -> session id
+        self._audited = 0.0
         self._replays = wire.Replays()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -139,6 +142,9 @@ class Pool:
         if now - self._nodes_read >= self.node_poll:
             self._read_nodes()
             self._recheck_unreachable()
+        if now - self._audited >= AUDIT_EVERY:
+            self._audited = now
+            self._ask_for_cells()
         self._collect()
         for ask in self.queue.expired(time.time()):
             self.registry.session_ended(ask.session_id, "queue timeout")
@@ -302,15 +308,37 @@ class Pool:
         """Actors that came up (answer their users) and sessions that ended (free their GPUs)."""
         import ray
 
-        refs = list(self._placing) + list(self._ending)
+        refs = list(self._placing) + list(self._ending) + list(self._auditing)
         if not refs:
             return
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         for ref in ready:
             if ref in self._placing:
                 self._on_up(self._placing.pop(ref), ref)
+            elif ref in self._auditing:
+                self._on_cells(self._auditing.pop(ref), ref)
             else:
                 self._on_ended(self._ending.pop(ref), ref)
+
+    def _ask_for_cells(self) -> None:
+        busy = set(self._auditing.values())
+        for session_id, placed in self.sessions.items():
+            if placed.port and session_id not in busy and session_id not in self._unreachable:
+                self._auditing[placed.actor.take_cells.remote()] = session_id
+
+    def _on_cells(self, session_id: str, ref: Any, timeout: float | None = None) -> None:
+        """The audit log: who ran what (a hash of the code, its size), when, on which node and GPU."""
+        import ray
+
+        placed = self.sessions.get(session_id)
+        try:
+            cells = ray.get(ref, timeout=timeout)
+        except Exception:  # its actor is going; its end is handled by wait_ended
+            return
+        node = self.nodes.get(placed.node_id, {}).get("name", "") if placed is not None else ""
+        user = placed.user if placed is not None else None
+        for cell in cells:
+            self.registry.event("cell", user, session_id, {**cell, "node": node}, at=cell["time"])
 
     def _on_up(self, session_id: str, ref: Any) -> None:
         import ray
@@ -369,7 +397,10 @@ class Pool:
             gone = f"node {node.get('name', placed.node_id[:12])} left the pool"
             self._lost(placed, gone if not node.get("alive", False) else f"its process died ({type(exc).__name__})")
             return
-        self._forget(placed, reason)
+        try:  # the last cells, before the actor goes
+            self._on_cells(session_id, placed.actor.take_cells.remote(), timeout=2.0)
+        finally:
+            self._forget(placed, reason)
 
     def _recheck_unreachable(self) -> None:
         """Sessions unreachable for longer than the grace, on a node Ray still calls alive: ask again."""

@@ -7,11 +7,17 @@ endpoint stops); `ray start --head` runs it apart, and a later `genie pool up` f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 from ..errors import ConfigError
 
@@ -37,9 +43,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_local_head(gpus: int, cpus: int | None = None) -> str:
-    """Start a Ray head on this machine declaring `gpus` GPUs; returns its address."""
+def start_local_head(gpus: int, cpus: int | None = None) -> tuple[str, str]:
+    """Start a Ray head on this machine declaring `gpus` GPUs, its files in a folder of its own;
+    returns its address and that folder (every process of it names the folder: see `stop_local_head`)."""
     port = _free_port()
+    folder = Path(tempfile.gettempdir()) / f"genie-ray-{port}"  # short: Ray's Unix sockets live under it
     command = [
         sys.executable,
         "-m",
@@ -49,6 +57,7 @@ def start_local_head(gpus: int, cpus: int | None = None) -> str:
         "--node-ip-address=127.0.0.1",
         f"--port={port}",
         f"--num-gpus={gpus}",
+        f"--temp-dir={folder}",
         "--include-dashboard=false",
         "--disable-usage-stats",
         f"--system-config={json.dumps(HEALTH_CHECKS)}",
@@ -59,8 +68,25 @@ def start_local_head(gpus: int, cpus: int | None = None) -> str:
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
         raise ConfigError("could not start a local Ray head: " + " | ".join(tail))
-    return f"127.0.0.1:{port}"
+    return f"127.0.0.1:{port}", str(folder)
 
 
-def stop_local_head() -> None:
-    subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True, timeout=60)
+def stop_local_head(folder: str, grace: float = 5.0) -> int:
+    """End the processes of the head whose files are in `folder` (and no other Ray on this machine:
+    `ray stop` would end them all). Returns how many there were."""
+    mine = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if folder.encode() in (proc / "cmdline").read_bytes():
+                mine.append(int(proc.name))
+        except OSError:
+            continue
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in mine:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in mine):
+            time.sleep(0.1)
+    shutil.rmtree(folder, ignore_errors=True)
+    return len(mine)

@@ -177,10 +177,12 @@ class Registry:
         return sum(gpus * (min(ended or now, now) - max(placed, since)) for gpus, placed, ended in rows) / 3600
 
     # -- events: the audit log -----------------------------------------------------------
-    def event(self, kind: str, user: str | None, session_id: str | None, detail: dict[str, Any]) -> None:
+    def event(
+        self, kind: str, user: str | None, session_id: str | None, detail: dict[str, Any], at: float | None = None
+    ) -> None:
         self._run(
             "INSERT INTO events VALUES (?, ?, ?, ?, ?)",
-            (time.time(), kind, user, session_id, json.dumps(detail, sort_keys=True)),
+            (at or time.time(), kind, user, session_id, json.dumps(detail, sort_keys=True)),
         )
 
     def events(self, limit: int = 100, user: str | None = None) -> list[dict[str, Any]]:

@@ -7,6 +7,8 @@ the node and sets CUDA_VISIBLE_DEVICES; the server offers exactly those GPUs.
 
 from __future__ import annotations
 
+import hashlib
+import threading
 import time
 from typing import Any
 
@@ -42,7 +44,32 @@ class SessionActor:
             session_lease=spec.get("session_lease") or None,
         )
         self.started = time.time()
-        self.server = Server(config).start().start_in_thread()
+        self.cells: list[dict[str, Any]] = []  # the audit trail, until the pool collects it
+        self._cells_lock = threading.Lock()
+        self.server = Server(config)
+        self.server.on_cell = self._on_cell
+        self.server.start().start_in_thread()
+
+    def _on_cell(self, session: Any, msg: Any) -> None:
+        """Who ran what, where: the code's hash and size (not the code), time, GPU."""
+        code = str(msg.content.get("code", ""))
+        gpu = msg.content.get("gpu")
+        record = {
+            "time": time.time(),
+            "code_sha256": hashlib.sha256(code.encode()).hexdigest(),
+            "bytes": len(code.encode()),
+            "gpu": str(gpu) if gpu is not None else (self.gpu_ids[0] if self.gpu_ids else ""),
+            "job": bool(msg.content.get("job")),
+        }
+        with self._cells_lock:
+            self.cells.append(record)
+            del self.cells[:-10_000]  # bounded if nobody collects
+
+    def take_cells(self) -> list[dict[str, Any]]:
+        """The cells run since the last call (the pool writes them to its audit log)."""
+        with self._cells_lock:
+            taken, self.cells = self.cells, []
+        return taken
 
     def info(self) -> dict[str, Any]:
         """Where the session's client connects, and what it holds."""

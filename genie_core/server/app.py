@@ -96,6 +96,8 @@ class Server:
         self._seq = 0
         self._lifeline = Lifeline()  # every worker holds its read end
         self._handlers = self._handler_table()
+        # Who embeds the server may hear of each cell (a pool's audit log); called on the loop thread
+        self.on_cell: Callable[[Session, Message], None] | None = None
         self.admission = Admission(
             self.codec,
             self.sessions.live,
@@ -432,6 +434,8 @@ class Server:
 
     def _on_execute(self, session: Session, msg: Message) -> None:
         """A cell; one sent with `job` runs as a background job, whose output the session keeps."""
+        if self.on_cell is not None:
+            self.on_cell(session, msg)
         if "job" in msg.content:
             problem = session.jobs.start(msg)
             if problem:
