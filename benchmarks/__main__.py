@@ -22,6 +22,7 @@ ALL = [
     "concurrency",
     "message_signing",
     "llm",
+    "pool",
     "soak",
 ]
 

@@ -1,0 +1,151 @@
+"""The GPU pool (issue 15) on a real Ray cluster on this machine (a head and two worker nodes of
+2 simulated GPUs each, on the loopback):
+
+- `init` to the first cell's answer on a free pool, with Ray's workers warm (goal: under 2 s);
+- a trivial cell's round trip in a pool session beside one against a direct `genie serve`,
+  interleaved (goal: at most 1.3x; a pool session's client talks to its own server directly);
+- placements a second: the endpoint's decision alone (FIFO and capacity over 100 nodes of 8
+  GPUs, no Ray), and end to end (ask, Ray places the actor, its server starts, answer).
+
+Not measured: the endpoint's CPU at 100 nodes x 8 GPUs of readings at 1 Hz, because per-node
+monitor actors that stream readings to the pool are not built yet.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # every Ray address the loopback (see genie_core.pool.head)
+
+import genie_core
+
+from . import _servers
+
+
+def _cells(client, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        assert client.execute("x = 1").wait(30).content["status"] == "ok"
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def _decisions(n: int) -> float:
+    """Decisions a second by the endpoint's queue and capacity logic over 100 nodes of 8 GPUs."""
+    from genie_core.pool.endpoint import Placed, Pool
+    from genie_core.pool.queue import Ask
+
+    pool = Pool.__new__(Pool)  # the decision logic only: no Ray, no socket, no registry
+    Pool.__init__(pool, db=None)
+    pool.nodes = {f"n{i}": {"alive": True, "gpus": 8, "name": f"n{i}"} for i in range(100)}
+    created: list[Ask] = []
+
+    def create(ask: Ask) -> None:
+        created.append(ask)
+        pool.sessions[ask.session_id] = Placed(
+            ask.session_id, ask.user, "", ask.gpus, None, node_id=f"n{len(created) % 100}"
+        )
+
+    pool._create = create  # type: ignore[method-assign]
+    pool._answer = lambda ask, reply: None  # type: ignore[method-assign]
+    start = time.perf_counter()
+    for i in range(n):
+        pool.queue.add(Ask(f"s{i}", "u", "", 1, time.time() + 60, b"", "", b""))
+        pool._place()
+        if len(pool.sessions) >= 790:  # keep the pool nearly full: every decision looks at all nodes
+            pool.sessions.pop(next(iter(pool.sessions)))
+    took = time.perf_counter() - start
+    pool.registry.close()
+    return n / took
+
+
+def run(quick: bool = False) -> dict:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from genie_core.client import Client
+    from genie_core.client.pool import PoolSession
+    from genie_core.pool.commands import new_user_token
+    from genie_core.pool.endpoint import Pool
+    from genie_core.pool.head import HEALTH_CHECKS
+    from genie_core.protocol import pool as wire
+
+    n_cells = 50 if quick else 400
+    n_inits = 2 if quick else 8
+    cluster = Cluster(
+        initialize_head=True,
+        connect=True,
+        head_node_args={
+            "node_ip_address": "127.0.0.1",
+            "num_cpus": 1,
+            "num_gpus": 0,
+            "include_dashboard": False,
+            "_system_config": HEALTH_CHECKS,
+        },
+    )
+    for _ in range(2):
+        cluster.add_node(node_ip_address="127.0.0.1", num_cpus=1, num_gpus=2)
+    cluster.wait_for_nodes()
+    folder = tempfile.mkdtemp(prefix="genie-bench-pool-")
+    pool = Pool(ray_address=cluster.address, db=f"sqlite:///{folder}/registry.sqlite", port=0, simulate_gpus=True)
+    pool.start().start_in_thread()
+    token = new_user_token("bench")
+    pool.registry.add_user("bench", wire.stored_key(token))
+    proc, info = _servers.start("--no-ucx")
+    out: dict = {"name": "pool"}
+    try:
+        inits = []
+        for i in range(n_inits + 1):  # the first warms Ray's idle workers; it is not counted
+            t = time.perf_counter()
+            state = genie_core.init_sync(f"127.0.0.1:{pool.port}", token=token, pool_gpus=1)
+            assert state.client is not None
+            assert state.client.execute("x = 1").wait(30).content["status"] == "ok"
+            if i:
+                inits.append(time.perf_counter() - t)
+            if i < n_inits:
+                genie_core.shutdown_sync()
+        direct = Client(info.ip, info.port, info.token, timeout=30).connect()
+        pooled = state.client
+        _cells(direct, 20), _cells(pooled, 20)
+        samples: dict[str, list[float]] = {"direct": [], "pool": []}
+        for _ in range(n_cells):  # interleaved
+            samples["direct"] += _cells(direct, 1)
+            samples["pool"] += _cells(pooled, 1)
+        direct.close()
+        genie_core.shutdown_sync()
+        ends = []  # end to end: ask, placed, connected, first answer; sequential
+        for _ in range(2 if quick else 6):
+            t = time.perf_counter()
+            session = PoolSession("127.0.0.1", pool.port, token, timeout=60)
+            placed = session.place(1)
+            client = Client(placed["host"], placed["port"], placed["token"], timeout=30).connect()
+            ends.append(time.perf_counter() - t)
+            client.close()
+            session.close()
+        out.update(
+            {
+                "init_to_first_cell_s_p50": round(statistics.median(inits), 3),
+                "init_to_first_cell_s_max": round(max(inits), 3),
+                "init_goal_under_2s": statistics.median(inits) < 2.0,
+                "cell_ms_p50_direct": round(1000 * statistics.median(samples["direct"]), 3),
+                "cell_ms_p50_pool": round(1000 * statistics.median(samples["pool"]), 3),
+                "cell_pool_vs_direct": round(
+                    statistics.median(samples["pool"]) / statistics.median(samples["direct"]), 3
+                ),
+                "placements_per_s_decision_only_100x8": round(_decisions(2000 if quick else 20000)),
+                "placements_per_s_end_to_end": round(len(ends) / sum(ends), 2),
+                "cells": n_cells,
+            }
+        )
+        out["cell_goal_at_most_1_3x"] = out["cell_pool_vs_direct"] <= 1.3
+    finally:
+        genie_core.shutdown_sync()
+        _servers.stop(proc)
+        pool.stop()
+        ray.shutdown()
+        cluster.shutdown()
+    return out
