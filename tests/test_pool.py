@@ -186,6 +186,26 @@ def test_no_user_reaches_another_users_session(pool):
         alice.close()
 
 
+def test_an_idle_named_session_is_ended_and_its_gpu_freed(pool):
+    """--idle-timeout: a named session outlives its kernel, and a session the server culls for
+    idleness (after its SESSION_IDLE warning: tests/test_reattach.py) ends its actor."""
+    _wait_free(pool, 4)
+    pool.idle_timeout, pool.session_lease = 3.0, 1.0  # read as each session is made
+    try:
+        session = PoolSession("127.0.0.1", pool.port, pool.tokens["alice"], timeout=60)
+        placed = session.place(1, name="work")
+        client = Client(placed["host"], placed["port"], placed["token"], timeout=30, session_name="work").connect()
+        client.execute("kept = 1").wait(30)
+        assert pool.status()["free"] == 3
+        client.close(notify=False)  # the kernel went away; a named session outlives it, until idle
+        session.close()
+        _wait_free(pool, 4, timeout=15)
+        ended = [e for e in pool.registry.events(user="alice") if e["kind"] == "ended"]
+        assert ended and "idle" in ended[-1]["reason"], ended
+    finally:
+        pool.idle_timeout, pool.session_lease = 0.0, None
+
+
 def test_a_restarted_pool_endpoint_leaves_sessions_running_and_finds_them(pool, cluster):
     _wait_free(pool, 4)
     alice = Seat(pool, "alice")

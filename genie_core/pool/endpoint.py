@@ -63,6 +63,7 @@ class Pool:
         port: int = 5555,
         simulate_gpus: bool = False,
         idle_timeout: float = 0.0,
+        session_lease: float | None = None,
         queue_timeout: float = 600.0,
         node_poll: float = 0.5,
     ) -> None:
@@ -70,7 +71,8 @@ class Pool:
         self.registry = Registry(db)
         self.ip, self.port = ip, port
         self.simulate_gpus = simulate_gpus
-        self.idle_timeout = idle_timeout
+        self.idle_timeout = idle_timeout  # a session with no client and nothing running ends after this
+        self.session_lease = session_lease  # how long a session's server waits for a silent client
         self.queue_timeout = queue_timeout
         self.node_poll = node_poll
         self.queue = Queue()
@@ -130,8 +132,15 @@ class Pool:
                             frames = self.router.recv_multipart(zmq.NOBLOCK, copy=True)
                         except zmq.Again:
                             break
-                        self._on_frames(frames)
-                self._tick()
+                        try:
+                            self._on_frames(frames)
+                        except Exception:  # one bad request, or Ray failing it, must not end the pool
+                            log.exception("a request failed")
+                try:
+                    self._tick()
+                except Exception:  # Ray's control store unreachable for a moment: try again next tick
+                    log.exception("watching Ray failed")
+                    time.sleep(0.5)
         finally:
             self.router.close()
             self._ctx.term()
@@ -284,6 +293,7 @@ class Pool:
             "token": token,
             "host": self.ip if self.ip in ("127.0.0.1", "localhost") else "",
             "idle_timeout": self.idle_timeout,
+            "session_lease": self.session_lease,
             "simulate_gpus": self.simulate_gpus,
         }
         actor = self._actor_class.options(

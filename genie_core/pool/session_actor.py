@@ -94,7 +94,8 @@ class SessionActor:
             live = len(self.server.sessions.live)
             seen = seen or live > 0 or bool(self.server.sessions.ended)  # one may have come and gone between looks
             if seen and live == 0:
-                reason = "its client ended it"
+                last = next(reversed(self.server.sessions.ended.values()), None)
+                reason = f"its session ended: {getattr(last, 'end_reason', '') or 'closed'}"
                 break
             if not seen and time.time() > deadline:
                 reason = "no client connected in time"

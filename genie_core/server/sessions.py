@@ -41,6 +41,7 @@ class Session:
         self.heartbeat_identity = heartbeat_identity  # named in the hello; events go there, never behind a transfer
         self.requests: OrderedDict[str, dict[str, Any]] = OrderedDict()  # id -> what became of it
         self.name = name
+        self.end_reason = ""  # why it ended, once it has
         self.jobs = Jobs()
         self.directory: SessionDirectory | None = None  # the session directory, once %genie_sync has filled it
         self.former: set[bytes] = set()  # connections of clients it had before this one attached
@@ -75,6 +76,7 @@ class Session:
 
     def ended(self, why: str) -> None:
         """The session is closing: requests still running are stopped with it."""
+        self.end_reason = why
         self.jobs.stop_all(f"stopped part-way when the server ended the session ({why})")
         for entry in self.requests.values():
             if entry["state"] == "running":
