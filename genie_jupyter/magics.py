@@ -238,8 +238,10 @@ class GenieMagics(Magics):
             console = Console(file=text, width=200, color_system=None, force_jupyter=False, soft_wrap=True)
             console.print(render(_client("%genie_status").info()))
             print(text.getvalue())
+            _print_pool(state)
             return
         display(feed_for(state).attach(Dashboard()))
+        _print_pool(state)
 
     @magic_arguments()
     @argument("--gpu", type=int, default=None, help="run on the worker of this GPU (default: the session's GPU)")
@@ -439,6 +441,15 @@ def jobs_table(jobs: list[Job]) -> str:
         last = job.tail(1).replace("\t", " ")
         rows.append(f"{job.name[:16]:<16} {job.state:<8} {job.elapsed:>8.1f}s  {last[-80:]}")
     return "\n".join(rows)
+
+
+def _print_pool(state: genie_core.ClusterState) -> None:
+    """A session a pool placed: the pool too (nodes, who holds which GPU, the queue)."""
+    if state.pool is None:
+        return
+    from genie_core.client.pool import render_pool
+
+    print(f"the pool at {state.pool.address}:\n{render_pool(state.pool.status())}")
 
 
 def _gpu_count(text: str) -> int:

@@ -289,6 +289,10 @@ def test_a_notebook_waits_in_the_queue_then_runs_cells_on_its_gpu(pool):
             reply, msgs = execute(kc, f"%%remote --gpu {gpu}\nimport os\nprint(os.environ['CUDA_VISIBLE_DEVICES'])")
             assert reply["status"] == "ok", msgs
             assert stdout(msgs).strip() == gpu
+        reply, msgs = execute(kc, "%genie_status --text")  # the session's server, then the pool
+        shown = stdout(msgs)
+        assert reply["status"] == "ok" and f"the pool at 127.0.0.1:{pool.port}" in shown, msgs
+        assert "0 of 4 GPUs free" in shown and "alice" in shown and "carol" in shown, shown
         reply, msgs = execute(kc, "%genie_shutdown")
         assert reply["status"] == "ok", msgs
         _wait_free(pool, 2)  # alice's session ended with her shutdown: only carol's 2 GPUs are held

@@ -40,6 +40,7 @@ class PoolSession:
         if not is_pool_token(token):
             raise ConfigError("a pool token reads user:secret (printed by `genie pool user add NAME`)")
         self.address = f"{host}:{port}"
+        self._host, self._port = host, port
         self.user, _, _ = token.partition(":")
         self._token = token
         self.timeout = timeout
@@ -110,8 +111,14 @@ class PoolSession:
             self._request("end", session=self.session_id)
 
     def status(self) -> dict[str, Any]:
-        request_id, key = self._request("status")
-        return self._receive(request_id, key, self.timeout)
+        """The pool now: nodes, their GPUs and who holds them, the queue. On a socket of its own,
+        so any thread may ask while the keep-alive runs."""
+        other = PoolSession(self._host, self._port, self._token, timeout=self.timeout)
+        try:
+            request_id, key = other._request("status")
+            return other._receive(request_id, key, self.timeout)
+        finally:
+            other.close()
 
     def watch(self, on_lost: Callable[[str], None]) -> None:
         """From now on, keep telling the pool where this client is, and call `on_lost(reason)` if
@@ -146,3 +153,17 @@ class PoolSession:
             self._thread.join(2)
         self._sock.close()
         self._ctx.term()
+
+
+def render_pool(report: dict[str, Any]) -> str:
+    """The pool as text: a line a node, a line a session on it, then the queue."""
+    lines = [f"{report['free']} of {report['total']} GPUs free"]
+    for node in report["nodes"]:
+        state = "alive" if node["alive"] else "dead"
+        lines.append(f"{node['name']:<24} {node['ip']:<15} {node['gpus']} GPU(s)  {state}")
+        for held in node["sessions"]:
+            name = f" {held['name']!r}" if held.get("name") else ""
+            lines.append(f"    GPU {','.join(held['gpu_ids']) or '-'}: {held['user']}{name}")
+    for i, ask in enumerate(report["queue"]):
+        lines.append(f"queue {i + 1}: {ask['user']} wants {ask['gpus']} GPU(s), waiting {ask['waiting_s']:.0f} s")
+    return "\n".join(lines)

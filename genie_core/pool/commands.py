@@ -8,7 +8,6 @@ import os
 import re
 import secrets
 from pathlib import Path
-from typing import Any
 
 from ..config import state_dir
 from ..errors import ConfigError
@@ -118,7 +117,7 @@ def _down(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from ..client.pool import PoolSession
+    from ..client.pool import PoolSession, render_pool
     from ..config import parse_address
 
     host, port = parse_address(args.address, 5555)
@@ -131,19 +130,5 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=1))
     else:
-        print(render(report))
+        print(render_pool(report))
     return 0
-
-
-def render(report: dict[str, Any]) -> str:
-    """The pool as text: a line a node, a line a session on it, then the queue."""
-    lines = [f"{report['free']} of {report['total']} GPUs free"]
-    for node in report["nodes"]:
-        state = "alive" if node["alive"] else "dead"
-        lines.append(f"{node['name']:<24} {node['ip']:<15} {node['gpus']} GPU(s)  {state}")
-        for held in node["sessions"]:
-            name = f" {held['name']!r}" if held.get("name") else ""
-            lines.append(f"    GPU {','.join(held['gpu_ids']) or '-'}: {held['user']}{name}")
-    for i, ask in enumerate(report["queue"]):
-        lines.append(f"queue {i + 1}: {ask['user']} wants {ask['gpus']} GPU(s), waiting {ask['waiting_s']:.0f} s")
-    return "\n".join(lines)
