@@ -6,6 +6,7 @@ Each session is a Ray actor running its own genie server; users reach it through
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import time
 
@@ -54,7 +55,8 @@ def cluster():
 @pytest.fixture(scope="module")
 def pool(cluster, tmp_path_factory):
     db = f"sqlite:///{tmp_path_factory.mktemp('pool') / 'registry.sqlite'}"
-    p = Pool(ray_address=cluster.address, db=db, port=0, simulate_gpus=True, node_poll=0.2).start().start_in_thread()
+    p = Pool(ray_address=cluster.address, db=db, port=0, simulate_gpus=True, node_poll=0.2, history_every=1.0)
+    p.start().start_in_thread()
     p.tokens = {}
     for name, quotas in (("alice", {}), ("bob", {}), ("carol", {}), ("dave", {"max_gpus": 1, "max_sessions": 1})):
         token = new_user_token(name)
@@ -121,6 +123,45 @@ def test_two_users_are_placed_on_distinct_gpus_that_ray_gave_them(pool):
     assert len(mine) == 1 and mine[0]["bytes"] == len(code), cells
     assert mine[0]["gpu"] == alice.placed["gpu_ids"][0] and mine[0]["node"] == alice.placed["node"]
     assert mine[0]["session"] == alice.placed["session"]
+
+
+def test_each_node_reports_its_gpus_and_health_and_keeps_a_history(pool):
+    """A monitor actor on each GPU node pushes signed readings; forged ones are dropped."""
+    import zmq
+
+    from genie_core.client.pool import render_pool
+
+    deadline = time.monotonic() + 30
+    gpu_nodes = lambda: [n for n in pool.status()["nodes"] if n["alive"] and n["gpus"]]  # noqa: E731
+    while time.monotonic() < deadline and not all(n["gpu_readings"] for n in gpu_nodes()):
+        time.sleep(0.2)
+    nodes = gpu_nodes()
+    assert len(nodes) == 2
+    for node in nodes:
+        assert [g["index"] for g in node["gpu_readings"]] == [0, 1] and node["simulated"], node
+        assert node["health"]["grade"] in ("HEALTHY", "DEGRADED"), node
+        assert node["reading_age_s"] < 5
+    text = render_pool(pool.status())
+    assert "(simulated GPUs: fake readings)" in text and "GPU 1:" in text and "free" in text, text
+    # a reading not signed with the pool's key is dropped
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.connect(pool.sink)
+    forged = json.dumps({"node_id": nodes[0]["id"], "time": time.time(), "gpus": [], "health": None}).encode()
+    taken = pool.readings_taken
+    for _ in range(20):
+        push.send_multipart([forged, b"\0" * 32])
+    time.sleep(1.5)
+    assert pool.readings[nodes[0]["id"]]["gpus"], "a forged reading replaced the node's"
+    assert pool.readings_taken - taken <= 6  # only the monitors' own (2 nodes, 1 Hz)
+    push.close(0)
+    ctx.term()
+    # the history, in the registry
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not pool.registry.readings(nodes[0]["id"], time.time() - 60):
+        time.sleep(0.2)
+    rows = pool.registry.readings(nodes[0]["id"], time.time() - 60)
+    assert rows and {r[1] for r in rows} == {0, 1}, rows
 
 
 def test_a_full_pool_queues_in_order_and_places_when_a_gpu_frees(pool):
@@ -230,6 +271,29 @@ def test_a_restarted_pool_endpoint_leaves_sessions_running_and_finds_them(pool, 
         pool.tokens = tokens
 
 
+def test_a_session_whose_process_dies_is_reported_lost_and_its_gpu_freed(pool):
+    import signal
+
+    _wait_free(pool, 4)
+    alice = Seat(pool, "alice")
+    try:
+        lost: list[str] = []
+        alice.pool_session.watch(lost.append)
+        time.sleep(1.5)
+        actor = pool.sessions[alice.placed["session"]].actor
+        os.kill(ray.get(actor.info.remote())["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while not lost and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert lost and "its process died (its node is alive)" in lost[0], lost
+        _wait_free(pool, 4)
+    finally:
+        try:
+            alice.close()
+        except (GenieError, ConnectionLost):
+            pass
+
+
 def test_a_node_that_dies_has_its_sessions_reported_lost_within_5_s(pool, cluster):
     _wait_free(pool, 4)
     alice = Seat(pool, "alice", gpus=2)
@@ -243,6 +307,7 @@ def test_a_node_that_dies_has_its_sessions_reported_lost_within_5_s(pool, cluste
         node = next(n for n in cluster.workers if n.node_id == alice.placed["node_id"])
         t0 = time.monotonic()
         cluster.remove_node(node, allow_graceful=False)
+        cluster.workers.remove(node)
         while not lost and time.monotonic() - t0 < 10:
             time.sleep(0.05)
         took = time.monotonic() - t0
@@ -259,6 +324,9 @@ def test_a_node_that_dies_has_its_sessions_reported_lost_within_5_s(pool, cluste
                 seat.close()
             except (GenieError, ConnectionLost):
                 pass
+        if len(cluster.workers) < 2:  # a new machine joins: later tests have their 4 GPUs again
+            cluster.workers.append(cluster.add_node(node_ip_address=LOOPBACK, num_cpus=1, num_gpus=2))
+            cluster.wait_for_nodes()
 
 
 def test_a_notebook_waits_in_the_queue_then_runs_cells_on_its_gpu(pool):

@@ -156,14 +156,26 @@ class PoolSession:
 
 
 def render_pool(report: dict[str, Any]) -> str:
-    """The pool as text: a line a node, a line a session on it, then the queue."""
+    """The pool as text: a line a node (its health), a line a GPU (its reading and who holds it),
+    then the queue."""
     lines = [f"{report['free']} of {report['total']} GPUs free"]
     for node in report["nodes"]:
-        state = "alive" if node["alive"] else "dead"
-        lines.append(f"{node['name']:<24} {node['ip']:<15} {node['gpus']} GPU(s)  {state}")
-        for held in node["sessions"]:
-            name = f" {held['name']!r}" if held.get("name") else ""
-            lines.append(f"    GPU {','.join(held['gpu_ids']) or '-'}: {held['user']}{name}")
+        health = (node.get("health") or {}).get("grade", "no reading yet") if node["alive"] else "dead"
+        fake = "  (simulated GPUs: fake readings)" if node.get("simulated") else ""
+        lines.append(f"{node['name']:<24} {node['ip']:<15} {node['gpus']} GPU(s)  {health}{fake}")
+        lines += [f"    ! {reason}" for reason in (node.get("health") or {}).get("reasons", [])]
+        holder = {gpu: s for s in node["sessions"] for gpu in s["gpu_ids"]}
+        readings = {str(g["index"]): g for g in node.get("gpu_readings") or []}
+        for gpu in sorted(set(readings) | set(holder), key=lambda g: (len(g), g)):
+            g, held = readings.get(gpu, {}), holder.get(gpu)
+            used = f"{_gib(g.get('memory_used'))}/{_gib(g.get('memory_total'))} GiB" if g else ""
+            util = f"{g['utilization']:.0f}%" if g.get("utilization") is not None else "-"
+            who = f"{held['user']}" + (f" {held['name']!r}" if held and held.get("name") else "") if held else "free"
+            lines.append(f"    GPU {gpu}: {util:>4} {used:<14} {who}")
     for i, ask in enumerate(report["queue"]):
         lines.append(f"queue {i + 1}: {ask['user']} wants {ask['gpus']} GPU(s), waiting {ask['waiting_s']:.0f} s")
     return "\n".join(lines)
+
+
+def _gib(value: float | None) -> str:
+    return "?" if value is None else f"{value / 2**30:.1f}"

@@ -9,6 +9,7 @@ actor: a node that dies has its sessions reported lost to their clients.
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import secrets
@@ -22,6 +23,8 @@ import zmq
 from ..protocol import VERSIONS_TAG
 from ..protocol import pool as wire
 from ..version import __version__
+from .monitor_actor import PREFIX as MONITOR_PREFIX
+from .monitor_actor import NodeMonitor, sign
 from .queue import Ask, Queue, QuotaExceeded, check_quota
 from .registry import Registry
 from .session_actor import NAMESPACE, PREFIX, SessionActor
@@ -30,6 +33,7 @@ log = logging.getLogger("genie.pool")
 
 DAY = 86400.0
 AUDIT_EVERY = 1.0  # seconds between collections of the cells sessions ran (the audit log)
+DEATH_GRACE = 6.0  # seconds a dead session actor waits for Ray to say whether its node died too
 UNREACHABLE_GRACE = 15.0  # seconds a session actor may be unreachable on a live node before we ask again
 
 
@@ -66,6 +70,7 @@ class Pool:
         session_lease: float | None = None,
         queue_timeout: float = 600.0,
         node_poll: float = 0.5,
+        history_every: float = 30.0,
     ) -> None:
         self.ray_address = ray_address
         self.registry = Registry(db)
@@ -75,14 +80,22 @@ class Pool:
         self.session_lease = session_lease  # how long a session's server waits for a silent client
         self.queue_timeout = queue_timeout
         self.node_poll = node_poll
+        self.history_every = history_every  # seconds between a node's readings kept in the registry
         self.queue = Queue()
         self.sessions: dict[str, Placed] = {}
         self.nodes: dict[str, dict[str, Any]] = {}  # Ray's node table, by node id
         self._placing: dict[Any, str] = {}  # info() refs of actors being created -> session id
         self._ending: dict[Any, str] = {}  # wait_ended() refs -> session id
-        self._unreachable: dict[str, float] = {}  # session id -> since when its actor could not be reached
+        self._unreachable: dict[str, tuple[float, bool]] = {}  # session id -> (since when, dead?)
         self._auditing: dict[Any, str] = {}  # take_cells() refs -> session id
         self._audited = 0.0
+        self._monitor_class: Any = None
+        self.monitors: dict[str, Any] = {}  # node id -> its NodeMonitor actor
+        self.readings: dict[str, dict[str, Any]] = {}  # node id -> its newest reading
+        self._readings_key = secrets.token_bytes(32)
+        self._history: list[tuple[float, str, int, float | None, float | None, float | None]] = []
+        self._history_written = time.monotonic()
+        self.readings_taken = 0
         self._replays = wire.Replays()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -99,6 +112,7 @@ class Pool:
         # max_concurrency: info() answers while wait_ended() blocks
         options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0, "max_concurrency": 4}
         self._actor_class = ray.remote(**options)(SessionActor)
+        self._monitor_class = ray.remote(num_cpus=0, max_restarts=-1)(NodeMonitor)
         self._ctx = zmq.Context()
         self.router = self._ctx.socket(zmq.ROUTER)
         self.router.linger = 0
@@ -108,6 +122,11 @@ class Pool:
             self.port = self.router.bind_to_random_port(f"tcp://{self.ip}")
         else:
             self.router.bind(f"tcp://{self.ip}:{self.port}")
+        self.readings_sock = self._ctx.socket(zmq.PULL)
+        self.readings_sock.linger = 0
+        self.readings_sock.maxmsgsize = 1 << 20
+        readings_port = self.readings_sock.bind_to_random_port(f"tcp://{self.ip}")
+        self.sink = f"tcp://{self.ip}:{readings_port}"
         self._read_nodes()
         self._recover()
         return self
@@ -124,9 +143,16 @@ class Pool:
             self._thread.join(10)
 
     def serve_forever(self) -> None:
+        self.thread_id = threading.get_native_id()  # the benchmark measures this thread's CPU
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.readings_sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if self.router.poll(50):
+                ready = dict(poller.poll(50))
+                if self.readings_sock in ready:
+                    self._drain_readings()
+                if self.router in ready:
                     for _ in range(100):
                         try:
                             frames = self.router.recv_multipart(zmq.NOBLOCK, copy=True)
@@ -143,6 +169,7 @@ class Pool:
                     time.sleep(0.5)
         finally:
             self.router.close()
+            self.readings_sock.close()
             self._ctx.term()
             self.registry.close()
 
@@ -151,6 +178,10 @@ class Pool:
         if now - self._nodes_read >= self.node_poll:
             self._read_nodes()
             self._recheck_unreachable()
+        if now - self._history_written >= self.history_every:
+            self._history_written = now
+            rows, self._history = self._history, []
+            self.registry.add_readings(rows)
         if now - self._audited >= AUDIT_EVERY:
             self._audited = now
             self._ask_for_cells()
@@ -397,15 +428,11 @@ class Pool:
             return
         try:
             reason = str(ray.get(ref))
-        except ActorUnavailableError:
-            # Cannot reach it: its node may be dying. Ray's node table says so within seconds (see
-            # head.HEALTH_CHECKS); until then, or UNREACHABLE_GRACE, it is only unreachable.
-            self._unreachable[session_id] = time.monotonic()
-            return
-        except Exception as exc:  # the actor died: its process, or its node
-            node = self.nodes.get(placed.node_id, {})
-            gone = f"node {node.get('name', placed.node_id[:12])} left the pool"
-            self._lost(placed, gone if not node.get("alive", False) else f"its process died ({type(exc).__name__})")
+        except Exception as exc:
+            # Unreachable, or dead: its process, or its whole node. Ray's node table tells which
+            # within seconds (see head.HEALTH_CHECKS); until it does, the session is only suspect.
+            self._unreachable[session_id] = (time.monotonic(), not isinstance(exc, ActorUnavailableError))
+            self._read_nodes()
             return
         try:  # the last cells, before the actor goes
             self._on_cells(session_id, placed.actor.take_cells.remote(), timeout=2.0)
@@ -413,12 +440,17 @@ class Pool:
             self._forget(placed, reason)
 
     def _recheck_unreachable(self) -> None:
-        """Sessions unreachable for longer than the grace, on a node Ray still calls alive: ask again."""
-        for session_id, since in list(self._unreachable.items()):
+        """Suspect sessions on nodes Ray still calls alive: past a grace, a dead actor is a dead
+        process, and an unreachable one is asked again."""
+        for session_id, (since, dead) in list(self._unreachable.items()):
             placed = self.sessions.get(session_id)
+            waited = time.monotonic() - since
             if placed is None:
                 self._unreachable.pop(session_id)
-            elif time.monotonic() - since > UNREACHABLE_GRACE:
+            elif dead and waited > DEATH_GRACE:
+                self._unreachable.pop(session_id)
+                self._lost(placed, "its process died (its node is alive)")
+            elif not dead and waited > UNREACHABLE_GRACE:
                 self._unreachable.pop(session_id)
                 self._ending[placed.actor.wait_ended.remote()] = session_id
 
@@ -468,11 +500,60 @@ class Pool:
             if before is not None and before["alive"] and not node["alive"]:
                 self._node_died(node_id, node)
         self.nodes = seen
+        for node_id, node in seen.items():
+            if node["alive"] and node["gpus"] and node_id not in self.monitors:
+                self._watch_node(node_id, node)
+
+    def _watch_node(self, node_id: str, node: dict[str, Any]) -> None:
+        """A monitor actor pinned to the node (one that outlived a restarted pool is told where we are)."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        monitor = self._monitor_class.options(
+            name=MONITOR_PREFIX + node_id,
+            namespace=NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+        ).remote(self.sink, self._readings_key.hex(), node["gpus"] if self.simulate_gpus else 0)
+        monitor.set_sink.remote(self.sink, self._readings_key.hex())
+        self.monitors[node_id] = monitor
+
+    def _drain_readings(self) -> None:
+        """Signed readings from the node monitors: the newest kept per node, a sample for history."""
+        for _ in range(1000):
+            try:
+                body, mac = self.readings_sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ValueError:
+                continue
+            if not hmac.compare_digest(mac, sign(body, self._readings_key)):
+                continue
+            try:
+                reading = json.loads(body)
+                node_id = str(reading["node_id"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            if node_id not in self.nodes:
+                continue
+            self.readings_taken += 1
+            before = self.readings.get(node_id)
+            self.readings[node_id] = reading
+            if before is None or reading.get("time", 0) - before.get("_kept", 0) >= self.history_every:
+                reading["_kept"] = reading.get("time", 0)
+                for g in reading.get("gpus", []):
+                    self._history.append(
+                        (reading["time"], node_id, g["index"], g["utilization"], g["memory_used"], g["temperature"])
+                    )
+            else:
+                reading["_kept"] = before.get("_kept", 0)
 
     def _node_died(self, node_id: str, node: dict[str, Any]) -> None:
         log.warning("node %s left the pool: %s", node["name"], node["death"])
         self.registry.event("node_lost", None, None, {"node": node["name"], "reason": node["death"]})
         self.nodes[node_id] = node
+        self.monitors.pop(node_id, None)
+        self.readings.pop(node_id, None)
         for placed in [p for p in self.sessions.values() if p.node_id == node_id]:
             self._lost(placed, f"node {node['name']} left the pool (Ray reports it dead)")
 
@@ -533,10 +614,21 @@ class Pool:
                     **({"session": placed.session_id, "name": placed.name} if viewer in (None, placed.user) else {}),
                 }
             )
-        nodes = [
-            {"id": nid, **node, "sessions": holders.get(nid, [])}
-            for nid, node in sorted(self.nodes.items(), key=lambda kv: kv[1]["name"])
-        ]
+        now = time.time()
+        nodes = []
+        for nid, node in sorted(self.nodes.items(), key=lambda kv: kv[1]["name"]):
+            reading = self.readings.get(nid) or {}
+            nodes.append(
+                {
+                    "id": nid,
+                    **node,
+                    "sessions": holders.get(nid, []),
+                    "health": reading.get("health"),
+                    "gpu_readings": reading.get("gpus", []),
+                    "simulated": reading.get("simulated", False),
+                    "reading_age_s": round(now - reading["time"], 1) if reading else None,
+                }
+            )
         queue = [
             {
                 "user": a.user,

@@ -46,7 +46,16 @@ SCHEMA = (
         session_id TEXT,
         detail TEXT NOT NULL
     )""",
+    """CREATE TABLE IF NOT EXISTS readings (
+        ts DOUBLE PRECISION NOT NULL,
+        node_id TEXT NOT NULL,
+        gpu INTEGER NOT NULL,
+        utilization DOUBLE PRECISION,
+        memory_used DOUBLE PRECISION,
+        temperature DOUBLE PRECISION
+    )""",
     "CREATE INDEX IF NOT EXISTS events_by_time ON events (ts)",
+    "CREATE INDEX IF NOT EXISTS readings_by_node ON readings (node_id, ts)",
     "CREATE INDEX IF NOT EXISTS sessions_by_user ON sessions (user_name, state)",
 )
 
@@ -195,6 +204,36 @@ class Registry:
             {"time": ts, "kind": kind, "user": u, "session": s, **json.loads(detail)}
             for ts, kind, u, s, detail in reversed(rows)
         ]
+
+    # -- metric history --------------------------------------------------------------------
+    def add_readings(self, rows: list[tuple[float, str, int, float | None, float | None, float | None]]) -> None:
+        """(time, node, GPU, utilization %, memory used bytes, temperature) rows, in one transaction."""
+        if not rows:
+            return
+        with self._lock:
+            sql = "INSERT INTO readings VALUES (?, ?, ?, ?, ?, ?)".replace("?", self._placeholder)
+            if self.kind == "sqlite":
+                self._db.execute("BEGIN")
+                try:
+                    self._db.executemany(sql, rows)
+                finally:
+                    self._db.execute("COMMIT")
+            else:
+                with self._db.cursor() as cursor:
+                    cursor.executemany(sql, rows)
+
+    def readings(self, node_id: str, since: float) -> list[tuple[float, int, float | None, float | None, float | None]]:
+        return [
+            tuple(row)
+            for row in self._run(
+                "SELECT ts, gpu, utilization, memory_used, temperature FROM readings "
+                "WHERE node_id = ? AND ts >= ? ORDER BY ts, gpu",
+                (node_id, since),
+            )
+        ]
+
+    def forget_readings(self, before: float) -> None:
+        self._run("DELETE FROM readings WHERE ts < ?", (before,))
 
 
 def _redacted(url: str) -> str:

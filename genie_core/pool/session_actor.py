@@ -8,6 +8,7 @@ the node and sets CUDA_VISIBLE_DEVICES; the server offers exactly those GPUs.
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 import time
 from typing import Any
@@ -80,6 +81,7 @@ class SessionActor:
             "gpu_ids": self.gpu_ids,
             "gpus": [g.get("name", "GPU") for g in self.server.gpus] or ["simulated GPU"] * len(self.gpu_ids),
             "started": self.started,
+            "pid": os.getpid(),
             "sessions": len(self.server.sessions.live),
         }
 
