@@ -36,7 +36,8 @@ ALLOWED = {
     "server": BASE | {"dataplane"},
     "client": BASE | {"dataplane"},
     "cluster": BASE | {"client", "local_server", "remote_tensor", "server", "dataplane"},
-    "pool": BASE | {"server"},  # its session actors run a server; clients reach it through client.pool
+    # its session actors run a server; `genie pool status` asks the pool as a client does
+    "pool": BASE | {"server", "client"},
 }
 
 
