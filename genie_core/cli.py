@@ -209,7 +209,14 @@ def _add_pool_commands(sub: argparse._SubParsersAction) -> None:
             cmd.add_argument(
                 "--gpu-hours-per-day", type=float, default=None, help="GPU-hours in any 24 hours (default: no limit)"
             )
-    status = pool_sub.add_parser("status", help="nodes, GPUs and who holds them, and the queue")
-    status.add_argument("address", help="the pool's host:port")
-    status.add_argument("--token", default=None, help="a pool token (else $GENIE_TOKEN)")
-    status.add_argument("--json", action="store_true", help="machine-readable output")
+    for name, text in (
+        ("status", "nodes, their health, each GPU's reading and who holds it, and the queue"),
+        ("top", "the same, redrawn each second"),
+    ):
+        cmd = pool_sub.add_parser(name, help=text)
+        cmd.add_argument("address", help="the pool's host:port")
+        cmd.add_argument("--token", default=None, help="a pool token (else $GENIE_TOKEN)")
+        if name == "status":
+            cmd.add_argument("--json", action="store_true", help="machine-readable output")
+        else:
+            cmd.add_argument("--iterations", type=int, default=None, help="stop after N updates")

@@ -190,6 +190,20 @@ def test_a_full_pool_queues_in_order_and_places_when_a_gpu_frees(pool):
             seat.close()
 
 
+def test_a_wait_in_a_full_pool_ends_in_one_clear_error_at_its_timeout(pool):
+    _wait_free(pool, 4)
+    holders = [Seat(pool, "alice", gpus=2), Seat(pool, "bob", gpus=2)]
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(PlacementFailed, match=r"no 1 GPU\(s\) came free within \d+ s"):
+            Seat(pool, "carol", wait=1.5)
+        assert time.monotonic() - t0 < 10
+        assert pool.status()["queue"] == []  # it left the queue
+    finally:
+        for seat in holders:
+            seat.close()
+
+
 def test_quotas_are_refused_with_the_quota_named(pool):
     _wait_free(pool, 4)
     with pytest.raises(PlacementFailed, match="quota: dave may hold 1 GPU"):
@@ -253,13 +267,19 @@ def test_a_restarted_pool_endpoint_leaves_sessions_running_and_finds_them(pool, 
     try:
         alice.run("kept = 7")
         session_id = alice.placed["session"]
+        alice.pool_session.watch(lambda reason: None)
+        port = pool.port
         pool.stop()
-        again = Pool(ray_address=cluster.address, db=pool.registry.url, port=0, simulate_gpus=True).start()
+        again = Pool(ray_address=cluster.address, db=pool.registry.url, port=port, simulate_gpus=True).start()
         again.start_in_thread()
         try:
             assert session_id in again.sessions
             assert again.sessions[session_id].user == "alice"
             assert alice.run("print(kept)") == "7"  # the session's server never stopped
+            deadline = time.monotonic() + 10  # the client's keep-alive finds the new endpoint
+            while again.sessions[session_id].watcher is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert again.sessions[session_id].watcher is not None
         finally:
             again.stop()
     finally:
@@ -405,6 +425,13 @@ def test_the_embedded_pool_from_the_command_line(tmp_path):
                 text=True,
             )
             assert "1 of 2 GPUs free" in status.stdout and "erin" in status.stdout, status
+            top = subprocess.run(
+                [*genie, "pool", "top", address, "--token", token.stdout.strip(), "--iterations", "1"],
+                env=env,
+                capture_output=True,
+                text=True,
+            )
+            assert f"genie pool at {address}" in top.stdout and "erin" in top.stdout, top
         finally:
             genie_core.shutdown_sync()
     finally:

@@ -117,6 +117,9 @@ def _down(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
+    """`genie pool status` once, or `genie pool top`: redrawn each second."""
+    import time
+
     from ..client.pool import PoolSession, render_pool
     from ..config import parse_address
 
@@ -124,11 +127,18 @@ def _status(args: argparse.Namespace) -> int:
     token = args.token or os.environ.get("GENIE_TOKEN", "")
     session = PoolSession(host, port or 5555, token)
     try:
-        report = session.status()
+        if args.pool_command == "status":
+            report = session.status()
+            print(json.dumps(report, indent=1) if args.json else render_pool(report))
+            return 0
+        shown = 0
+        while args.iterations is None or shown < args.iterations:
+            text = render_pool(session.status())
+            print(
+                "\x1b[H\x1b[2J" + f"genie pool at {session.address}  {time.strftime('%H:%M:%S')}\n" + text, flush=True
+            )
+            shown += 1
+            time.sleep(1.0)
     finally:
         session.close()
-    if args.json:
-        print(json.dumps(report, indent=1))
-    else:
-        print(render_pool(report))
     return 0
