@@ -37,7 +37,7 @@ def _cells(client, n: int) -> list[float]:
 
 def _decisions(n: int) -> float:
     """Decisions a second by the endpoint's queue and capacity logic over 100 nodes of 8 GPUs."""
-    from genie_core.pool.endpoint import Placed, Pool
+    from genie_core.pool.endpoint import LiveSession, Pool
     from genie_core.pool.queue import Ask
 
     pool = Pool.__new__(Pool)  # the decision logic only: no Ray, no socket, no registry
@@ -47,7 +47,7 @@ def _decisions(n: int) -> float:
 
     def create(ask: Ask) -> None:
         created.append(ask)
-        pool.sessions[ask.session_id] = Placed(
+        pool.sessions[ask.session_id] = LiveSession(
             ask.session_id, ask.user, "", ask.gpus, None, node_id=f"n{len(created) % 100}"
         )
 
@@ -113,7 +113,7 @@ def _endpoint_cpu(pool, token: str, seconds: float) -> dict:
 
     import psutil
 
-    from genie_core.client.pool import PoolSession, render_pool
+    from genie_core.client.pool import PoolClient, render_pool
 
     pool.node_poll = 1e9  # the 100 nodes are simulated: keep Ray's node table from replacing them
     fake = [f"sim{i:03d}" + "0" * 50 for i in range(100)]
@@ -127,7 +127,7 @@ def _endpoint_cpu(pool, token: str, seconds: float) -> dict:
     time.sleep(3)  # every node has reported once
     thread = next(t for t in psutil.Process().threads() if t.id == pool.thread_id)
     cpu0, t0, taken0 = thread.user_time + thread.system_time, time.monotonic(), pool.readings_taken
-    watcher = PoolSession("127.0.0.1", pool.port, token, timeout=30)
+    watcher = PoolClient("127.0.0.1", pool.port, token, timeout=30)
     views = 0
     while time.monotonic() - t0 < seconds:
         tick = time.monotonic()
@@ -156,7 +156,7 @@ def run(quick: bool = False) -> dict:
     from ray.cluster_utils import Cluster
 
     from genie_core.client import Client
-    from genie_core.client.pool import PoolSession
+    from genie_core.client.pool import PoolClient
     from genie_core.pool.commands import new_user_token
     from genie_core.pool.endpoint import Pool
     from genie_core.pool.head import HEALTH_CHECKS
@@ -208,7 +208,7 @@ def run(quick: bool = False) -> dict:
         ends = []  # end to end: ask, placed, connected, first answer; sequential
         for _ in range(2 if quick else 6):
             t = time.perf_counter()
-            session = PoolSession("127.0.0.1", pool.port, token, timeout=60)
+            session = PoolClient("127.0.0.1", pool.port, token, timeout=60)
             placed = session.place(1)
             client = Client(placed["host"], placed["port"], placed["token"], timeout=30).connect()
             ends.append(time.perf_counter() - t)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .client import Client
-from .client.pool import PoolSession, is_pool_token
+from .client.pool import PoolClient, is_pool_token
 from .config import DEFAULT_PORT, ClusterConfig, ConnectionInfo, parse_address
 from .errors import ConfigError, NotInitializedError
 from .events import ClusterEvent, EventBus, EventType, Severity
@@ -41,7 +41,7 @@ class ClusterState:
     client: Client | None = None
     server: Any = None
     local_server: LocalServer | None = None
-    pool: Any = None  # client.pool.PoolSession, when a pool placed this session
+    pool: Any = None  # client.pool.PoolClient, when a pool placed this session
     placement: dict[str, Any] | None = None  # where the pool placed it: node, GPUs, how many were free
     started: float = field(default_factory=time.time)
 
@@ -179,7 +179,7 @@ def _init_client(
         host, port, token, curve = resolve_server(config)
     pool = None
     if is_pool_token(token):  # a pool: ask it for a session, then connect to that session's server
-        pool = PoolSession(host, port, token, timeout=config.timeout)
+        pool = PoolClient(host, port, token, timeout=config.timeout)
         try:
             placed = pool.place(config.pool_gpus, config.session_name or "", config.pool_wait, on_wait)
         except BaseException:
@@ -216,6 +216,7 @@ def _init_client(
         if local is not None:
             local.stop()
         if pool is not None:
+            pool.cancel()  # placed, but not usable from here: its GPUs go back to the pool
             pool.close()
         raise
     if pool is not None:
@@ -245,7 +246,7 @@ def _session_lost(client: Client, reason: str) -> None:
     """The pool says this client's session is gone (its node left): say so once, and fail what waits."""
     text = f"session lost: {reason}"
     client.events.emit(ClusterEvent(EventType.NODE_LOST, client.address, Severity.ERROR, {"message": text}))
-    client.connection._session_ended(f"{text}; %genie_init again to be placed on another node")
+    client.connection.session_lost(f"{text}; %genie_init again to be placed on another node")
 
 
 def resolve_server(config: ClusterConfig) -> tuple[str, int, str, dict[str, str] | None]:

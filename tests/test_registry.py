@@ -74,9 +74,12 @@ def test_postgresql_history_survives_a_restart_of_the_database_server(postgresql
     db = Registry(postgresql.url)
     db.add_user("dave", wire.stored_key("dave:x"))
     db.event("placed", "dave", "s9", {"node": "node-c"})
+    kept = Registry(postgresql.url)  # a pool's connection, open while the database restarts
     db.close()
     postgresql.stop()
     postgresql.start()
+    assert kept.user("dave") is not None  # it reconnects
+    kept.close()
     again = Registry(postgresql.url)
     assert again.kind == "postgresql"
     assert again.user("dave") is not None

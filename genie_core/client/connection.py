@@ -479,6 +479,12 @@ class Connection:
             self.session_gone = True
             self.on_session_gone(why)
 
+    def session_lost(self, why: str) -> None:
+        """Someone else (a pool) knows the session is gone: end it as if the server had said so,
+        on the connection's own thread."""
+        if self._loop is not None and not self.closed:
+            self._loop.call_soon(lambda: self._session_ended(why))
+
     def session_closed(self) -> None:
         """We ended the session ourselves: a heartbeat answered "unknown session" from now on is
         expected, not a loss to warn about."""

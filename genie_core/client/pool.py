@@ -33,7 +33,7 @@ def is_pool_token(token: str | None) -> bool:
     return bool(colon and user and secret)
 
 
-class PoolSession:
+class PoolClient:
     """One placement request and, once placed, the keep-alive that hears about the session."""
 
     def __init__(self, host: str, port: int, token: str, timeout: float = 30.0) -> None:
@@ -80,23 +80,23 @@ class PoolSession:
         self, gpus: int, name: str = "", wait: float = 600.0, on_wait: Callable[[str], None] | None = None
     ) -> dict[str, Any]:
         """Ask for a session with `gpus` GPUs; block (calling `on_wait` as the queue moves) until it
-        is placed. Returns where its server is, with its token unsealed."""
+        is placed. Returns where its server is, with its token unsealed. A failure or an interrupt
+        while waiting leaves the queue (or ends the session, if it was placed meanwhile)."""
         request_id, key = self._request("place", gpus=gpus, name=name, wait=wait)
-        reply = self._receive(request_id, key, self.timeout)
         deadline = time.monotonic() + wait + self.timeout
-        while reply["kind"] == "queued":
-            self.session_id = str(reply.get("session", ""))
-            if on_wait is not None:
-                ahead = int(reply["ahead"])
-                on_wait(
-                    f"waiting for {gpus} GPU(s): {ahead} session(s) ahead of you; "
-                    f"{reply['free']} of {reply['total']} GPUs free"
-                )
-            try:
+        try:
+            reply = self._receive(request_id, key, self.timeout)
+            while reply["kind"] in ("asked", "queued"):
+                self.session_id = str(reply.get("session", ""))
+                if reply["kind"] == "queued" and on_wait is not None:
+                    on_wait(
+                        f"waiting for {gpus} GPU(s): {int(reply['ahead'])} session(s) ahead of you; "
+                        f"{reply['free']} of {reply['total']} GPUs free"
+                    )
                 reply = self._receive(request_id, key, max(0.1, deadline - time.monotonic()))
-            except BaseException:
-                self.cancel()
-                raise
+        except BaseException:
+            self.cancel()
+            raise
         if reply["kind"] == "error":
             raise PlacementFailed(f"the pool at {self.address}: {reply['error']}")
         if reply["kind"] != "placed":
@@ -105,15 +105,21 @@ class PoolSession:
         self.session_id = str(reply["session"])
         return reply
 
-    def cancel(self) -> None:
-        """Leave the queue (a KeyboardInterrupt while waiting)."""
-        if self.session_id:
-            self._request("end", session=self.session_id)
+    def cancel(self, timeout: float = 2.0) -> None:
+        """Leave the queue, or end the session the pool placed for us; waits (briefly) for the
+        pool to confirm, so the request is not lost with the socket."""
+        if not self.session_id:
+            return
+        try:
+            request_id, key = self._request("end", session=self.session_id)
+            self._receive(request_id, key, timeout)
+        except (GenieError, zmq.ZMQError) as exc:
+            log.warning("could not tell the pool at %s to end session %s: %s", self.address, self.session_id, exc)
 
     def status(self) -> dict[str, Any]:
         """The pool now: nodes, their GPUs and who holds them, the queue. On a socket of its own,
         so any thread may ask while the keep-alive runs."""
-        other = PoolSession(self._host, self._port, self._token, timeout=self.timeout)
+        other = PoolClient(self._host, self._port, self._token, timeout=self.timeout)
         try:
             request_id, key = other._request("status")
             return other._receive(request_id, key, self.timeout)

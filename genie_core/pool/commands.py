@@ -120,12 +120,12 @@ def _status(args: argparse.Namespace) -> int:
     """`genie pool status` once, or `genie pool top`: redrawn each second."""
     import time
 
-    from ..client.pool import PoolSession, render_pool
+    from ..client.pool import PoolClient, render_pool
     from ..config import parse_address
 
     host, port = parse_address(args.address, 5555)
     token = args.token or os.environ.get("GENIE_TOKEN", "")
-    session = PoolSession(host, port or 5555, token)
+    session = PoolClient(host, port or 5555, token)
     try:
         if args.pool_command == "status":
             report = session.status()

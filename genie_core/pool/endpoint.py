@@ -9,6 +9,7 @@ actor: a node that dies has its sessions reported lost to their clients.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
@@ -32,13 +33,14 @@ from .session_actor import NAMESPACE, PREFIX, SessionActor
 log = logging.getLogger("genie.pool")
 
 DAY = 86400.0
+HISTORY_KEPT = 7 * DAY  # readings older than this leave the registry
 AUDIT_EVERY = 1.0  # seconds between collections of the cells sessions ran (the audit log)
 DEATH_GRACE = 6.0  # seconds a dead session actor waits for Ray to say whether its node died too
 UNREACHABLE_GRACE = 15.0  # seconds a session actor may be unreachable on a live node before we ask again
 
 
 @dataclass
-class Placed:
+class LiveSession:
     """A session whose actor exists (pending in Ray, or running)."""
 
     session_id: str
@@ -82,7 +84,7 @@ class Pool:
         self.node_poll = node_poll
         self.history_every = history_every  # seconds between a node's readings kept in the registry
         self.queue = Queue()
-        self.sessions: dict[str, Placed] = {}
+        self.sessions: dict[str, LiveSession] = {}
         self.nodes: dict[str, dict[str, Any]] = {}  # Ray's node table, by node id
         self._placing: dict[Any, str] = {}  # info() refs of actors being created -> session id
         self._ending: dict[Any, str] = {}  # wait_ended() refs -> session id
@@ -94,7 +96,7 @@ class Pool:
         self.readings: dict[str, dict[str, Any]] = {}  # node id -> its newest reading
         self._readings_key = secrets.token_bytes(32)
         self._history: list[tuple[float, str, int, float | None, float | None, float | None]] = []
-        self._history_written = time.monotonic()
+        self._history_written = self._history_trimmed = time.monotonic()
         self.readings_taken = 0
         self._replays = wire.Replays()
         self._stop = threading.Event()
@@ -126,7 +128,8 @@ class Pool:
         self.readings_sock.linger = 0
         self.readings_sock.maxmsgsize = 1 << 20
         readings_port = self.readings_sock.bind_to_random_port(f"tcp://{self.ip}")
-        self.sink = f"tcp://{self.ip}:{readings_port}"
+        reachable = ray.util.get_node_ip_address() if self.ip in ("0.0.0.0", "*", "::") else self.ip
+        self.sink = f"tcp://{reachable}:{readings_port}"  # where the node monitors send
         self._read_nodes()
         self._recover()
         return self
@@ -151,7 +154,10 @@ class Pool:
             while not self._stop.is_set():
                 ready = dict(poller.poll(50))
                 if self.readings_sock in ready:
-                    self._drain_readings()
+                    try:
+                        self._drain_readings()
+                    except Exception:  # a reading of another shape (an older monitor) must not end the pool
+                        log.exception("a node reading could not be taken")
                 if self.router in ready:
                     for _ in range(100):
                         try:
@@ -182,6 +188,9 @@ class Pool:
             self._history_written = now
             rows, self._history = self._history, []
             self.registry.add_readings(rows)
+            if now - self._history_trimmed >= 3600:
+                self._history_trimmed = now
+                self.registry.forget_readings(time.time() - HISTORY_KEPT)
         if now - self._audited >= AUDIT_EVERY:
             self._audited = now
             self._ask_for_cells()
@@ -221,6 +230,8 @@ class Pool:
         why = self._replays.fresh(request)
         if why:
             log.warning("refused %s from %s", why, user.name)
+            if "replayed" not in why:  # a replay's original was answered; a stale request is told why
+                self._send(identity, key, {"re": request.get("id"), "kind": "error", "error": f"refused {why}"})
             return
         op, args = str(request.get("op")), dict(request.get("args") or {})
         reply: dict[str, Any] | None
@@ -237,6 +248,8 @@ class Pool:
                 reply = {"kind": "error", "error": f"unknown request {op!r}"}
         except QuotaExceeded as exc:
             reply = {"kind": "error", "error": str(exc)}
+        except (ValueError, TypeError) as exc:  # arguments of the wrong kind: say which, keep serving
+            reply = {"kind": "error", "error": f"a malformed {op!r} request: {exc}"[:300]}
         if reply is not None:
             self._send(identity, key, {"re": request["id"], **reply})
 
@@ -245,21 +258,24 @@ class Pool:
     ) -> dict[str, Any] | None:
         gpus = int(args.get("gpus", 1))
         largest = max((n["gpus"] for n in self.nodes.values() if n["alive"]), default=0)
-        if gpus < 0 or gpus > largest:
+        if gpus < 1:
+            return {"kind": "error", "error": f"a pool session holds 1 GPU or more (asked {gpus})"}
+        if gpus > largest:
             return {"kind": "error", "error": f"no node of this pool has {gpus} GPUs (the largest has {largest})"}
         live = self.registry.sessions(user=user.name)
         check_quota(user, gpus, live, self.registry.gpu_hours(user.name, time.time() - DAY))
         session_id = secrets.token_hex(8)
         name = str(args.get("name") or "")[:64]
-        wait = float(args.get("wait", self.queue_timeout))
+        wait = min(float(args.get("wait", self.queue_timeout)), self.queue_timeout)
         ask = Ask(session_id, user.name, name, gpus, time.time() + wait, identity, request_id, key)
         self.registry.session_asked(session_id, user.name, name, gpus)
         self.registry.event("asked", user.name, session_id, {"gpus": gpus})
         self.queue.add(ask)
         self._place()
-        if session_id not in self.queue.positions():
-            return None  # being placed: the answer comes when its actor is up
-        return {"kind": "queued", "session": session_id, "ahead": self.queue.positions()[session_id], **self._free()}
+        ahead = self.queue.positions().get(session_id)
+        if ahead is None:  # being placed: "placed" follows when its actor is up
+            return {"kind": "asked", "session": session_id, **self._free()}
+        return {"kind": "queued", "session": session_id, "ahead": ahead, **self._free()}
 
     def _on_watch(self, identity: bytes, key: bytes, user: str, session_ids: list[str]) -> dict[str, Any]:
         """A client's keep-alive: notices about its sessions go to this connection."""
@@ -273,26 +289,25 @@ class Pool:
 
     def _on_end(self, user: str, session_id: str) -> dict[str, Any]:
         placed = self.sessions.get(session_id)
-        if placed is None or placed.user != user:
-            ask = self.queue.remove(session_id)
-            if ask is not None and ask.user == user:
-                self.registry.session_ended(session_id, "cancelled")
-                return {"kind": "ended", "session": session_id}
-            if ask is not None:
-                self.queue.add(ask)
-            return {"kind": "error", "error": f"no session {session_id!r} of {user}"}
-        placed.actor.stop.remote()
-        return {"kind": "ended", "session": session_id}
+        if placed is not None and placed.user == user:
+            placed.ask = None  # nobody waits for its answer any more
+            placed.actor.stop.remote()
+            return {"kind": "ended", "session": session_id}
+        if any(a.session_id == session_id and a.user == user for a in self.queue):
+            self.queue.remove(session_id)
+            self.registry.session_ended(session_id, "cancelled while waiting")
+            return {"kind": "ended", "session": session_id}
+        return {"kind": "error", "error": f"no session {session_id!r} of {user}"}
 
     # -- placement ---------------------------------------------------------------------
     def _free(self) -> dict[str, int]:
         free = self._free_by_node()
-        total = sum(n["gpus"] for n in self.nodes.values() if n["alive"])
+        total = sum(n["gpus"] for n in list(self.nodes.values()) if n["alive"])
         return {"free": max(0, sum(free.values())), "total": total}
 
     def _free_by_node(self) -> dict[str, int]:
-        free = {nid: n["gpus"] for nid, n in self.nodes.items() if n["alive"]}
-        for placed in self.sessions.values():
+        free = {nid: n["gpus"] for nid, n in list(self.nodes.items()) if n["alive"]}
+        for placed in list(self.sessions.values()):
             if placed.node_id in free:
                 free[placed.node_id] -= placed.gpus
             elif free:  # not placed yet: count it against the node with the most room
@@ -330,7 +345,7 @@ class Pool:
         actor = self._actor_class.options(
             name=PREFIX + ask.session_id, namespace=NAMESPACE, lifetime="detached", num_gpus=ask.gpus
         ).remote(spec)
-        placed = Placed(
+        placed = LiveSession(
             ask.session_id,
             ask.user,
             ask.name,
@@ -454,14 +469,14 @@ class Pool:
                 self._unreachable.pop(session_id)
                 self._ending[placed.actor.wait_ended.remote()] = session_id
 
-    def _lost(self, placed: Placed, reason: str) -> None:
+    def _lost(self, placed: LiveSession, reason: str) -> None:
         if placed.watcher is not None:
             self._send(
                 placed.watcher, placed.key, {"kind": "session_lost", "session": placed.session_id, "reason": reason}
             )
         self._forget(placed, reason, lost=True)
 
-    def _forget(self, placed: Placed, reason: str, lost: bool = False) -> None:
+    def _forget(self, placed: LiveSession, reason: str, lost: bool = False) -> None:
         """The session is over: its actor goes (Ray frees its GPUs), and the queue may move."""
         import ray
 
@@ -570,10 +585,12 @@ class Pool:
                 actor = ray.get_actor(entry["name"], namespace=NAMESPACE)
                 info: dict[str, Any] = dict(ray.get(actor.info.remote(), timeout=10))
             except Exception as exc:
-                log.warning("session actor %s did not answer: %s", entry["name"], exc)
+                log.warning("session actor %s did not answer: %s; ending it", entry["name"], exc)
+                with contextlib.suppress(Exception):
+                    ray.kill(ray.get_actor(entry["name"], namespace=NAMESPACE), no_restart=True)
                 continue
             row = known[0] if known else {"user": "?", "name": "", "gpus": len(info["gpu_ids"])}
-            placed = Placed(
+            placed = LiveSession(
                 session_id,
                 row["user"],
                 row["name"],
@@ -587,6 +604,9 @@ class Pool:
             self.sessions[session_id] = placed
             self._ending[actor.wait_ended.remote()] = session_id
             log.info("recovered session %s of %s", session_id, placed.user)
+        for row in self.registry.sessions():  # what the last endpoint left: no actor, no session
+            if row["id"] not in self.sessions:
+                self.registry.session_ended(row["id"], "the pool endpoint restarted and it had no actor")
 
     # -- replies -----------------------------------------------------------------------
     def _send(self, identity: bytes, key: bytes, reply: dict[str, Any]) -> None:
@@ -606,7 +626,7 @@ class Pool:
     def status(self, viewer: str | None = None) -> dict[str, Any]:
         """Nodes, their GPUs and who holds them, and the queue. Session names are their owner's to see."""
         holders: dict[str, list[dict[str, Any]]] = {}
-        for placed in self.sessions.values():
+        for placed in list(self.sessions.values()):  # a copy: status() may be asked from other threads
             holders.setdefault(placed.node_id, []).append(
                 {
                     "user": placed.user,
@@ -616,7 +636,7 @@ class Pool:
             )
         now = time.time()
         nodes = []
-        for nid, node in sorted(self.nodes.items(), key=lambda kv: kv[1]["name"]):
+        for nid, node in sorted(self.nodes.items(), key=lambda kv: kv[1]["name"]):  # sorted() copies first
             reading = self.readings.get(nid) or {}
             nodes.append(
                 {
@@ -636,6 +656,6 @@ class Pool:
                 "waiting_s": round(time.time() - a.asked, 1),
                 **({"session": a.session_id} if viewer in (None, a.user) else {}),
             }
-            for a in self.queue
+            for a in list(self.queue)
         ]
         return {"nodes": nodes, "queue": queue, **self._free()}

@@ -74,16 +74,21 @@ def start_local_head(gpus: int, cpus: int | None = None) -> tuple[str, str]:
 def stop_local_head(folder: str, grace: float = 5.0) -> int:
     """End the processes of the head whose files are in `folder` (and no other Ray on this machine:
     `ray stop` would end them all). Returns how many there were."""
+    inside = folder.rstrip("/").encode() + b"/"
     mine = []
     for proc in Path("/proc").glob("[0-9]*"):
         try:
-            if folder.encode() in (proc / "cmdline").read_bytes():
-                mine.append(int(proc.name))
+            if proc.stat().st_uid != os.getuid():
+                continue
+            args = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
+        # Ray's processes name files inside the folder (--session_dir=FOLDER/session_..., sockets...)
+        if any(inside in arg or arg.endswith(b"=" + inside[:-1]) for arg in args):
+            mine.append(int(proc.name))
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in mine:
-            with contextlib.suppress(ProcessLookupError):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in mine):

@@ -7,6 +7,7 @@ and one set of statements for both. Membership is not here: which nodes are aliv
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import threading
 import time
@@ -59,6 +60,8 @@ SCHEMA = (
     "CREATE INDEX IF NOT EXISTS sessions_by_user ON sessions (user_name, state)",
 )
 
+log = logging.getLogger("genie.pool")
+
 LIVE = ("queued", "placed")  # session states that hold or wait for GPUs
 
 
@@ -72,7 +75,7 @@ class User:
 
 
 class Registry:
-    """One connection, used under a lock (the pool's loop thread and its Ray watcher share it)."""
+    """One connection, used under a lock (the pool endpoint's thread, and tests and tools reading it)."""
 
     def __init__(self, url: str | None = None) -> None:
         self.url = url or ""
@@ -103,7 +106,17 @@ class Registry:
 
     def _run(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         with self._lock:
-            cursor = self._db.execute(sql.replace("?", self._placeholder), params)
+            try:
+                cursor = self._db.execute(sql.replace("?", self._placeholder), params)
+            except Exception as exc:
+                if self.kind != "postgresql" or not (self._db.closed or getattr(self._db, "broken", False)):
+                    raise
+                # The server restarted or the connection dropped: open a new one, once, and go on
+                import psycopg
+
+                log.warning("the registry's connection to PostgreSQL was lost (%s); reconnecting", exc)
+                self._db = psycopg.connect(self.url, autocommit=True, connect_timeout=10)
+                cursor = self._db.execute(sql.replace("?", self._placeholder), params)
             return list(cursor.fetchall()) if cursor.description else []
 
     def close(self) -> None:

@@ -82,6 +82,7 @@ class SessionActor:
             "gpus": [g.get("name", "GPU") for g in self.server.gpus] or ["simulated GPU"] * len(self.gpu_ids),
             "started": self.started,
             "pid": os.getpid(),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),  # as Ray set it for this actor
             "sessions": len(self.server.sessions.live),
         }
 

@@ -4,9 +4,10 @@ A user proves their token without sending it, and the pool checks the proof with
 as SCRAM does: the pool keeps only `stored = SHA-256(client_key)` where
 `client_key = HMAC(token, "genie-pool client key")`. A request carries
 `proof = client_key XOR HMAC(stored, request)`; the pool recomputes the HMAC, recovers
-`client_key` and checks its hash. A leaked registry lets nobody sign requests. Replies are
-signed with `client_key`, which only that user and (for this request) the pool know, and a
-session's token travels sealed with it.
+`client_key` and checks its hash. The registry alone lets nobody sign requests; the registry and
+one request seen on the network together do (no server nonce, no encryption), so keep the
+registry as secret as the tokens and the pool's port on a trusted network. Replies are signed with
+`client_key`, and a session's token travels sealed with it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import hmac
 import json
 import secrets
 import time
+from collections import deque
 from typing import Any
 
 PROTOCOL = "genie-pool/1"
@@ -24,6 +26,7 @@ MAX_REQUEST_BYTES = 64 << 10
 
 
 def client_key(token: str) -> bytes:
+    """The key a token stands for: it signs replies and unseals session tokens."""
     return hmac.new(token.encode(), b"genie-pool client key", hashlib.sha256).digest()
 
 
@@ -61,12 +64,14 @@ def verify_request(request: dict[str, Any], stored: str) -> bytes | None:
 
 
 def sign_reply(reply: dict[str, Any], key: bytes) -> dict[str, Any]:
+    """The pool's answer, with a MAC its user can check (so nobody else can answer for the pool)."""
     reply = dict(reply)
     reply["mac"] = hmac.new(key, _canonical(reply, "mac"), hashlib.sha256).hexdigest()
     return reply
 
 
 def reply_is_genuine(reply: dict[str, Any], key: bytes) -> bool:
+    """Whether the pool signed this reply for the holder of `key`."""
     expected = hmac.new(key, _canonical(reply, "mac"), hashlib.sha256).hexdigest()
     return hmac.compare_digest(str(reply.get("mac", "")), expected)
 
@@ -87,6 +92,7 @@ def seal(secret: str, key: bytes, request_id: str) -> str:
 
 
 def unseal(sealed: str, key: bytes, request_id: str) -> str:
+    """The session token `seal` hid."""
     data = bytes.fromhex(sealed)
     return _xor(data, _pad(key, request_id, len(data))).decode()
 
@@ -96,21 +102,23 @@ class Replays:
 
     def __init__(self, window: float = FRESH_SECONDS) -> None:
         self.window = window
-        self._seen: dict[str, float] = {}
+        self._seen: set[str] = set()
+        self._order: deque[tuple[float, str]] = deque()  # (when seen, id), oldest first
 
     def fresh(self, request: dict[str, Any]) -> str:
         """'' when the request may run, else why not."""
         now = time.time()
+        while self._order and now - self._order[0][0] > self.window:
+            self._seen.discard(self._order.popleft()[1])
         try:
             age = now - float(request["ts"])
             request_id = str(request["id"])
         except (KeyError, TypeError, ValueError):
             return "a request without an id or timestamp"
         if abs(age) > self.window:
-            return f"a request {age:.0f} s old (clocks more than {self.window:.0f} s apart?)"
+            return f"a request {age:.0f} s old (are the clocks of this machine and the pool's {abs(age):.0f} s apart?)"
         if request_id in self._seen:
             return "a replayed request"
-        if len(self._seen) > 10_000:
-            self._seen = {k: t for k, t in self._seen.items() if now - t < self.window}
-        self._seen[request_id] = now
+        self._seen.add(request_id)
+        self._order.append((now, request_id))
         return ""
