@@ -43,9 +43,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_local_head(gpus: int, cpus: int | None = None) -> tuple[str, str]:
+def start_local_head(gpus: int, cpus: int | None = None, attempts: int = 3) -> tuple[str, str]:
     """Start a Ray head on this machine declaring `gpus` GPUs, its files in a folder of its own;
-    returns its address and that folder (every process of it names the folder: see `stop_local_head`)."""
+    returns its address and that folder (every process of it names the folder: see `stop_local_head`).
+    A port taken between choosing it and Ray binding it costs another attempt, not the pool."""
+    for attempt in range(attempts):
+        try:
+            return _start_head(gpus, cpus)
+        except ConfigError:
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start_head(gpus: int, cpus: int | None) -> tuple[str, str]:
     port = _free_port()
     folder = Path(tempfile.gettempdir()) / f"genie-ray-{port}"  # short: Ray's Unix sockets live under it
     command = [
@@ -64,8 +75,14 @@ def start_local_head(gpus: int, cpus: int | None = None) -> tuple[str, str]:
     ]
     if cpus is not None:
         command.append(f"--num-cpus={cpus}")
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=dict(os.environ, **LOCAL_ONLY))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a head of its own, not a client of one
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**env, **LOCAL_ONLY})
+    except subprocess.TimeoutExpired:
+        stop_local_head(str(folder))
+        raise ConfigError("a local Ray head did not start within 120 s") from None
     if done.returncode != 0:
+        stop_local_head(str(folder))
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
         raise ConfigError("could not start a local Ray head: " + " | ".join(tail))
     return f"127.0.0.1:{port}", str(folder)
