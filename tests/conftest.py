@@ -163,6 +163,14 @@ def _segments() -> set[str]:
 
 
 _segments_before: set[str] = set()
+_heads_before: set[str] = set()
+
+
+def _local_heads() -> set[str]:
+    """Folders of local Ray heads that `genie pool up` started (genie_core.pool.head)."""
+    import tempfile
+
+    return {str(p) for p in Path(tempfile.gettempdir()).glob("genie-ray-*")}
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -173,6 +181,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
     reliability.reset()
     _segments_before.update(_segments())
+    _heads_before.update(_local_heads())
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -187,6 +196,10 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if _is_xdist_worker(session.config):
         return
     reliability.write_document()
+    from genie_core.pool.head import stop_local_head
+
+    for folder in _local_heads() - _heads_before:  # a notebook that failed before `genie pool down`
+        stop_local_head(folder)
     time.sleep(0.5)
     leaked = sorted(name for name in _segments() - _segments_before if _orphaned(name))
     if leaked:
