@@ -181,7 +181,9 @@ def _init_client(
     if is_pool_token(token):  # a pool: ask it for a session, then connect to that session's server
         pool = PoolClient(host, port, token, timeout=config.timeout)
         try:
-            placed = pool.place(config.pool_gpus, config.session_name or "", config.pool_wait, on_wait)
+            placed = pool.place(
+                config.pool_gpus, config.session_name or "", config.pool_wait, on_wait, config.pool_accelerator or ""
+            )
         except BaseException:
             pool.close()
             raise

@@ -79,6 +79,7 @@ class ClusterConfig:
     sync: str | None = None  # client: a directory to %genie_sync at connect (its code, on the server's sys.path)
     pool_gpus: int = 1  # client: GPUs to ask a pool for (a pool token, user:secret, says the address is a pool)
     pool_wait: float = 600.0  # client: seconds to wait in a full pool's queue before giving up
+    pool_accelerator: str | None = None  # client: the GPU type to ask a pool for (as its nodes declare to Ray)
     session_name: str | None = None  # client: a named session outlives this process; the same name attaches to it
     idle_timeout: float = 0.0  # server: end sessions with no client and no cell running for this long (0: never)
     enable_gpu_monitoring: bool = True

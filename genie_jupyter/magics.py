@@ -184,6 +184,12 @@ class GenieMagics(Magics):
         help="a pool: how many GPUs to ask for (default 1); an embedded server: GPU indices, e.g. 0,1",
     )
     @argument(
+        "--accelerator",
+        default=None,
+        metavar="TYPE",
+        help="a pool: the GPU type, as its nodes declare it to Ray (e.g. A100)",
+    )
+    @argument(
         "--session",
         default=None,
         metavar="NAME",
@@ -211,6 +217,7 @@ class GenieMagics(Magics):
             timeout=args.timeout,
             gpus=args.gpus if local else None,
             pool_gpus=_gpu_count(args.gpus) if not local and args.gpus is not None else None,
+            pool_accelerator=args.accelerator,
             session_name=args.session,
             on_phase=on_phase,
             on_wait=on_wait,

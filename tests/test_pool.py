@@ -28,6 +28,7 @@ from genie_core.pool.endpoint import Pool  # noqa: E402
 from genie_core.pool.head import HEALTH_CHECKS  # noqa: E402
 from genie_core.protocol import pool as wire  # noqa: E402
 
+T4 = {"accelerator_type:T4": 1}
 LOOPBACK = "127.0.0.1"  # every Ray process of the test binds here, never to the machine's address
 
 
@@ -44,9 +45,11 @@ def cluster():
             "_system_config": HEALTH_CHECKS,
         },
     )
-    workers = [c.add_node(node_ip_address=LOOPBACK, num_cpus=1, num_gpus=2) for _ in range(2)]
+    # one node's GPUs have a declared type (as `ray start --resources='{"accelerator_type:T4": 1}'` does)
+    workers = [c.add_node(node_ip_address=LOOPBACK, num_cpus=1, num_gpus=2, resources=kind) for kind in (T4, {})]
     c.wait_for_nodes()
     c.workers = workers
+    c.t4 = workers[0].node_id
     yield c
     ray.shutdown()
     c.shutdown()
@@ -69,10 +72,12 @@ def pool(cluster, tmp_path_factory):
 class Seat:
     """A user's placed session: the pool's answer and a client connected to the session's server."""
 
-    def __init__(self, pool: Pool, user: str, gpus: int = 1, wait: float = 60.0, on_wait=None) -> None:
+    def __init__(
+        self, pool: Pool, user: str, gpus: int = 1, wait: float = 60.0, on_wait=None, accelerator: str = ""
+    ) -> None:
         self.pool_client = PoolClient("127.0.0.1", pool.port, pool.tokens[user], timeout=60)
         try:
-            self.placed = self.pool_client.place(gpus, wait=wait, on_wait=on_wait)
+            self.placed = self.pool_client.place(gpus, wait=wait, on_wait=on_wait, accelerator=accelerator)
         except BaseException:
             self.pool_client.close()
             raise
@@ -204,6 +209,19 @@ def test_a_wait_in_a_full_pool_ends_in_one_clear_error_at_its_timeout(pool):
     finally:
         for seat in holders:
             seat.close()
+
+
+def test_a_gpu_type_is_asked_for_by_name(pool, cluster):
+    _wait_free(pool, 4)
+    with pytest.raises(PlacementFailed, match=r"no node of this pool has H100 GPUs \(it has: T4\)"):
+        Seat(pool, "alice", accelerator="H100")
+    for _ in range(2):  # both on the T4 node, though the other has room too
+        seat = Seat(pool, "alice", accelerator="T4")
+        try:
+            assert seat.placed["node_id"] == cluster.t4
+        finally:
+            seat.close()
+        _wait_free(pool, 4)
 
 
 def test_quotas_are_refused_with_the_quota_named(pool):
@@ -353,8 +371,11 @@ def test_a_node_that_dies_has_its_sessions_reported_lost_within_5_s(pool, cluste
             except (GenieError, ConnectionLost):
                 pass
         if len(cluster.workers) < 2:  # a new machine joins: later tests have their 4 GPUs again
-            cluster.workers.append(cluster.add_node(node_ip_address=LOOPBACK, num_cpus=1, num_gpus=2))
+            kind = T4 if node.node_id == cluster.t4 else {}
+            cluster.workers.append(cluster.add_node(node_ip_address=LOOPBACK, num_cpus=1, num_gpus=2, resources=kind))
             cluster.wait_for_nodes()
+            if kind:
+                cluster.t4 = cluster.workers[-1].node_id
 
 
 def test_a_notebook_waits_in_the_queue_then_runs_cells_on_its_gpu(pool):

@@ -77,12 +77,17 @@ class PoolClient:
         raise ConnectionFailed(f"no answer from the genie pool at {self.address} within {timeout:.0f} s")
 
     def place(
-        self, gpus: int, name: str = "", wait: float = 600.0, on_wait: Callable[[str], None] | None = None
+        self,
+        gpus: int,
+        name: str = "",
+        wait: float = 600.0,
+        on_wait: Callable[[str], None] | None = None,
+        accelerator: str = "",
     ) -> dict[str, Any]:
         """Ask for a session with `gpus` GPUs; block (calling `on_wait` as the queue moves) until it
         is placed. Returns where its server is, with its token unsealed. A failure or an interrupt
         while waiting leaves the queue (or ends the session, if it was placed meanwhile)."""
-        request_id, key = self._request("place", gpus=gpus, name=name, wait=wait)
+        request_id, key = self._request("place", gpus=gpus, name=name, wait=wait, accelerator=accelerator)
         deadline = time.monotonic() + wait + self.timeout
         try:
             reply = self._receive(request_id, key, self.timeout)

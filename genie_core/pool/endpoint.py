@@ -195,6 +195,8 @@ class Pool:
             self._audited = now
             self._ask_for_cells()
         self._collect()
+        for placed in [p for p in list(self.sessions.values()) if p.ask is not None and p.ask.deadline <= time.time()]:
+            self._forget(placed, "Ray did not place it in time (other work holds the GPUs it needs)")
         for ask in self.queue.expired(time.time()):
             self.registry.session_ended(ask.session_id, "queue timeout")
             self._answer(ask, {"kind": "error", "error": self._timeout_text(ask)})
@@ -260,6 +262,18 @@ class Pool:
         largest = max((n["gpus"] for n in self.nodes.values() if n["alive"]), default=0)
         if gpus < 1:
             return {"kind": "error", "error": f"a pool session holds 1 GPU or more (asked {gpus})"}
+        accelerator = str(args.get("accelerator") or "")[:64]
+        if accelerator:
+            kinds = sorted({a for n in self.nodes.values() if n["alive"] for a in n.get("accelerators", [])})
+            if accelerator not in kinds:
+                return {
+                    "kind": "error",
+                    "error": f"no node of this pool has {accelerator} GPUs "
+                    f"(it has: {', '.join(kinds) or 'no GPUs of a declared type'})",
+                }
+            largest = max(
+                n["gpus"] for n in self.nodes.values() if n["alive"] and accelerator in n.get("accelerators", [])
+            )
         if gpus > largest:
             return {"kind": "error", "error": f"no node of this pool has {gpus} GPUs (the largest has {largest})"}
         live = self.registry.sessions(user=user.name)
@@ -267,7 +281,9 @@ class Pool:
         session_id = secrets.token_hex(8)
         name = str(args.get("name") or "")[:64]
         wait = min(float(args.get("wait", self.queue_timeout)), self.queue_timeout)
-        ask = Ask(session_id, user.name, name, gpus, time.time() + wait, identity, request_id, key)
+        ask = Ask(
+            session_id, user.name, name, gpus, time.time() + wait, identity, request_id, key, accelerator=accelerator
+        )
         self.registry.session_asked(session_id, user.name, name, gpus)
         self.registry.event("asked", user.name, session_id, {"gpus": gpus})
         self.queue.add(ask)
@@ -318,7 +334,10 @@ class Pool:
     def _place(self) -> None:
         while (ask := self.queue.head()) is not None:
             free = self._free_by_node()
-            if max(free.values(), default=0) < ask.gpus:
+            fits = [nid for nid, n in free.items() if n >= ask.gpus]
+            if ask.accelerator:
+                fits = [nid for nid in fits if ask.accelerator in self.nodes[nid].get("accelerators", [])]
+            if not fits:
                 return
             self.queue.pop_head()
             self._create(ask)
@@ -342,8 +361,9 @@ class Pool:
             "session_lease": self.session_lease,
             "simulate_gpus": self.simulate_gpus,
         }
+        options: dict[str, Any] = {"accelerator_type": ask.accelerator} if ask.accelerator else {}
         actor = self._actor_class.options(
-            name=PREFIX + ask.session_id, namespace=NAMESPACE, lifetime="detached", num_gpus=ask.gpus
+            name=PREFIX + ask.session_id, namespace=NAMESPACE, lifetime="detached", num_gpus=ask.gpus, **options
         ).remote(spec)
         placed = LiveSession(
             ask.session_id,
@@ -507,6 +527,9 @@ class Pool:
                 "name": f"{entry.get('NodeManagerHostname', '?')}/{node_id[:6]}",
                 "ip": entry.get("NodeManagerAddress", ""),
                 "death": entry.get("DeathReasonMessage", ""),
+                "accelerators": sorted(
+                    k.split(":", 1)[1] for k in entry.get("Resources", {}) if k.startswith("accelerator_type:")
+                ),
             }
             if not seen[node_id]["alive"] and node_id in self.nodes:
                 seen[node_id]["gpus"] = self.nodes[node_id]["gpus"]

@@ -32,6 +32,7 @@ class Ask:
     request_id: str
     key: bytes  # signs replies to this user
     asked: float = field(default_factory=time.time)
+    accelerator: str = ""  # a GPU type the nodes declare to Ray (`ray start --resources` accelerator_type:T)
 
 
 def check_quota(user: User, gpus: int, live: list[dict[str, Any]], gpu_hours_today: float) -> None:
