@@ -103,7 +103,6 @@ class Pool:
         self._thread: threading.Thread | None = None
         self._actor_class: Any = None
         self._nodes_read = 0.0
-        self.placements = 0
 
     # -- life --------------------------------------------------------------------------
     def start(self) -> Pool:
@@ -378,7 +377,6 @@ class Pool:
         )
         self.sessions[ask.session_id] = placed
         self._placing[actor.info.remote()] = ask.session_id
-        self.placements += 1
 
     def _collect(self) -> None:
         """Actors that came up (answer their users) and sessions that ended (free their GPUs)."""

@@ -62,8 +62,6 @@ SCHEMA = (
 
 log = logging.getLogger("genie.pool")
 
-LIVE = ("queued", "placed")  # session states that hold or wait for GPUs
-
 
 @dataclass(frozen=True)
 class User:
@@ -148,10 +146,6 @@ class Registry:
             "SELECT name, stored_key, max_gpus, max_sessions, gpu_hours_per_day FROM users WHERE name = ?", (name,)
         )
         return User(*rows[0]) if rows else None
-
-    def users(self) -> list[User]:
-        rows = self._run("SELECT name, stored_key, max_gpus, max_sessions, gpu_hours_per_day FROM users ORDER BY name")
-        return [User(*row) for row in rows]
 
     # -- sessions ------------------------------------------------------------------------
     def session_asked(self, session_id: str, user: str, name: str, gpus: int) -> None:
