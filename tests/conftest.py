@@ -27,6 +27,25 @@ LONGEST_FIRST = (
 )
 
 
+# The files that start a Ray cluster. Two clusters at once on two cores starve each other (a local
+# head then took over 120 s to start), so these files share one test process, one after another.
+RAY_FILES = {"test_pool", "test_benchmarks", "05_pool"}
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """`--dist loadfile`, except that the files in RAY_FILES are one unit of work."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class RayFilesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "files that start Ray" if Path(path).stem in RAY_FILES else path
+
+    return RayFilesTogether(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The longest files first; `@pytest.mark.gpu` tests need a CUDA GPU here (the server they
     start then computes on it)."""

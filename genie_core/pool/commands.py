@@ -7,6 +7,8 @@ import json
 import os
 import re
 import secrets
+import sys
+import time
 from pathlib import Path
 
 from ..config import state_dir
@@ -72,8 +74,12 @@ def _up(args: argparse.Namespace) -> int:
         if known and Path(known.get("folder", "")).is_dir():
             address = known["address"]
         else:
+            began = time.monotonic()
+            _progress("starting a local Ray head")
             address, folder = start_local_head(args.simulate_gpus or 0)
             head.write_text(json.dumps({"address": address, "folder": folder}))
+            _progress(f"a local Ray head at {address} started in {time.monotonic() - began:.1f} s")
+    _progress(f"joining Ray at {address}")
     pool = Pool(
         ray_address=address,
         db=args.db or default_db(),
@@ -97,6 +103,11 @@ def _up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _progress(line: str) -> None:
+    """Where `genie pool up` is, on stderr: a start that takes long shows which step it is in."""
+    print(f"[genie pool] {line}", file=sys.stderr, flush=True)
+
+
 def _head_file() -> Path:
     return state_dir("pool") / "local-head.json"
 
@@ -118,8 +129,6 @@ def _down(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     """`genie pool status` once, or `genie pool top`: redrawn each second."""
-    import time
-
     from ..client.pool import PoolClient, render_pool
     from ..config import parse_address
 
