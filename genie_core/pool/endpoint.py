@@ -502,12 +502,14 @@ class Pool:
             ray.kill(placed.actor, no_restart=True)
         except Exception as exc:  # already gone with its node
             log.debug("session actor %s: %s", placed.session_id, exc)
-        self.sessions.pop(placed.session_id, None)
         for refs in (self._placing, self._ending):
             for ref in [r for r, s in refs.items() if s == placed.session_id]:
                 refs.pop(ref)
-        self.registry.session_ended(placed.session_id, reason)
-        self.registry.event("lost" if lost else "ended", placed.user, placed.session_id, {"reason": reason})
+        try:  # recorded before its GPUs show free: whoever sees them free also finds why they freed
+            self.registry.session_ended(placed.session_id, reason)
+            self.registry.event("lost" if lost else "ended", placed.user, placed.session_id, {"reason": reason})
+        finally:
+            self.sessions.pop(placed.session_id, None)
         if placed.ask is not None:
             self._answer(placed.ask, {"kind": "error", "error": f"the session could not start: {reason}"})
 
