@@ -5,7 +5,10 @@ next request waiting."""
 
 from __future__ import annotations
 
+import os
+import queue
 import random
+import signal
 import time
 
 import pytest
@@ -85,6 +88,9 @@ def test_100_interrupt_button_presses_at_random_moments_in_a_real_kernel(tmp_pat
     outcomes: dict[str, int] = {}
     try:
         execute(kc, "%load_ext genie_jupyter")
+        # SIGUSR1 prints the kernel's threads to its stderr (pytest captures it): a reply that never
+        # comes then shows where the kernel waits
+        execute(kc, "import faulthandler, signal, sys\nfaulthandler.register(signal.SIGUSR1, sys.__stderr__, True)")
         reply, msgs = execute(kc, f"%genie_init 127.0.0.1:{srv.info.port} --token {srv.info.token}")
         assert reply["status"] == "ok", msgs
         _, msgs = execute(kc, "%%remote\nimport os\nkept = 'intact'\nprint(os.getpid())")
@@ -101,7 +107,12 @@ def test_100_interrupt_button_presses_at_random_moments_in_a_real_kernel(tmp_pat
                     break
             time.sleep(rng.uniform(0, 0.5))
             km.interrupt_kernel()
-            reply = reply_to(kc, msg_id, timeout=15)  # never a hang
+            try:
+                reply = reply_to(kc, msg_id, timeout=15)  # never a hang
+            except queue.Empty:
+                os.kill(km.provisioner.pid, signal.SIGUSR1)
+                time.sleep(1)
+                raise AssertionError("no reply within 15 s of an interrupt (the kernel's threads: stderr)") from None
             content = reply["content"]
             if content["status"] == "ok":
                 kind = "finished first"
