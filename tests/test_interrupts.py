@@ -124,7 +124,12 @@ def test_100_interrupt_button_presses_at_random_moments_in_a_real_kernel(tmp_pat
                 kind = "KeyboardInterrupt in the kernel after the remote cell ended"
             outcomes[kind] = outcomes.get(kind, 0) + 1
             while True:  # the kernel is idle again (ipykernel aborts what arrives while it handles an error)
-                msg = kc.get_iopub_msg(timeout=15)
+                try:
+                    msg = kc.get_iopub_msg(timeout=15)
+                except queue.Empty:
+                    os.kill(km.provisioner.pid, signal.SIGUSR1)
+                    time.sleep(1)
+                    raise AssertionError(f"replied {content.get('status')}, not idle in 15 s (stderr)") from None
                 if msg["parent_header"].get("msg_id") == msg_id and msg["content"].get("execution_state") == "idle":
                     break
             reply, msgs = execute(kc, "%%remote\nprint(os.getpid(), kept)", timeout=15)
