@@ -15,14 +15,16 @@ from genie_core.client import Client
 from genie_core.config import ConnectionInfo
 from genie_core.local_server import start_server_process, stop_process
 
+# The files that start a Ray cluster. Two clusters at once on two cores starve each other (a local
+# head then took over 120 s to start), so these files share one test process, one after another.
+RAY_FILES = ("test_pool", "test_benchmarks", "05_pool")
+
 # The order files start in, longest first so that the two test processes finish together
 # (measured in CI runs). The files that start Ray run first, in one test process (see
 # RAY_FILES), beside files that load the CPU without timing anything; the fault tests, whose
 # timeouts are seconds, come after, once the Ray clusters are gone.
 LONGEST_FIRST = (
-    "test_pool",
-    "test_benchmarks",
-    "05_pool",
+    *RAY_FILES,
     "test_soak",
     "test_conformance_opinfo",
     "test_fuzz",
@@ -32,10 +34,6 @@ LONGEST_FIRST = (
     "test_netns",
     "test_kernel",
 )
-
-# The files that start a Ray cluster. Two clusters at once on two cores starve each other (a local
-# head then took over 120 s to start), so these files share one test process, one after another.
-RAY_FILES = {"test_pool", "test_benchmarks", "05_pool"}
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:

@@ -10,6 +10,7 @@ import queue
 import random
 import signal
 import time
+from typing import NoReturn
 
 import pytest
 from conftest import STRESS, run, start_server, stdout_of
@@ -79,6 +80,14 @@ def test_200_interrupts_at_random_moments_through_the_client(tmp_path):
     )
 
 
+def _stuck(km, what: str) -> NoReturn:
+    """The kernel stopped answering: its threads go to its stderr (faulthandler, registered on
+    SIGUSR1 at the test's start; pytest captures it), then the test fails saying what was missing."""
+    os.kill(km.provisioner.pid, signal.SIGUSR1)
+    time.sleep(1)
+    raise AssertionError(f"{what} (the kernel's threads: captured stderr)")
+
+
 def test_100_interrupt_button_presses_at_random_moments_in_a_real_kernel(tmp_path):
     from test_kernel import execute, reply_to, stdout
 
@@ -110,9 +119,7 @@ def test_100_interrupt_button_presses_at_random_moments_in_a_real_kernel(tmp_pat
             try:
                 reply = reply_to(kc, msg_id, timeout=15)  # never a hang
             except queue.Empty:
-                os.kill(km.provisioner.pid, signal.SIGUSR1)
-                time.sleep(1)
-                raise AssertionError("no reply within 15 s of an interrupt (the kernel's threads: stderr)") from None
+                _stuck(km, "no reply within 15 s of an interrupt")
             content = reply["content"]
             if content["status"] == "ok":
                 kind = "finished first"
@@ -127,9 +134,7 @@ def test_100_interrupt_button_presses_at_random_moments_in_a_real_kernel(tmp_pat
                 try:
                     msg = kc.get_iopub_msg(timeout=15)
                 except queue.Empty:
-                    os.kill(km.provisioner.pid, signal.SIGUSR1)
-                    time.sleep(1)
-                    raise AssertionError(f"replied {content.get('status')}, not idle in 15 s (stderr)") from None
+                    _stuck(km, f"replied {content.get('status')}, not idle within 15 s")
                 if msg["parent_header"].get("msg_id") == msg_id and msg["content"].get("execution_state") == "idle":
                     break
             reply, msgs = execute(kc, "%%remote\nprint(os.getpid(), kept)", timeout=15)
