@@ -159,14 +159,19 @@ def check_the_rest(page) -> None:
     assert "100%" in labels and "0%" in labels and "now" in labels, labels
     assert any(t.endswith(" min") or t.endswith(" s") for t in labels), labels
     assert page.locator(".genie-chart polyline.genie-series-utilization").first.get_attribute("points")
-    # Every event row starts inside the log: its time is whole, not clipped at the left edge.
-    rows = page.locator(".genie-event-list").first.locator(".genie-event")
-    assert rows.count() >= 2
-    log_box = page.locator(".genie-event-list").first.bounding_box()
-    for i in range(min(rows.count(), 5)):
-        time_box = rows.nth(i).locator(".genie-event-time").bounding_box()
-        assert time_box["x"] >= log_box["x"], (time_box, log_box)
-        assert rows.nth(i).locator(".genie-event-time").text_content()[0].isdigit()
+    # Every event row starts inside the log: its time is whole, not clipped at the left edge. Measured in one
+    # evaluate: the widget redraws its rows at each update, so a row found by one call may be gone at the next.
+    rows = page.evaluate(
+        """() => {
+            const log = document.querySelector('.genie-event-list');
+            const left = log.getBoundingClientRect().left;
+            return [...log.querySelectorAll('.genie-event-time')].slice(0, 5)
+                .map(t => [t.getBoundingClientRect().left - left, t.textContent]);
+        }"""
+    )
+    assert len(rows) >= 2, rows
+    for offset, when in rows:
+        assert offset >= 0 and when[:1].isdigit(), rows
     # The init summary is said once (in its widget), not also printed beside it.
     summaries = page.locator(".jp-OutputArea-output:has-text('Connected to genie server')")
     assert summaries.count() == 1, summaries.count()
