@@ -19,7 +19,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import clear_output, display, publish_display_data
 
 import genie_core
-from genie_core.client import Client, Job
+from genie_core.client import Client, Job, Request
 from genie_core.cluster import current_client
 from genie_core.errors import RemoteError
 
@@ -61,39 +61,43 @@ def render(msg_type: str, content: dict[str, Any]) -> None:
 
 
 @contextlib.contextmanager
-def _interrupts_deferred() -> Iterator[None]:
-    """Hold a KeyboardInterrupt until the block is done, so a request is either sent and ours to
-    interrupt, or not sent at all (never sent behind our back, to block the next cell)."""
+def _interrupts_held() -> Iterator[list[int]]:
+    """Hold the notebook's interrupt presses while a request or an interrupt is sent (the list
+    collects them), so a request is never sent behind an escaping KeyboardInterrupt: it is either
+    not sent, or sent and then interrupted by the caller."""
+    presses: list[int] = []
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield presses
         return
-    caught: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: presses.append(signum))
     try:
-        yield
+        yield presses
     finally:
         signal.signal(signal.SIGINT, previous)
-    if caught and callable(previous):
-        previous(signal.SIGINT, None)
+
+
+def _interrupt(client: Client, request: Request) -> float:
+    """Send one interrupt for `request` (presses while it is sent are part of it); when it was sent."""
+    with _interrupts_held():
+        client.interrupt(request)
+    return time.monotonic()
 
 
 def run_remote(client: Client, code: str, *, gpu: int | None = None, timeout: float | None = None) -> dict[str, Any]:
     """Run `code` remotely, rendering its output live; the notebook's interrupt interrupts it
     (each press sends one more interrupt, for code that swallowed the first)."""
-    with _interrupts_deferred():
+    with _interrupts_held() as pressed:
         request = client.execute(code, gpu=gpu)
     error: dict[str, Any] | None = None
     deadline = None if timeout is None else time.monotonic() + timeout
-    interrupted_at: float | None = None
+    interrupted_at = _interrupt(client, request) if pressed else None  # pressed as it was sent
     while True:
         try:
             msg = request.next(timeout=0.1)
             if msg is None:
                 now = time.monotonic()
                 if interrupted_at is None and deadline is not None and now > deadline:
-                    with _interrupts_deferred():
-                        client.interrupt(request)
-                    interrupted_at = now
+                    interrupted_at = _interrupt(client, request)
                 elif interrupted_at is not None and now - interrupted_at > INTERRUPT_GRACE:
                     break
             elif msg.type == "error":
@@ -107,9 +111,7 @@ def run_remote(client: Client, code: str, *, gpu: int | None = None, timeout: fl
             else:
                 render(msg.type, msg.content)
         except KeyboardInterrupt:
-            with _interrupts_deferred():
-                client.interrupt(request)
-            interrupted_at = time.monotonic()
+            interrupted_at = _interrupt(client, request)
     _give_up(deadline)
 
 

@@ -149,3 +149,26 @@ def test_the_next_magic_says_whether_a_cell_cut_off_by_a_lost_connection_ran(she
         srv.proc.send_signal(signal.SIGCONT)
         genie_core.shutdown_sync()
         srv.stop()
+
+
+def test_an_interrupt_pressed_while_the_cell_is_sent_interrupts_the_remote_cell(connected, monkeypatch):
+    """The press lands inside `client.execute` (a real SIGINT to this process, sent from there): the
+    request reaches the server, so the remote cell must be interrupted, not left running behind a
+    local KeyboardInterrupt to block the next cell."""
+    import os
+    import signal
+
+    client = genie_core.get_cluster_state().client
+    send = client.execute
+
+    def pressed_while_sending(code, **kw):
+        request = send(code, **kw)
+        os.kill(os.getpid(), signal.SIGINT)
+        return request
+
+    monkeypatch.setattr(client, "execute", pressed_while_sending)
+    result = connected.run_cell("%%remote\nwhile True:\n    pass")
+    monkeypatch.undo()
+    error = result.error_in_exec
+    assert isinstance(error, RemoteError) and error.ename == "KeyboardInterrupt", repr(error)
+    assert connected.run_cell("%%remote --timeout 10\nprint('next')").success  # not behind a cell still running

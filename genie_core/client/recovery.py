@@ -24,6 +24,8 @@ log = logging.getLogger("genie.client")
 T = MessageType
 KEEP_OUTPUT = 64 << 10  # characters of a lost cell's late output kept to show
 KEEP_LOST = 100  # lost requests remembered
+OUTCOME_WAIT = 10.0  # seconds for one "did it run?" answer
+OUTCOME_TRIES = 3  # then the outcome is reported unknown
 
 
 @dataclass
@@ -125,12 +127,17 @@ class Recovery:
     def _ask(self) -> None:
         ids = [r.id for r in self.lost.values() if not r.settled]
         try:
-            reply = self.connection.request(Message(T.OUTCOME, {"ids": ids})).wait(10)
+            reply = self._outcomes(ids)
         except Exception as exc:
-            if self.connection.session_gone:  # and the server does not remember it (it restarted): nobody can say
+            if self.connection.session_gone:  # nobody can say any more
+                why = (
+                    f"the server ended the session and did not answer within {OUTCOME_TRIES * OUTCOME_WAIT:g} s"
+                    if isinstance(exc, TimeoutError)
+                    else "the server ended the session and no longer remembers it"  # it restarted
+                )
                 for lost in self.lost.values():
                     if not lost.settled:
-                        self._settle(lost, "unknown", "", "the server ended the session and no longer remembers it")
+                        self._settle(lost, "unknown", "", why)
             else:
                 log.warning("could not learn the outcome of %d lost requests: %s", len(ids), exc)
             return
@@ -147,6 +154,16 @@ class Recovery:
                 self._settle(entry, "stopped", "", str(outcome.get("error", "")))
             else:
                 entry.state = "running"  # its reply follows on this connection
+
+    def _outcomes(self, ids: list[str]) -> Message:
+        """The server's record of `ids`. Asked again after a timeout: a link that just healed may
+        still be in TCP's retransmission backoff, and a wait of 10 s can end before it resends."""
+        for _ in range(OUTCOME_TRIES - 1):
+            try:
+                return self.connection.request(Message(T.OUTCOME, {"ids": ids})).wait(OUTCOME_WAIT)
+            except TimeoutError:
+                log.info("no answer on the outcome of %d lost requests in %g s; asking again", len(ids), OUTCOME_WAIT)
+        return self.connection.request(Message(T.OUTCOME, {"ids": ids})).wait(OUTCOME_WAIT)
 
     def _settle(self, lost: LostRequest, state: str, status: str, error: str) -> None:
         lost.state, lost.status, lost.error, lost.settled = state, status, error, True
