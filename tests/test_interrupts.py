@@ -107,9 +107,8 @@ def test_100_interrupt_button_presses_at_random_moments_in_a_real_kernel(tmp_pat
         for _ in range(100):
             # The cell announces itself first: ipykernel loses a request whose interrupt lands in its
             # own dispatch code, before any cell code runs (ipykernel#845), which is not ours to test.
-            msg_id = kc.execute(
-                f"print('go', flush=True)\nget_ipython().run_cell_magic('remote', '', {rng.choice(CELLS)!r})"
-            )
+            code = rng.choice(CELLS)
+            msg_id = kc.execute(f"print('go', flush=True)\nget_ipython().run_cell_magic('remote', '', {code!r})")
             while True:
                 msg = kc.get_iopub_msg(timeout=15)
                 if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
@@ -127,7 +126,11 @@ def test_100_interrupt_button_presses_at_random_moments_in_a_real_kernel(tmp_pat
                 assert "KeyboardInterrupt" in "".join(content["traceback"]), content
                 kind = "KeyboardInterrupt in the remote code (or cancelled before it started)"
             else:  # the press landed in the kernel after the remote cell had ended
-                assert content["ename"] == "KeyboardInterrupt" and "did not stop" not in content["evalue"], content
+                assert content["ename"] == "KeyboardInterrupt" and "did not stop" not in content["evalue"], (
+                    code,
+                    content["evalue"],
+                    "".join(p.read_text()[-3000:] for p in tmp_path.glob("*.log")),
+                )
                 kind = "KeyboardInterrupt in the kernel after the remote cell ended"
             outcomes[kind] = outcomes.get(kind, 0) + 1
             while True:  # the kernel is idle again (ipykernel aborts what arrives while it handles an error)
