@@ -97,6 +97,19 @@ class RunningServer:
             **kwargs,
         ).connect()
 
+    def segments(self, prefix: str = "genie-") -> set[Path]:
+        """Shared-memory segments of this test process, this server and its workers: the other
+        test process makes its own (discovery probes, pushes) at the same time."""
+        import psutil
+
+        pids = {os.getpid(), self.proc.pid}
+        try:
+            pids.update(child.pid for child in psutil.Process(self.proc.pid).children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+        mine = {str(pid) for pid in pids}
+        return {p for p in Path("/dev/shm").glob(f"{prefix}*") if [*p.name.split("-"), "", ""][2] in mine}
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGCONT)  # a test may have paused it

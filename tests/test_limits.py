@@ -12,7 +12,6 @@ from conftest import run, start_server, stdout_of
 from reliability import record
 
 import genie_core
-from genie_core.dataplane.segment import SHM_DIR
 from genie_core.errors import LimitExceeded
 
 SECTION = "Session limits"
@@ -69,13 +68,13 @@ def test_too_many_bytes_of_remote_tensors(limited):
 
 def test_pushes_over_the_limit(limited):
     client = genie_core.get_cluster_state().client
-    before = set(SHM_DIR.glob("genie-*"))
+    before = limited.segments()
     with pytest.raises(
         LimitExceeded, match=r"push of 80\.0 MiB is more than the server lets a session hold \(64\.0 MiB"
     ) as caught:
         client.push({"big": torch.ones(20 * MiB)})
     record(SECTION, "80 MiB push (--max-session-bytes 64MiB)", f"LimitExceeded before a byte was sent: {caught.value}")
-    assert set(SHM_DIR.glob("genie-*")) <= before  # refused before a byte was sent
+    assert limited.segments() <= before  # refused before a byte was sent
     held = torch.ones(10 * MiB, device=DEV)  # 40 MiB of remote tensors
     assert held.sum().item() == 10 * MiB
     with pytest.raises(LimitExceeded, match=r"push of 32\.0 MiB would make this session hold 72\.0 MiB"):
@@ -106,11 +105,11 @@ def test_the_data_port_refuses_a_put_over_the_limit_before_taking_memory(limited
     client = genie_core.get_cluster_state().client
     port = client.node["transport"]["data_port"]
     transport = TcpChannel("127.0.0.1", port, client.connection.codec.key, client.session)
-    before = set(SHM_DIR.glob("genie-s-*"))
+    before = limited.segments("genie-s-")
     with pytest.raises((ConnectionError, OSError)):
         transport.put([bytearray(65 * MiB)])
     transport.close()
-    assert set(SHM_DIR.glob("genie-s-*")) <= before
+    assert limited.segments("genie-s-") <= before
     ok = TcpChannel(
         "127.0.0.1", port, client.connection.codec.key, client.session
     )  # the same put, under the limit, is taken

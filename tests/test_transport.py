@@ -156,14 +156,12 @@ def make_ib(root: Path, state: str, link: str = "Ethernet") -> None:
 def test_a_tampered_ucx_payload_is_refused(server, connect, monkeypatch):
     """UCX payloads carry a MAC (they may cross a network): a payload whose MAC does not match
     is refused and its memory released, in both directions."""
-    from genie_core.dataplane.segment import SHM_DIR
-
     wait_for_detection(server)
     state = connect("ucx")
     t = torch.randn(1 << 20)
     state.client.push({"t": t})  # the real MAC passes
     real = wire.PayloadMac.digest
-    before = set(SHM_DIR.glob("genie-s-*"))
+    before = server.segments("genie-s-")
 
     def forged(self):
         return bytes(32)
@@ -172,7 +170,7 @@ def test_a_tampered_ucx_payload_is_refused(server, connect, monkeypatch):
     transport = state.client.channel
     with pytest.raises(ConnectionError, match="payload failed authentication"):
         transport.put([memoryview(t.numpy()).cast("B")])
-    assert set(SHM_DIR.glob("genie-s-*")) <= before
+    assert server.segments("genie-s-") <= before
     with pytest.raises(ConnectionLost, match="payload failed authentication"):  # the other way: the client checks
         state.client.pull(["t"])
     monkeypatch.setattr(wire.PayloadMac, "digest", real)
