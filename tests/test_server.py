@@ -312,6 +312,41 @@ def test_a_silent_client_is_reaped_after_its_lease(tmp_path):
         srv.stop()
 
 
+def test_a_cell_stopped_by_the_end_of_its_session_is_reported_stopped_even_if_the_first_question_is_lost(
+    tmp_path, monkeypatch
+):
+    """The server ends a silent client's session (lease 1 s) while a cell runs. The client's next
+    request learns the session is gone, and it asks what became of the cell. The first question is
+    lost on the way (injected: never sent, as after a partition whose TCP backoff outlasts the
+    wait); the client asks again and reports the cell stopped part-way, not "unknown"."""
+    from genie_core.client import Request, recovery
+
+    monkeypatch.setattr(recovery, "OUTCOME_WAIT", 0.5)
+    srv = start_server(tmp_path, env={"GENIE_SESSION_LEASE": "1.0"})
+    try:
+        c = srv.client(enable_heartbeat=False)
+        pid = int(stdout_of(run(c, "import os; print(os.getpid())")))
+        running = c.execute("import time; time.sleep(60)")
+        send, dropped = c.connection.request, []
+
+        def first_question_lost(msg, **kw):
+            if msg.type == "outcome" and not dropped:
+                dropped.append(msg.id)
+                return Request(msg, c.connection.address)  # never sent: no answer comes
+            return send(msg, **kw)
+
+        monkeypatch.setattr(c.connection, "request", first_question_lost)
+        assert wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 6)
+        with pytest.raises(ConnectionLost, match="unknown to the server"):
+            run(c, "1")
+        lost = c.lost_requests[running.id]
+        assert wait_until(lambda: lost.settled, timeout=5)
+        assert dropped and lost.state == "stopped", lost.describe()
+        c.close()
+    finally:
+        srv.stop()
+
+
 def test_missing_gpu_is_a_clear_error(client):
     with pytest.raises(RemoteError, match="GPU 3 does not exist"):
         run(client, "1", gpu=3)
