@@ -228,6 +228,25 @@ def test_stopped_server_is_detected_as_lost(tmp_path):
         srv.stop()
 
 
+def test_a_question_about_lost_requests_outlives_the_loss(tmp_path):
+    """A "what became of it?" question in flight when the connection is marked lost is not cut
+    with the cells: it gets its answer once the server answers again (after a partition, a stale
+    reply can bring the connection back just before the server says the session ended)."""
+    srv = start_server(tmp_path)
+    try:
+        events = []
+        client = srv.client(heartbeat_interval=0.25, heartbeat_timeout=1.0)
+        client.events.subscribe(lambda e: events.append(e.type.value.lower()))
+        srv.proc.send_signal(signal.SIGSTOP)
+        question = client.request(Message("outcome", {"ids": ["never-sent"]}))
+        assert wait_until(lambda: "node_lost" in events, timeout=4)
+        srv.proc.send_signal(signal.SIGCONT)
+        assert question.wait(10).content["outcomes"] == {"never-sent": {"state": "not received"}}
+        client.close()
+    finally:
+        srv.stop()
+
+
 @pytest.mark.repeat(STRESS)
 def test_a_cell_cut_off_by_a_paused_server_is_reported_once_it_answers(tmp_path):
     srv = start_server(tmp_path)

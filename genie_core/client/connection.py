@@ -464,7 +464,9 @@ class Connection:
             return
         self.lost_reason = reason
         log.warning(reason)
-        cut = [r for r in list(self.pending.values()) if r.type != T.PING]
+        # Cells are cut; pings and "what became of them?" wait for their own answers, which may come
+        # when the link heals (the server answers the question even for a session it has ended).
+        cut = [r for r in list(self.pending.values()) if r.type not in (T.PING, T.OUTCOME)]
         for request in cut:
             self.pending.pop(request.id, None)
         self.on_lost(reason, cut)
