@@ -89,7 +89,7 @@ class Pool:
         self._placing: dict[Any, str] = {}  # info() refs of actors being created -> session id
         self._ending: dict[Any, str] = {}  # wait_ended() refs -> session id
         self._unreachable: dict[str, tuple[float, bool]] = {}  # session id -> (since when, dead?)
-        self._auditing: dict[Any, str] = {}  # take_cells() refs -> session id
+        self._auditing: dict[Any, LiveSession] = {}  # take_cells() refs -> whose cells they are
         self._audited = 0.0
         self._monitor_class: Any = None
         self.monitors: dict[str, Any] = {}  # node id -> its NodeMonitor actor
@@ -395,24 +395,22 @@ class Pool:
                 self._on_ended(self._ending.pop(ref), ref)
 
     def _ask_for_cells(self) -> None:
-        busy = set(self._auditing.values())
+        busy = {placed.session_id for placed in self._auditing.values()}
         for session_id, placed in self.sessions.items():
             if placed.port and session_id not in busy and session_id not in self._unreachable:
-                self._auditing[placed.actor.take_cells.remote()] = session_id
+                self._auditing[placed.actor.take_cells.remote()] = placed
 
-    def _on_cells(self, session_id: str, ref: Any, timeout: float | None = None) -> None:
+    def _on_cells(self, placed: LiveSession, ref: Any, timeout: float | None = None) -> None:
         """The audit log: who ran what (a hash of the code, its size), when, on which node and GPU."""
         import ray
 
-        placed = self.sessions.get(session_id)
         try:
             cells = ray.get(ref, timeout=timeout)
         except Exception:  # its actor is going; its end is handled by wait_ended
             return
-        node = self.nodes.get(placed.node_id, {}).get("name", "") if placed is not None else ""
-        user = placed.user if placed is not None else None
+        node = self.nodes.get(placed.node_id, {}).get("name", "")
         for cell in cells:
-            self.registry.event("cell", user, session_id, {**cell, "node": node}, at=cell["time"])
+            self.registry.event("cell", placed.user, placed.session_id, {**cell, "node": node}, at=cell["time"])
 
     def _on_up(self, session_id: str, ref: Any) -> None:
         import ray
@@ -467,8 +465,10 @@ class Pool:
             self._unreachable[session_id] = (time.monotonic(), not isinstance(exc, ActorUnavailableError))
             self._read_nodes()
             return
-        try:  # the last cells, before the actor goes
-            self._on_cells(session_id, placed.actor.take_cells.remote(), timeout=2.0)
+        try:  # the last cells, before the actor goes: those a collection in flight took, then the rest
+            for audit in [r for r, p in self._auditing.items() if p is placed]:
+                self._on_cells(self._auditing.pop(audit), audit, timeout=2.0)
+            self._on_cells(placed, placed.actor.take_cells.remote(), timeout=2.0)
         finally:
             self._forget(placed, reason)
 
