@@ -228,6 +228,7 @@ def test_stopped_server_is_detected_as_lost(tmp_path):
         srv.stop()
 
 
+@pytest.mark.repeat(STRESS)
 def test_a_question_about_lost_requests_outlives_the_loss(tmp_path):
     """A "what became of it?" question in flight when the connection is marked lost is not cut
     with the cells: it gets its answer once the server answers again (after a partition, a stale
