@@ -13,6 +13,7 @@ import pytest
 
 from genie_core.client import Client
 from genie_core.config import ConnectionInfo
+from genie_core.dataplane.segment import creator_pid
 from genie_core.local_server import start_server_process, stop_process
 
 # The files that start a Ray cluster. Two clusters at once on two cores starve each other (a local
@@ -107,8 +108,7 @@ class RunningServer:
             pids.update(child.pid for child in psutil.Process(self.proc.pid).children(recursive=True))
         except psutil.NoSuchProcess:
             pass
-        mine = {str(pid) for pid in pids}
-        return {p for p in Path("/dev/shm").glob(f"{prefix}*") if [*p.name.split("-"), "", ""][2] in mine}
+        return {p for p in Path("/dev/shm").glob(f"{prefix}*") if creator_pid(p.name) in pids}
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -246,11 +246,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 def _orphaned(name: str) -> bool:
     """Its creator is gone (or is this process): nobody will remove it. Live processes elsewhere on
     the machine are not ours to judge."""
-    parts = name.split("-")
-    if len(parts) < 4 or not parts[2].isdigit():
-        return True
-    pid = int(parts[2])
-    if pid == os.getpid():
+    pid = creator_pid(name)
+    if pid is None or pid == os.getpid():
         return True
     try:
         os.kill(pid, 0)

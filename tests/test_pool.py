@@ -133,6 +133,52 @@ def test_two_users_are_placed_on_distinct_gpus_that_ray_gave_them(pool):
     assert ran[0]["gpu"] == alice.placed["gpu_ids"][0] and ran[0]["node"] == alice.placed["node"]
 
 
+def test_cells_collected_as_their_session_ends_are_audited_as_their_users(pool, monkeypatch):
+    """A collection of a session's cells can be in flight as the session ends. Held here so that
+    both answers come in one pass of the endpoint, the end first, the cells are still written
+    to the audit log as alice's (each collection carries its session)."""
+    import threading
+
+    from genie_core.pool import endpoint
+
+    monkeypatch.setattr(endpoint, "AUDIT_EVERY", 3600.0)  # collections only when this test asks
+    held, release, collect = threading.Event(), threading.Event(), pool._collect
+
+    def gated_collect():
+        if not release.is_set():
+            held.set()
+            release.wait(30)
+        collect()
+
+    alice = Seat(pool, "alice")
+    session = alice.placed["session"]
+    code = f"audited = {time.time()!r}"
+    try:
+        alice.run(code)
+        monkeypatch.setattr(pool, "_collect", gated_collect)
+        assert held.wait(5)  # the endpoint's loop waits in gated_collect: nothing is collected
+        before = set(pool._auditing)
+        pool._ask_for_cells()
+        asked = [ref for ref in pool._auditing if ref not in before]
+        assert asked and len(ray.wait(asked, num_returns=len(asked), timeout=10)[0]) == len(asked)
+    finally:
+        alice.close()
+    try:
+        deadline = time.monotonic() + 15
+        while not (ended := [ref for ref, s in pool._ending.items() if s == session]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ended and ray.wait(ended, timeout=15)[0]  # the session's end is ready too
+    finally:
+        release.set()
+    deadline = time.monotonic() + 10
+    while session in pool.sessions and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert session not in pool.sessions
+    digest = hashlib.sha256(code.encode()).hexdigest()
+    cells = [e for e in pool.registry.events(limit=1000) if e["kind"] == "cell" and e["code_sha256"] == digest]
+    assert [c["user"] for c in cells] == ["alice"], cells
+
+
 def test_each_node_reports_its_gpus_and_health_and_keeps_a_history(pool):
     """A monitor actor on each GPU node pushes signed readings; forged ones are dropped."""
     import zmq

@@ -141,6 +141,26 @@ def test_a_session_cannot_read_or_adopt_another_sessions_data(server, connect):
         other.close()
 
 
+def test_segments_whose_creator_is_gone_are_swept_and_live_ones_kept():
+    """A process killed before cleaning up leaves its segments: the sweep (each server's start)
+    removes those whose creator, named in the segment's name, is gone."""
+    import subprocess
+    import sys
+
+    from genie_core.dataplane.segment import SHM_DIR, Segment, creator_pid, sweep_dead
+
+    code = "from genie_core.dataplane.segment import Segment; print(Segment.create('genie-c', 10).name)"
+    dead = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    live = Segment.create("genie-c", 10)
+    try:
+        assert (SHM_DIR / dead).exists() and creator_pid(live.name) == os.getpid()
+        assert sweep_dead() >= 1
+        assert not (SHM_DIR / dead).exists() and live.path.exists()
+    finally:
+        live.close()
+        live.unlink()
+
+
 # -- detection against fixture trees (the fake sits at the hardware edge only) ---------------
 
 

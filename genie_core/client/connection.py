@@ -361,6 +361,10 @@ class Connection:
             loop.call_soon(lambda: loop.send(target, frames))
         return request
 
+    def forget(self, request: Request) -> None:
+        """Stop waiting for `request`: its replies, should they come, go to `on_orphan`."""
+        self.pending.pop(request.id, None)
+
     def _on_readable(self, sock: zmq.Socket) -> None:
         for _ in range(256):
             try:

@@ -158,12 +158,16 @@ class Recovery:
     def _outcomes(self, ids: list[str]) -> Message:
         """The server's record of `ids`. Asked again after a timeout: a link that just healed may
         still be in TCP's retransmission backoff, and a wait of 10 s can end before it resends."""
-        for _ in range(OUTCOME_TRIES - 1):
+        for attempt in range(1, OUTCOME_TRIES + 1):
+            request = self.connection.request(Message(T.OUTCOME, {"ids": ids}))
             try:
-                return self.connection.request(Message(T.OUTCOME, {"ids": ids})).wait(OUTCOME_WAIT)
+                return request.wait(OUTCOME_WAIT)
             except TimeoutError:
+                self.connection.forget(request)  # a late answer is then an orphan, not a leak
+                if attempt == OUTCOME_TRIES:
+                    raise
                 log.info("no answer on the outcome of %d lost requests in %g s; asking again", len(ids), OUTCOME_WAIT)
-        return self.connection.request(Message(T.OUTCOME, {"ids": ids})).wait(OUTCOME_WAIT)
+        raise ValueError(f"OUTCOME_TRIES is {OUTCOME_TRIES}; it must be at least 1")
 
     def _settle(self, lost: LostRequest, state: str, status: str, error: str) -> None:
         lost.state, lost.status, lost.error, lost.settled = state, status, error, True

@@ -26,6 +26,18 @@ def shm_available() -> tuple[bool, str]:
     return True, ""
 
 
+def segment_name(prefix: str) -> str:
+    """A fresh name that says which process made it (`creator_pid`): `prefix-PID-RANDOM`,
+    where `prefix` is `genie-` and one word."""
+    return f"{prefix}-{os.getpid()}-{os.urandom(6).hex()}"
+
+
+def creator_pid(name: str) -> int | None:
+    """The pid in a name made by `segment_name`, or None for a name it did not make."""
+    parts = name.split("-")
+    return int(parts[2]) if len(parts) == 4 and parts[0] == "genie" and parts[2].isdigit() else None
+
+
 class Segment:
     def __init__(self, name: str, size: int, create: bool) -> None:
         self.name = name
@@ -49,7 +61,7 @@ class Segment:
 
     @classmethod
     def create(cls, prefix: str, size: int) -> Segment:
-        return cls(f"{prefix}-{os.getpid()}-{os.urandom(6).hex()}", size, create=True)
+        return cls(segment_name(prefix), size, create=True)
 
     @classmethod
     def attach(cls, name: str) -> Segment:
@@ -174,11 +186,11 @@ def sweep_dead() -> int:
     if not SHM_DIR.is_dir():
         return 0
     for path in SHM_DIR.glob("genie-*"):
-        parts = path.name.split("-")
-        if len(parts) < 4 or not parts[2].isdigit():
+        pid = creator_pid(path.name)
+        if pid is None:
             continue
         try:
-            os.kill(int(parts[2]), 0)
+            os.kill(pid, 0)
         except ProcessLookupError:
             path.unlink(missing_ok=True)
             removed += 1

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .base import Backend, Candidate, Channel, Link, ServerSide, median_time, probe_size
-from .segment import SHM_DIR, Segment, pack_into, segment_spares, shm_available, split, sweep_dead
+from .segment import SHM_DIR, Segment, pack_into, segment_name, segment_spares, shm_available, split, sweep_dead
 
 
 class ShmChannel(Channel):
@@ -57,7 +57,7 @@ class Shm(Backend):
             return {"shm_probe": None}
         sweep_dead()  # what servers and workers killed before cleaning up left behind
         nonce = os.urandom(32)
-        self.probe_file: Path | None = SHM_DIR / f"genie-probe-{os.getpid()}-{os.urandom(6).hex()}"
+        self.probe_file: Path | None = SHM_DIR / segment_name("genie-probe")
         fd = os.open(self.probe_file, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
         with os.fdopen(fd, "wb") as fh:
             fh.write(nonce)
