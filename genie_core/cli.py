@@ -196,6 +196,13 @@ def _add_pool_commands(sub: argparse._SubParsersAction) -> None:
     up.add_argument(
         "--queue-timeout", type=float, default=600.0, metavar="SECONDS", help="longest wait in the queue (600)"
     )
+    up.add_argument(
+        "--no-spares",
+        dest="spares",
+        action="store_false",
+        help="keep no warm spare session on each node (each then holds a free GPU for the next user, who "
+        "skips the seconds Ray takes to start an actor)",
+    )
     pool_sub.add_parser("down", help="stop the local Ray head that `genie pool up` started (ends its sessions)")
     user = pool_sub.add_parser("user", help="users of the pool and their quotas")
     user_sub = user.add_subparsers(dest="user_command", required=True)

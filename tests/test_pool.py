@@ -101,6 +101,68 @@ def _wait_free(pool: Pool, gpus: int, timeout: float = 10.0) -> None:
     assert pool.status()["free"] >= gpus, pool.status()
 
 
+def _wait_warm(pool: Pool, timeout: float = 30.0) -> dict[str, list[str]]:
+    """Every GPU node has a ready spare session (spares warm while no session waits for Ray)."""
+    deadline = time.monotonic() + timeout
+    nodes = {nid for nid, n in pool.nodes.items() if n["alive"] and n["gpus"]}
+    while set(pool.spares.ready_gpus()) != nodes and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert set(pool.spares.ready_gpus()) == nodes, pool.status()
+    return pool.spares.ready_gpus()
+
+
+def test_a_one_gpu_session_takes_a_warm_spare_and_another_is_warmed(pool):
+    """A spare session per node, started ahead: a one-GPU session takes its process (Ray starts
+    no actor for it), and a new spare is warmed on the GPU left free."""
+    from genie_core.client.pool import render_pool
+
+    _wait_free(pool, 4)
+    _wait_warm(pool)
+    spares = {s.node_id: ray.get(s.actor.info.remote()) for s in list(pool.spares.by_node.values())}
+    assert all(info["session"] == "" for info in spares.values())  # nobody's yet
+    assert render_pool(pool.status()).count("free, warm") == 2
+    alice = Seat(pool, "alice")
+    try:
+        node = alice.placed["node_id"]
+        info = ray.get(pool.sessions[alice.placed["session"]].actor.info.remote())
+        assert info["pid"] == spares[node]["pid"] and info["session"] == alice.placed["session"]
+        assert alice.placed["gpu_ids"] == spares[node]["gpu_ids"]
+        assert alice.run("print('warm')") == "warm"
+        warm = _wait_warm(pool)
+        assert warm[node] != alice.placed["gpu_ids"]  # the node's other GPU
+        assert pool.status()["free"] == 3  # a spare's GPU is free: it is the next user's
+    finally:
+        alice.close()
+
+
+def test_a_session_that_needs_the_gpus_spares_hold_is_placed(pool):
+    """Each 2-GPU node has a spare holding one GPU: a 2-GPU session fits no node beside its
+    spare, so the spares there end and Ray gives their GPUs."""
+    _wait_free(pool, 4)
+    _wait_warm(pool)
+    bob = Seat(pool, "bob", gpus=2, wait=20)
+    try:
+        assert len(bob.placed["gpu_ids"]) == 2 and bob.run("print('both')") == "both"
+    finally:
+        bob.close()
+
+
+def test_spares_whose_processes_died_unseen_are_passed_over(pool):
+    """Both spares' processes are killed while the pool still counts them ready: alice's session
+    tries each, then asks Ray for an actor of its own, and runs."""
+    import signal
+
+    _wait_free(pool, 4)
+    _wait_warm(pool)
+    for spare in list(pool.spares.by_node.values()):
+        os.kill(ray.get(spare.actor.info.remote())["pid"], signal.SIGKILL)
+    alice = Seat(pool, "alice", wait=30)
+    try:
+        assert alice.run("print('placed anew')") == "placed anew"
+    finally:
+        alice.close()
+
+
 def test_two_users_are_placed_on_distinct_gpus_that_ray_gave_them(pool):
     alice, bob = Seat(pool, "alice"), Seat(pool, "bob")
     try:
@@ -340,12 +402,18 @@ def test_a_restarted_pool_endpoint_leaves_sessions_running_and_finds_them(pool, 
         gone = f"gone-{os.urandom(4).hex()}"  # a row whose actor is gone
         pool.registry.session_asked(gone, "bob", "", 1)
         pool.registry.session_placed(gone, "node-x", "127.0.0.1", ["0"])
+        _wait_warm(pool)
+        left = [spare.actor for spare in list(pool.spares.by_node.values())]
+        pool.spares.end_all = lambda nodes=None: None  # an endpoint killed before it could end its spares
         pool.stop()
         again = Pool(ray_address=cluster.address, db=pool.registry.url, port=port, simulate_gpus=True).start()
         again.start_in_thread()
         try:
-            assert session_id in again.sessions
+            assert list(again.sessions) == [session_id]  # the last endpoint's spares are nobody's sessions
             assert again.sessions[session_id].user == "alice"
+            for spare in left:  # they were ended: each held a GPU
+                with pytest.raises(ray.exceptions.RayActorError):
+                    ray.get(spare.info.remote(), timeout=10)
             live = {row["id"] for row in again.registry.sessions()}
             assert session_id in live and gone not in live  # it would count against bob's quotas
             assert alice.run("print(kept)") == "7"  # the session's server never stopped

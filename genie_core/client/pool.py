@@ -181,7 +181,8 @@ def render_pool(report: dict[str, Any]) -> str:
             g, held = readings.get(gpu, {}), holder.get(gpu)
             used = f"{_gib(g.get('memory_used'))}/{_gib(g.get('memory_total'))} GiB" if g else ""
             util = f"{g['utilization']:.0f}%" if g.get("utilization") is not None else "-"
-            who = f"{held['user']}" + (f" {held['name']!r}" if held and held.get("name") else "") if held else "free"
+            free = "free, warm" if gpu in node.get("warm", []) else "free"  # a spare session holds it for the next user
+            who = f"{held['user']}" + (f" {held['name']!r}" if held and held.get("name") else "") if held else free
             lines.append(f"    GPU {gpu}: {util:>4} {used:<14} {who}")
     for i, ask in enumerate(report["queue"]):
         lines.append(f"queue {i + 1}: {ask['user']} wants {ask['gpus']} GPU(s), waiting {ask['waiting_s']:.0f} s")

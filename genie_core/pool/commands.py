@@ -88,6 +88,7 @@ def _up(args: argparse.Namespace) -> int:
         simulate_gpus=bool(args.simulate_gpus),
         idle_timeout=args.idle_timeout,
         queue_timeout=args.queue_timeout,
+        spares=args.spares,
     ).start()
     free = pool.status()
     print(

@@ -4,7 +4,8 @@ A user's `%genie_init pool-host:5555` asks here for a session; the pool queues t
 (FIFO, quotas), asks Ray for a session actor with the GPUs (Ray picks the node), and answers with
 the address of the session's own genie server and its token, sealed for that user. Cells and
 tensors then go straight to that server. The endpoint watches Ray's node table and each session
-actor: a node that dies has its sessions reported lost to their clients.
+actor: a node that dies has its sessions reported lost to their clients. A warm spare session
+per node (spares.py) lets a one-GPU session skip the seconds Ray takes to start an actor.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .monitor_actor import NodeMonitor, sign
 from .queue import Ask, Queue, QuotaExceeded, check_quota
 from .registry import Registry
 from .session_actor import NAMESPACE, PREFIX, SessionActor
+from .spares import Spare, Spares
 
 log = logging.getLogger("genie.pool")
 
@@ -56,6 +58,7 @@ class LiveSession:
     key: bytes = b""
     ask: Ask | None = None  # until its client has been answered
     token: str = ""  # its server's token
+    spare: bool = False  # it took a spare session (spares.py)
 
 
 class Pool:
@@ -73,6 +76,7 @@ class Pool:
         queue_timeout: float = 600.0,
         node_poll: float = 0.5,
         history_every: float = 30.0,
+        spares: bool = True,
     ) -> None:
         self.ray_address = ray_address
         self.registry = Registry(db)
@@ -103,6 +107,7 @@ class Pool:
         self._thread: threading.Thread | None = None
         self._actor_class: Any = None
         self._nodes_read = 0.0
+        self.spares = Spares(self._start_spare, enabled=spares)  # a warm session per node, for the next user
 
     # -- life --------------------------------------------------------------------------
     def start(self) -> Pool:
@@ -173,6 +178,8 @@ class Pool:
                     log.exception("watching Ray failed")
                     time.sleep(0.5)
         finally:
+            with contextlib.suppress(Exception):  # a spare holds a GPU: it must not outlive us
+                self.spares.end_all()
             self.router.close()
             self.readings_sock.close()
             self._ctx.term()
@@ -200,6 +207,9 @@ class Pool:
             self.registry.session_ended(ask.session_id, "queue timeout")
             self._answer(ask, {"kind": "error", "error": self._timeout_text(ask)})
         self._place()
+        self.spares.collect()
+        if self.queue.head() is None and all(p.node_id for p in self.sessions.values()):
+            self.spares.warm(self._free_by_node())  # only while no session waits for Ray's GPUs
 
     # -- requests ----------------------------------------------------------------------
     def _on_frames(self, frames: list[bytes]) -> None:
@@ -339,7 +349,12 @@ class Pool:
             if not fits:
                 return
             self.queue.pop_head()
-            self._create(ask)
+            spare = self.spares.take(fits) if ask.gpus == 1 else None
+            if spare is not None:
+                self._claim(ask, spare)
+            else:
+                self.spares.make_room(fits, free, ask.gpus)
+                self._create(ask)
             for waiting in self.queue:
                 self._answer(
                     waiting,
@@ -351,19 +366,53 @@ class Pool:
                     },
                 )
 
-    def _create(self, ask: Ask) -> None:
-        token = secrets.token_hex(24)
-        spec = {
+    def _spec(self, token: str, session_id: str) -> dict[str, Any]:
+        """What a session actor is made with (a spare's session id is "" until it is claimed)."""
+        return {
             "token": token,
+            "session": session_id,
             "host": self.ip if self.ip in ("127.0.0.1", "localhost") else "",
             "idle_timeout": self.idle_timeout,
             "session_lease": self.session_lease,
             "simulate_gpus": self.simulate_gpus,
         }
+
+    def _start_spare(self, node_id: str, name: str, token: str) -> Any:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        return self._actor_class.options(
+            name=PREFIX + name,
+            namespace=NAMESPACE,
+            lifetime="detached",
+            num_gpus=1,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+        ).remote(self._spec(token, ""))
+
+    def _claim(self, ask: Ask, spare: Spare) -> None:
+        """The session takes the spare: its actor is up (or nearly), on its node, with its GPU."""
+        placed = LiveSession(
+            ask.session_id,
+            ask.user,
+            ask.name,
+            ask.gpus,
+            spare.actor,
+            node_id=spare.node_id,
+            watcher=ask.reply_to,
+            key=ask.key,
+            ask=ask,
+            token=spare.token,
+            spare=True,
+        )
+        self.sessions[ask.session_id] = placed
+        claimed = spare.actor.claim.remote(ask.session_id, self._spec(spare.token, ask.session_id))
+        self._placing[claimed] = ask.session_id
+
+    def _create(self, ask: Ask) -> None:
+        token = secrets.token_hex(24)
         options: dict[str, Any] = {"accelerator_type": ask.accelerator} if ask.accelerator else {}
         actor = self._actor_class.options(
             name=PREFIX + ask.session_id, namespace=NAMESPACE, lifetime="detached", num_gpus=ask.gpus, **options
-        ).remote(spec)
+        ).remote(self._spec(token, ask.session_id))
         placed = LiveSession(
             ask.session_id,
             ask.user,
@@ -421,6 +470,13 @@ class Pool:
         try:
             info = ray.get(ref)
         except Exception as exc:
+            if placed.spare and placed.ask is not None:  # a spare that died unseen: place the ask anew
+                log.warning("a spare session could not be taken (%s); placing the session anew", type(exc).__name__)
+                self.sessions.pop(session_id, None)
+                with contextlib.suppress(Exception):
+                    ray.kill(placed.actor, no_restart=True)
+                self.queue.put_back(placed.ask)
+                return
             self._forget(placed, f"its actor failed to start: {type(exc).__name__}: {exc}"[:500])
             return
         placed.node_id, placed.host, placed.port = info["node_id"], info["host"], info["port"]
@@ -590,6 +646,7 @@ class Pool:
         log.warning("node %s left the pool: %s", node["name"], node["death"])
         self.registry.event("node_lost", None, None, {"node": node["name"], "reason": node["death"]})
         self.nodes[node_id] = node
+        self.spares.end(node_id)
         self.monitors.pop(node_id, None)
         self.readings.pop(node_id, None)
         for placed in [p for p in self.sessions.values() if p.node_id == node_id]:
@@ -602,8 +659,6 @@ class Pool:
         for entry in ray.util.list_named_actors(all_namespaces=True):
             if entry.get("namespace") != NAMESPACE or not str(entry.get("name", "")).startswith(PREFIX):
                 continue
-            session_id = entry["name"][len(PREFIX) :]
-            known = [s for s in self.registry.sessions() if s["id"] == session_id]
             try:
                 actor = ray.get_actor(entry["name"], namespace=NAMESPACE)
                 info: dict[str, Any] = dict(ray.get(actor.info.remote(), timeout=10))
@@ -612,6 +667,12 @@ class Pool:
                 with contextlib.suppress(Exception):
                     ray.kill(ray.get_actor(entry["name"], namespace=NAMESPACE), no_restart=True)
                 continue
+            if not info.get("session"):  # the last endpoint's spare, nobody's: warmed afresh instead
+                with contextlib.suppress(Exception):
+                    ray.kill(actor, no_restart=True)
+                continue
+            session_id = str(info["session"])
+            known = [s for s in self.registry.sessions() if s["id"] == session_id]
             row = known[0] if known else {"user": "?", "name": "", "gpus": len(info["gpu_ids"])}
             placed = LiveSession(
                 session_id,
@@ -658,6 +719,7 @@ class Pool:
                 }
             )
         now = time.time()
+        warm = self.spares.ready_gpus()
         nodes = []
         for nid, node in sorted(self.nodes.items(), key=lambda kv: kv[1]["name"]):  # sorted() copies first
             reading = self.readings.get(nid) or {}
@@ -666,6 +728,7 @@ class Pool:
                     "id": nid,
                     **node,
                     "sessions": holders.get(nid, []),
+                    "warm": warm.get(nid, []),  # free GPUs a warm spare session holds for the next user
                     "health": reading.get("health"),
                     "gpu_readings": reading.get("gpus", []),
                     "simulated": reading.get("simulated", False),

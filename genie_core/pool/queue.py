@@ -77,6 +77,10 @@ class Queue:
     def pop_head(self) -> Ask:
         return self._asks.popleft()
 
+    def put_back(self, ask: Ask) -> None:
+        """An ask taken from the head whose placement failed before it was answered: first again."""
+        self._asks.appendleft(ask)
+
     def remove(self, session_id: str) -> Ask | None:
         for ask in self._asks:
             if ask.session_id == session_id:

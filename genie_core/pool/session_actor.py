@@ -2,7 +2,8 @@
 
 The actor is detached and named, so it outlives the pool endpoint that made it; its client talks
 to its server directly (cells, tensors and the data plane are those of `genie serve`). Ray picks
-the node and sets CUDA_VISIBLE_DEVICES; the server offers exactly those GPUs.
+the node and sets CUDA_VISIBLE_DEVICES; the server offers exactly those GPUs. A spare (see
+spares.py) is one started ahead with no session; `claim` gives it one.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class SessionActor:
 
         context = ray.get_runtime_context()
         self.spec = spec
+        self.session_id = str(spec.get("session", ""))  # "" until a spare is claimed
         self.node_id = context.get_node_id()
         self.gpu_ids = [str(g) for g in ray.get_gpu_ids()]
         host = spec.get("host") or ray.util.get_node_ip_address()
@@ -72,9 +74,22 @@ class SessionActor:
             taken, self.cells = self.cells, []
         return taken
 
+    def claim(self, session_id: str, spec: dict[str, Any]) -> dict[str, Any]:
+        """A spare becomes `session_id`'s, with the pool's settings of now; its client's time to
+        connect starts now."""
+        settings = ClusterConfig.resolve(
+            idle_timeout=spec.get("idle_timeout") or None, session_lease=spec.get("session_lease") or None
+        )
+        self.server.config.idle_timeout = settings.idle_timeout  # the server reads both as it checks
+        self.server.config.session_lease = settings.session_lease
+        self.spec = {**self.spec, **spec, "token": self.spec["token"]}
+        self.session_id, self.started = session_id, time.time()
+        return self.info()
+
     def info(self) -> dict[str, Any]:
         """Where the session's client connects, and what it holds."""
         return {
+            "session": self.session_id,
             "host": self.server.config.ip,
             "port": self.server.port,
             "node_id": self.node_id,
