@@ -1,8 +1,8 @@
 """The GPU pool (issue 15) on a real Ray cluster on this machine (a head and two worker nodes of
 2 simulated GPUs each, on the loopback):
 
-- `init` to the first cell's answer on a free pool with a warm spare session per node (goal:
-  under 2 s), and without spares (Ray starts an actor for each session);
+- `init` to the first cell's answer on a free pool at rest, with a warm session per node (goal:
+  under 2 s), and with none (Ray starts an actor for each session);
 - a trivial cell's round trip in a pool session beside one against a direct `genie serve`,
   interleaved (goal: at most 1.3x; a pool session's client talks to its own server directly);
 - placements a second: the endpoint's decision alone (FIFO and capacity over 100 nodes of 8
@@ -38,14 +38,14 @@ def _cells(client, n: int) -> list[float]:
 
 def _inits(pool, token: str, n: int, warm: bool) -> tuple[list[float], object]:
     """`init` to the first cell's answer, `n` times on a free pool; each session but the last is
-    ended. `warm`: each waits until every node has a ready spare session, as on a pool at rest.
+    ended. `warm`: each waits until every node has a ready warm session, as on a pool at rest.
     One more is made first and not counted (it warms what a first session warms)."""
-    nodes = {nid for nid, node in pool.nodes.items() if node["alive"] and node["gpus"]}
     times = []
     for i in range(n + 1):
         deadline = time.monotonic() + 60
-        while warm and set(pool.spares.ready_gpus()) != nodes and time.monotonic() < deadline:
+        while warm and not pool.all_nodes_warm() and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert not warm or pool.all_nodes_warm(), "the pool did not warm every node within 60 s"
         t = time.perf_counter()
         state = genie_core.init_sync(f"127.0.0.1:{pool.port}", token=token, pool_gpus=1)
         assert state.client is not None
@@ -206,7 +206,7 @@ def run(quick: bool = False) -> dict:
         db=f"sqlite:///{folder}/registry.sqlite",
         port=0,
         simulate_gpus=True,
-        spares=False,  # first without, then with, a warm spare session per node
+        warm_sessions=False,  # first with none, then with a warm session per node
     )
     pool.start().start_in_thread()
     token = new_user_token("bench")
@@ -216,7 +216,7 @@ def run(quick: bool = False) -> dict:
     try:
         cold = _inits(pool, token, n_inits, warm=False)[0]
         genie_core.shutdown_sync()
-        pool.spares.enabled = True
+        pool.warm.enabled = True
         inits, state = _inits(pool, token, n_inits, warm=True)
         direct = Client(info.ip, info.port, info.token, timeout=30).connect()
         pooled = state.client
@@ -243,7 +243,7 @@ def run(quick: bool = False) -> dict:
                 "init_to_first_cell_s_p50": round(statistics.median(inits), 3),
                 "init_to_first_cell_s_max": round(max(inits), 3),
                 "init_goal_under_2s": statistics.median(inits) < 2.0,
-                "init_to_first_cell_s_p50_no_spare": round(statistics.median(cold), 3),
+                "init_to_first_cell_s_p50_no_warm_sessions": round(statistics.median(cold), 3),
                 "cell_ms_p50_direct": round(1000 * statistics.median(samples["direct"]), 3),
                 "cell_ms_p50_pool": round(1000 * statistics.median(samples["pool"]), 3),
                 "cell_pool_vs_direct": round(

@@ -197,11 +197,11 @@ def _add_pool_commands(sub: argparse._SubParsersAction) -> None:
         "--queue-timeout", type=float, default=600.0, metavar="SECONDS", help="longest wait in the queue (600)"
     )
     up.add_argument(
-        "--no-spares",
-        dest="spares",
+        "--no-warm-sessions",
+        dest="warm_sessions",
         action="store_false",
-        help="keep no warm spare session on each node (each then holds a free GPU for the next user, who "
-        "skips the seconds Ray takes to start an actor)",
+        help="keep no warm session on each node (by default each node keeps one, holding a GPU for the next "
+        "one-GPU user, who then skips the seconds Ray takes to start an actor)",
     )
     pool_sub.add_parser("down", help="stop the local Ray head that `genie pool up` started (ends its sessions)")
     user = pool_sub.add_parser("user", help="users of the pool and their quotas")

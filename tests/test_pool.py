@@ -17,6 +17,7 @@ import pytest
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 ray = pytest.importorskip("ray", reason="the pool needs Ray: pip install 'genie-jupyter[pool]'")
 
+from conftest import wait_until  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from reliability import record  # noqa: E402
 
@@ -102,61 +103,89 @@ def _wait_free(pool: Pool, gpus: int, timeout: float = 10.0) -> None:
 
 
 def _wait_warm(pool: Pool, timeout: float = 30.0) -> dict[str, list[str]]:
-    """Every GPU node has a ready spare session (spares warm while no session waits for Ray)."""
+    """Every GPU node has a ready warm session (they warm while no session waits for Ray)."""
     deadline = time.monotonic() + timeout
-    nodes = {nid for nid, n in pool.nodes.items() if n["alive"] and n["gpus"]}
-    while set(pool.spares.ready_gpus()) != nodes and time.monotonic() < deadline:
+    while not pool.all_nodes_warm() and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert set(pool.spares.ready_gpus()) == nodes, pool.status()
-    return pool.spares.ready_gpus()
+    assert pool.all_nodes_warm(), pool.status()
+    return pool.warm.ready_gpus()
 
 
-def test_a_one_gpu_session_takes_a_warm_spare_and_another_is_warmed(pool):
-    """A spare session per node, started ahead: a one-GPU session takes its process (Ray starts
-    no actor for it), and a new spare is warmed on the GPU left free."""
+def test_a_one_gpu_session_takes_a_warm_session_and_another_is_warmed(pool):
+    """A warm session per node, started ahead: a one-GPU session takes its process (Ray starts
+    no actor for it), and another is warmed on the GPU left free."""
     from genie_core.client.pool import render_pool
 
     _wait_free(pool, 4)
     _wait_warm(pool)
-    spares = {s.node_id: ray.get(s.actor.info.remote()) for s in list(pool.spares.by_node.values())}
-    assert all(info["session"] == "" for info in spares.values())  # nobody's yet
-    assert render_pool(pool.status()).count("free, warm") == 2
+    warm = {w.node_id: ray.get(w.actor.info.remote()) for w in list(pool.warm.by_node.values())}
+    assert all(info["session"] == "" for info in warm.values())  # nobody's yet
+    status = pool.status()
+    assert [n["warm"] for n in status["nodes"] if n["gpus"]] == [
+        warm[n["id"]]["gpu_ids"] for n in status["nodes"] if n["gpus"]
+    ]
+    assert render_pool(status).count("free, warm") == 2
     alice = Seat(pool, "alice")
     try:
         node = alice.placed["node_id"]
         info = ray.get(pool.sessions[alice.placed["session"]].actor.info.remote())
-        assert info["pid"] == spares[node]["pid"] and info["session"] == alice.placed["session"]
-        assert alice.placed["gpu_ids"] == spares[node]["gpu_ids"]
+        assert info["pid"] == warm[node]["pid"] and info["session"] == alice.placed["session"]
+        assert alice.placed["gpu_ids"] == warm[node]["gpu_ids"]
         assert alice.run("print('warm')") == "warm"
-        warm = _wait_warm(pool)
-        assert warm[node] != alice.placed["gpu_ids"]  # the node's other GPU
-        assert pool.status()["free"] == 3  # a spare's GPU is free: it is the next user's
+        again = _wait_warm(pool)
+        assert again[node] != alice.placed["gpu_ids"]  # the node's other GPU
+        assert pool.status()["free"] == 3  # a warm session's GPU is free: it is the next user's
     finally:
         alice.close()
 
 
-def test_a_session_that_needs_the_gpus_spares_hold_is_placed(pool):
-    """Each 2-GPU node has a spare holding one GPU: a 2-GPU session fits no node beside its
-    spare, so the spares there end and Ray gives their GPUs."""
+def test_a_session_that_needs_a_warm_sessions_gpu_is_placed(pool):
+    """Each 2-GPU node has a warm session holding one GPU: a 2-GPU session fits no node beside
+    its warm one, so one of them ends and Ray gives its GPU; the other node keeps its own."""
     _wait_free(pool, 4)
     _wait_warm(pool)
-    bob = Seat(pool, "bob", gpus=2, wait=20)
+    before = {w.node_id: w.actor for w in list(pool.warm.by_node.values())}
+    bob = Seat(pool, "bob", gpus=2)
     try:
         assert len(bob.placed["gpu_ids"]) == 2 and bob.run("print('both')") == "both"
+        (other,) = set(before) - {bob.placed["node_id"]}
+        assert ray.get(before[other].info.remote(), timeout=10)["session"] == ""  # still warm, still nobody's
     finally:
         bob.close()
 
 
-def test_spares_whose_processes_died_unseen_are_passed_over(pool):
-    """Both spares' processes are killed while the pool still counts them ready: alice's session
-    tries each, then asks Ray for an actor of its own, and runs."""
+def _kill_warm_sessions(pool: Pool) -> set[int]:
     import signal
 
+    pids = {ray.get(w.actor.info.remote())["pid"] for w in list(pool.warm.by_node.values())}
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    return pids
+
+
+def test_warm_sessions_whose_processes_die_are_warmed_again(pool):
     _wait_free(pool, 4)
     _wait_warm(pool)
-    for spare in list(pool.spares.by_node.values()):
-        os.kill(ray.get(spare.actor.info.remote())["pid"], signal.SIGKILL)
-    alice = Seat(pool, "alice", wait=30)
+    killed = [w.actor for w in list(pool.warm.by_node.values())]
+    dead = _kill_warm_sessions(pool)
+
+    def replaced() -> bool:
+        warm = list(pool.warm.by_node.values())
+        return pool.all_nodes_warm() and not any(w.actor is k for w in warm for k in killed)
+
+    assert wait_until(replaced, timeout=60)  # seen at once; warmed again after a 5 s wait
+    now = {ray.get(w.actor.info.remote(), timeout=10)["pid"] for w in list(pool.warm.by_node.values())}
+    assert len(now) == 2 and not now & dead
+
+
+def test_a_session_that_takes_a_warm_session_that_died_unseen_is_placed_anew(pool, monkeypatch):
+    """Both warm sessions' processes die, and the pool has not seen it yet (its look is held
+    here): alice's session tries each, then asks Ray for an actor of its own, and runs."""
+    _wait_free(pool, 4)
+    _wait_warm(pool)
+    monkeypatch.setattr(pool.warm, "collect", lambda: None)
+    _kill_warm_sessions(pool)
+    alice = Seat(pool, "alice")
     try:
         assert alice.run("print('placed anew')") == "placed anew"
     finally:
@@ -319,11 +348,12 @@ def test_a_wait_in_a_full_pool_ends_in_one_clear_error_at_its_timeout(pool):
             seat.close()
 
 
-def test_a_gpu_type_is_asked_for_by_name(pool, cluster):
+def test_a_gpu_type_is_asked_for_by_name(pool, cluster, monkeypatch):
     _wait_free(pool, 4)
     with pytest.raises(PlacementFailed, match=r"no node of this pool has H100 GPUs \(it has: T4\)"):
         Seat(pool, "alice", accelerator="H100")
-    for _ in range(2):  # both on the T4 node, though the other has room too
+    for warm in (True, False):  # both on the T4 node, though the other has room too
+        monkeypatch.setattr(pool.warm, "enabled", warm)  # the T4 node's warm session, then a new actor Ray places
         seat = Seat(pool, "alice", accelerator="T4")
         try:
             assert seat.placed["node_id"] == cluster.t4
@@ -391,7 +421,7 @@ def test_an_idle_named_session_is_ended_and_its_gpu_freed(pool):
         pool.idle_timeout, pool.session_lease = 0.0, None
 
 
-def test_a_restarted_pool_endpoint_leaves_sessions_running_and_finds_them(pool, cluster):
+def test_a_restarted_pool_endpoint_leaves_sessions_running_and_finds_them(pool, cluster, monkeypatch):
     _wait_free(pool, 4)
     alice = Seat(pool, "alice")
     try:
@@ -403,17 +433,17 @@ def test_a_restarted_pool_endpoint_leaves_sessions_running_and_finds_them(pool, 
         pool.registry.session_asked(gone, "bob", "", 1)
         pool.registry.session_placed(gone, "node-x", "127.0.0.1", ["0"])
         _wait_warm(pool)
-        left = [spare.actor for spare in list(pool.spares.by_node.values())]
-        pool.spares.end_all = lambda nodes=None: None  # an endpoint killed before it could end its spares
+        left = [warm.actor for warm in list(pool.warm.by_node.values())]
+        monkeypatch.setattr(pool.warm, "end_all", lambda: None)  # an endpoint killed before it could end them
         pool.stop()
         again = Pool(ray_address=cluster.address, db=pool.registry.url, port=port, simulate_gpus=True).start()
         again.start_in_thread()
         try:
-            assert list(again.sessions) == [session_id]  # the last endpoint's spares are nobody's sessions
+            assert list(again.sessions) == [session_id]  # the last endpoint's warm sessions are nobody's
             assert again.sessions[session_id].user == "alice"
-            for spare in left:  # they were ended: each held a GPU
+            for actor in left:  # they were ended: each held a GPU
                 with pytest.raises(ray.exceptions.RayActorError):
-                    ray.get(spare.info.remote(), timeout=10)
+                    ray.get(actor.info.remote(), timeout=10)
             live = {row["id"] for row in again.registry.sessions()}
             assert session_id in live and gone not in live  # it would count against bob's quotas
             assert alice.run("print(kept)") == "7"  # the session's server never stopped
@@ -538,7 +568,8 @@ def test_a_notebook_waits_in_the_queue_then_runs_cells_on_its_gpu(pool):
 
 def test_the_embedded_pool_from_the_command_line(tmp_path):
     """What an admin types: `genie pool user add`, `genie pool up --simulate-gpus 2` (a local Ray
-    head of its own, on the loopback), `genie pool status`, `genie pool down`."""
+    head of its own, on the loopback; here with no warm sessions), `genie pool status`, a stop by
+    SIGTERM (as a service manager's) that ends the endpoint cleanly, `genie pool down`."""
     import subprocess
     import sys
 
@@ -550,7 +581,7 @@ def test_the_embedded_pool_from_the_command_line(tmp_path):
     token = subprocess.run([*genie, "pool", "user", "add", "erin"], env=env, capture_output=True, text=True)
     assert token.returncode == 0 and token.stdout.startswith("erin:"), token
     up = subprocess.Popen(
-        [*genie, "pool", "up", "--simulate-gpus", "2", "--port", "0"],
+        [*genie, "pool", "up", "--simulate-gpus", "2", "--port", "0", "--no-warm-sessions"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -570,6 +601,7 @@ def test_the_embedded_pool_from_the_command_line(tmp_path):
                 text=True,
             )
             assert "1 of 2 GPUs free" in status.stdout and "erin" in status.stdout, status
+            assert "warm" not in status.stdout, status
             top = subprocess.run(
                 [*genie, "pool", "top", address, "--token", token.stdout.strip(), "--iterations", "1"],
                 env=env,
@@ -581,6 +613,7 @@ def test_the_embedded_pool_from_the_command_line(tmp_path):
             genie_core.shutdown_sync()
     finally:
         up.terminate()
-        up.wait(30)
+        assert up.wait(30) == 0
+        assert "genie pool stopped" in (up.stdout.read() if up.stdout else "")
         down = subprocess.run([*genie, "pool", "down"], env=env, capture_output=True, text=True)
         assert down.returncode == 0 and "stopped the local Ray head" in down.stdout, down

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
+import threading
 import time
 
 import numpy as np
@@ -305,11 +307,32 @@ def test_closing_a_session_ends_its_worker(server):
     assert wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 5)
 
 
+@contextlib.contextmanager
+def _not_silent(client):
+    """Pings by hand while the block runs. A client without heartbeats is otherwise silent, and a
+    first cell that starts the session's worker on a loaded machine can outlast a 1 s lease."""
+    done = threading.Event()
+
+    def ping():
+        while not done.wait(0.2):
+            with contextlib.suppress(ConnectionLost):
+                client.connection.request(Message("ping"), heartbeat=True)
+
+    pinger = threading.Thread(target=ping, daemon=True)
+    pinger.start()
+    try:
+        yield
+    finally:
+        done.set()
+        pinger.join()
+
+
 def test_a_silent_client_is_reaped_after_its_lease(tmp_path):
     srv = start_server(tmp_path, env={"GENIE_SESSION_LEASE": "1.0"})
     try:
         c = srv.client(enable_heartbeat=False)
-        pid = int(stdout_of(run(c, "import os; print(os.getpid())")))
+        with _not_silent(c):  # then silent from here on
+            pid = int(stdout_of(run(c, "import os; print(os.getpid())")))
         assert wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 6)
         with pytest.raises(ConnectionLost, match="unknown to the server"):
             run(c, "1")
@@ -331,7 +354,8 @@ def test_a_cell_stopped_by_the_end_of_its_session_is_reported_stopped_even_if_th
     srv = start_server(tmp_path, env={"GENIE_SESSION_LEASE": "1.0"})
     try:
         c = srv.client(enable_heartbeat=False)
-        pid = int(stdout_of(run(c, "import os; print(os.getpid())")))
+        with _not_silent(c):
+            pid = int(stdout_of(run(c, "import os; print(os.getpid())")))
         running = c.execute("import time; time.sleep(60)")
         send, dropped = c.connection.request, []
 

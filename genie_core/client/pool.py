@@ -177,11 +177,12 @@ def render_pool(report: dict[str, Any]) -> str:
         lines += [f"    ! {reason}" for reason in (node.get("health") or {}).get("reasons", [])]
         holder = {gpu: s for s in node["sessions"] for gpu in s["gpu_ids"]}
         readings = {str(g["index"]): g for g in node.get("gpu_readings") or []}
-        for gpu in sorted(set(readings) | set(holder), key=lambda g: (len(g), g)):
+        warm = set(node.get("warm", []))  # a warm session holds it for the next user
+        for gpu in sorted(set(readings) | set(holder) | warm, key=lambda g: (len(g), g)):
             g, held = readings.get(gpu, {}), holder.get(gpu)
             used = f"{_gib(g.get('memory_used'))}/{_gib(g.get('memory_total'))} GiB" if g else ""
             util = f"{g['utilization']:.0f}%" if g.get("utilization") is not None else "-"
-            free = "free, warm" if gpu in node.get("warm", []) else "free"  # a spare session holds it for the next user
+            free = "free, warm" if gpu in warm else "free"
             who = f"{held['user']}" + (f" {held['name']!r}" if held and held.get("name") else "") if held else free
             lines.append(f"    GPU {gpu}: {util:>4} {used:<14} {who}")
     for i, ask in enumerate(report["queue"]):

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import secrets
+import signal
 import sys
 import time
 from pathlib import Path
@@ -88,7 +89,7 @@ def _up(args: argparse.Namespace) -> int:
         simulate_gpus=bool(args.simulate_gpus),
         idle_timeout=args.idle_timeout,
         queue_timeout=args.queue_timeout,
-        spares=args.spares,
+        warm_sessions=args.warm_sessions,
     ).start()
     free = pool.status()
     print(
@@ -96,6 +97,8 @@ def _up(args: argparse.Namespace) -> int:
         f"{free['total']} GPU(s), {len(pool.sessions)} running session(s); registry {pool.registry.kind}",
         flush=True,
     )
+    # A stop by a service manager is a Ctrl-C: the warm sessions end (each holds a GPU), sessions go on.
+    signal.signal(signal.SIGTERM, lambda signum, frame: pool.stop())
     try:
         pool.serve_forever()
     except KeyboardInterrupt:

@@ -4,8 +4,8 @@ A user's `%genie_init pool-host:5555` asks here for a session; the pool queues t
 (FIFO, quotas), asks Ray for a session actor with the GPUs (Ray picks the node), and answers with
 the address of the session's own genie server and its token, sealed for that user. Cells and
 tensors then go straight to that server. The endpoint watches Ray's node table and each session
-actor: a node that dies has its sessions reported lost to their clients. A warm spare session
-per node (spares.py) lets a one-GPU session skip the seconds Ray takes to start an actor.
+actor: a node that dies has its sessions reported lost to their clients. A warm session per node
+(warm.py) lets a one-GPU session skip the seconds Ray takes to start an actor.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from .monitor_actor import NodeMonitor, sign
 from .queue import Ask, Queue, QuotaExceeded, check_quota
 from .registry import Registry
 from .session_actor import NAMESPACE, PREFIX, SessionActor
-from .spares import Spare, Spares
+from .warm import WarmSession, WarmSessions, end_actor
 
 log = logging.getLogger("genie.pool")
 
@@ -58,7 +58,7 @@ class LiveSession:
     key: bytes = b""
     ask: Ask | None = None  # until its client has been answered
     token: str = ""  # its server's token
-    spare: bool = False  # it took a spare session (spares.py)
+    warm: bool = False  # it took a warm session (warm.py), and is placed anew should that fail
 
 
 class Pool:
@@ -76,7 +76,7 @@ class Pool:
         queue_timeout: float = 600.0,
         node_poll: float = 0.5,
         history_every: float = 30.0,
-        spares: bool = True,
+        warm_sessions: bool = True,
     ) -> None:
         self.ray_address = ray_address
         self.registry = Registry(db)
@@ -107,7 +107,7 @@ class Pool:
         self._thread: threading.Thread | None = None
         self._actor_class: Any = None
         self._nodes_read = 0.0
-        self.spares = Spares(self._start_spare, enabled=spares)  # a warm session per node, for the next user
+        self.warm = WarmSessions(self._start_warm, enabled=warm_sessions)  # one a node, for the next user
 
     # -- life --------------------------------------------------------------------------
     def start(self) -> Pool:
@@ -178,8 +178,8 @@ class Pool:
                     log.exception("watching Ray failed")
                     time.sleep(0.5)
         finally:
-            with contextlib.suppress(Exception):  # a spare holds a GPU: it must not outlive us
-                self.spares.end_all()
+            with contextlib.suppress(Exception):  # each holds a GPU: they must not outlive us
+                self.warm.end_all()
             self.router.close()
             self.readings_sock.close()
             self._ctx.term()
@@ -207,9 +207,9 @@ class Pool:
             self.registry.session_ended(ask.session_id, "queue timeout")
             self._answer(ask, {"kind": "error", "error": self._timeout_text(ask)})
         self._place()
-        self.spares.collect()
+        self.warm.collect()
         if self.queue.head() is None and all(p.node_id for p in self.sessions.values()):
-            self.spares.warm(self._free_by_node())  # only while no session waits for Ray's GPUs
+            self.warm.warm(self._free_by_node())  # only while no session waits for Ray's GPUs
 
     # -- requests ----------------------------------------------------------------------
     def _on_frames(self, frames: list[bytes]) -> None:
@@ -349,11 +349,11 @@ class Pool:
             if not fits:
                 return
             self.queue.pop_head()
-            spare = self.spares.take(fits) if ask.gpus == 1 else None
-            if spare is not None:
-                self._claim(ask, spare)
+            warm = self.warm.take(fits) if ask.gpus == 1 else None
+            if warm is not None:
+                self._claim(ask, warm)
             else:
-                self.spares.make_room(fits, free, ask.gpus)
+                self.warm.make_room(fits, free, ask.gpus)
                 self._create(ask)
             for waiting in self.queue:
                 self._answer(
@@ -367,7 +367,7 @@ class Pool:
                 )
 
     def _spec(self, token: str, session_id: str) -> dict[str, Any]:
-        """What a session actor is made with (a spare's session id is "" until it is claimed)."""
+        """What a session actor is made with (a warm one's session id is "" until it is claimed)."""
         return {
             "token": token,
             "session": session_id,
@@ -377,7 +377,8 @@ class Pool:
             "simulate_gpus": self.simulate_gpus,
         }
 
-    def _start_spare(self, node_id: str, name: str, token: str) -> Any:
+    def _start_warm(self, node_id: str, name: str, token: str) -> Any:
+        """A warm session actor pinned to `node_id`, holding one GPU, nobody's yet."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         return self._actor_class.options(
@@ -388,44 +389,37 @@ class Pool:
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
         ).remote(self._spec(token, ""))
 
-    def _claim(self, ask: Ask, spare: Spare) -> None:
-        """The session takes the spare: its actor is up (or nearly), on its node, with its GPU."""
-        placed = LiveSession(
-            ask.session_id,
-            ask.user,
-            ask.name,
-            ask.gpus,
-            spare.actor,
-            node_id=spare.node_id,
-            watcher=ask.reply_to,
-            key=ask.key,
-            ask=ask,
-            token=spare.token,
-            spare=True,
-        )
-        self.sessions[ask.session_id] = placed
-        claimed = spare.actor.claim.remote(ask.session_id, self._spec(spare.token, ask.session_id))
+    def _claim(self, ask: Ask, warm: WarmSession) -> None:
+        """The session takes the warm one: its actor is up (or nearly), on its node, with its GPU."""
+        placed = self._session(ask, warm.actor, warm.token, node_id=warm.node_id, warm=True)
+        claimed = warm.actor.claim.remote(ask.session_id, self._spec(warm.token, ask.session_id))
         self._placing[claimed] = ask.session_id
+        self.sessions[ask.session_id] = placed
 
     def _create(self, ask: Ask) -> None:
+        """Ask Ray for a session actor with the GPUs: Ray picks the node."""
         token = secrets.token_hex(24)
         options: dict[str, Any] = {"accelerator_type": ask.accelerator} if ask.accelerator else {}
         actor = self._actor_class.options(
             name=PREFIX + ask.session_id, namespace=NAMESPACE, lifetime="detached", num_gpus=ask.gpus, **options
         ).remote(self._spec(token, ask.session_id))
-        placed = LiveSession(
+        self.sessions[ask.session_id] = self._session(ask, actor, token)
+        self._placing[actor.info.remote()] = ask.session_id
+
+    def _session(self, ask: Ask, actor: Any, token: str, node_id: str = "", warm: bool = False) -> LiveSession:
+        return LiveSession(
             ask.session_id,
             ask.user,
             ask.name,
             ask.gpus,
             actor,
+            node_id=node_id,
             watcher=ask.reply_to,
             key=ask.key,
             ask=ask,
             token=token,
+            warm=warm,
         )
-        self.sessions[ask.session_id] = placed
-        self._placing[actor.info.remote()] = ask.session_id
 
     def _collect(self) -> None:
         """Actors that came up (answer their users) and sessions that ended (free their GPUs)."""
@@ -470,12 +464,8 @@ class Pool:
         try:
             info = ray.get(ref)
         except Exception as exc:
-            if placed.spare and placed.ask is not None:  # a spare that died unseen: place the ask anew
-                log.warning("a spare session could not be taken (%s); placing the session anew", type(exc).__name__)
-                self.sessions.pop(session_id, None)
-                with contextlib.suppress(Exception):
-                    ray.kill(placed.actor, no_restart=True)
-                self.queue.put_back(placed.ask)
+            if placed.warm and placed.ask is not None:
+                self._place_anew(placed, f"{type(exc).__name__}: {exc}"[:200])
                 return
             self._forget(placed, f"its actor failed to start: {type(exc).__name__}: {exc}"[:500])
             return
@@ -550,14 +540,20 @@ class Pool:
             )
         self._forget(placed, reason, lost=True)
 
+    def _place_anew(self, placed: LiveSession, why: str) -> None:
+        """A warm session failed before its user was answered (its process or node died unseen):
+        the ask goes back to the head of the queue, to a warm session elsewhere or a new actor."""
+        log.warning("a warm session could not be taken (%s); placing session %s anew", why, placed.session_id)
+        self.sessions.pop(placed.session_id, None)
+        for ref in [r for r, s in self._placing.items() if s == placed.session_id]:
+            self._placing.pop(ref)
+        end_actor(placed.actor)
+        assert placed.ask is not None
+        self.queue.put_back(placed.ask)
+
     def _forget(self, placed: LiveSession, reason: str, lost: bool = False) -> None:
         """The session is over: its actor goes (Ray frees its GPUs), and the queue may move."""
-        import ray
-
-        try:
-            ray.kill(placed.actor, no_restart=True)
-        except Exception as exc:  # already gone with its node
-            log.debug("session actor %s: %s", placed.session_id, exc)
+        end_actor(placed.actor)
         for refs in (self._placing, self._ending):
             for ref in [r for r, s in refs.items() if s == placed.session_id]:
                 refs.pop(ref)
@@ -646,11 +642,14 @@ class Pool:
         log.warning("node %s left the pool: %s", node["name"], node["death"])
         self.registry.event("node_lost", None, None, {"node": node["name"], "reason": node["death"]})
         self.nodes[node_id] = node
-        self.spares.end(node_id)
+        self.warm.end(node_id)
         self.monitors.pop(node_id, None)
         self.readings.pop(node_id, None)
         for placed in [p for p in self.sessions.values() if p.node_id == node_id]:
-            self._lost(placed, f"node {node['name']} left the pool (Ray reports it dead)")
+            if placed.warm and placed.ask is not None:  # its user was not answered yet
+                self._place_anew(placed, f"node {node['name']} left the pool")
+            else:
+                self._lost(placed, f"node {node['name']} left the pool (Ray reports it dead)")
 
     def _recover(self) -> None:
         """After a restart: the session actors that outlived the last endpoint are still sessions."""
@@ -667,11 +666,10 @@ class Pool:
                 with contextlib.suppress(Exception):
                     ray.kill(ray.get_actor(entry["name"], namespace=NAMESPACE), no_restart=True)
                 continue
-            if not info.get("session"):  # the last endpoint's spare, nobody's: warmed afresh instead
-                with contextlib.suppress(Exception):
-                    ray.kill(actor, no_restart=True)
+            if info.get("session") == "":  # the last endpoint's warm session, nobody's: warmed afresh
+                end_actor(actor)
                 continue
-            session_id = str(info["session"])
+            session_id = str(info.get("session") or entry["name"][len(PREFIX) :])  # an older actor's: its name
             known = [s for s in self.registry.sessions() if s["id"] == session_id]
             row = known[0] if known else {"user": "?", "name": "", "gpus": len(info["gpu_ids"])}
             placed = LiveSession(
@@ -707,6 +705,11 @@ class Pool:
         return f"no {ask.gpus} GPU(s) came free within {waited:.0f} s; try again, or ask for fewer GPUs"
 
     # -- watching ----------------------------------------------------------------------
+    def all_nodes_warm(self) -> bool:
+        """Every live GPU node has a ready warm session, as on a pool at rest with GPUs free."""
+        nodes = {nid for nid, n in list(self.nodes.items()) if n["alive"] and n["gpus"]}
+        return set(self.warm.ready_gpus()) == nodes
+
     def status(self, viewer: str | None = None) -> dict[str, Any]:
         """Nodes, their GPUs and who holds them, and the queue. Session names are their owner's to see."""
         holders: dict[str, list[dict[str, Any]]] = {}
@@ -719,7 +722,7 @@ class Pool:
                 }
             )
         now = time.time()
-        warm = self.spares.ready_gpus()
+        warm = self.warm.ready_gpus()
         nodes = []
         for nid, node in sorted(self.nodes.items(), key=lambda kv: kv[1]["name"]):  # sorted() copies first
             reading = self.readings.get(nid) or {}
@@ -728,7 +731,7 @@ class Pool:
                     "id": nid,
                     **node,
                     "sessions": holders.get(nid, []),
-                    "warm": warm.get(nid, []),  # free GPUs a warm spare session holds for the next user
+                    "warm": warm.get(nid, []),  # a free GPU a warm session holds for the next user
                     "health": reading.get("health"),
                     "gpu_readings": reading.get("gpus", []),
                     "simulated": reading.get("simulated", False),

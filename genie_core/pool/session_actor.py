@@ -2,8 +2,8 @@
 
 The actor is detached and named, so it outlives the pool endpoint that made it; its client talks
 to its server directly (cells, tensors and the data plane are those of `genie serve`). Ray picks
-the node and sets CUDA_VISIBLE_DEVICES; the server offers exactly those GPUs. A spare (see
-spares.py) is one started ahead with no session; `claim` gives it one.
+the node and sets CUDA_VISIBLE_DEVICES; the server offers exactly those GPUs. A warm one (see
+warm.py) is started ahead with no session; `claim` gives it one.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ..config import ClusterConfig
 from ..server import Server
 
 NAMESPACE = "genie-pool"
-PREFIX = "s:"  # session actors' names: s:<session id>
+PREFIX = "s:"  # session actors' names: s:<session id>, or s:<another id> for a warm one (warm.py)
 
 
 class SessionActor:
@@ -29,7 +29,7 @@ class SessionActor:
 
         context = ray.get_runtime_context()
         self.spec = spec
-        self.session_id = str(spec.get("session", ""))  # "" until a spare is claimed
+        self.session_id = str(spec.get("session", ""))  # "" until a warm one is claimed
         self.node_id = context.get_node_id()
         self.gpu_ids = [str(g) for g in ray.get_gpu_ids()]
         host = spec.get("host") or ray.util.get_node_ip_address()
@@ -74,8 +74,18 @@ class SessionActor:
             taken, self.cells = self.cells, []
         return taken
 
+    def until_claimed(self) -> str:
+        """Returns when a warm one is claimed, or says that its server stopped first (the pool
+        then ends it and warms another). Its process dying fails the call: the pool sees that too."""
+        while not self.session_id:
+            thread = self.server._thread
+            if thread is None or not thread.is_alive():
+                return "its server stopped"
+            thread.join(0.5)
+        return "claimed"
+
     def claim(self, session_id: str, spec: dict[str, Any]) -> dict[str, Any]:
-        """A spare becomes `session_id`'s, with the pool's settings of now; its client's time to
+        """A warm one becomes `session_id`'s, with the pool's settings of now; its client's time to
         connect starts now."""
         settings = ClusterConfig.resolve(
             idle_timeout=spec.get("idle_timeout") or None, session_lease=spec.get("session_lease") or None
