@@ -545,18 +545,21 @@ class Pool:
         the ask goes back to the head of the queue, to a warm session elsewhere or a new actor."""
         log.warning("a warm session could not be taken (%s); placing session %s anew", why, placed.session_id)
         self.sessions.pop(placed.session_id, None)
-        for ref in [r for r, s in self._placing.items() if s == placed.session_id]:
-            self._placing.pop(ref)
+        self._drop_refs(placed.session_id)
         end_actor(placed.actor)
         assert placed.ask is not None
         self.queue.put_back(placed.ask)
 
+    def _drop_refs(self, session_id: str) -> None:
+        """Nobody waits any more for the session's actor to come up or to end."""
+        for refs in (self._placing, self._ending):
+            for ref in [r for r, s in refs.items() if s == session_id]:
+                refs.pop(ref)
+
     def _forget(self, placed: LiveSession, reason: str, lost: bool = False) -> None:
         """The session is over: its actor goes (Ray frees its GPUs), and the queue may move."""
         end_actor(placed.actor)
-        for refs in (self._placing, self._ending):
-            for ref in [r for r, s in refs.items() if s == placed.session_id]:
-                refs.pop(ref)
+        self._drop_refs(placed.session_id)
         try:  # recorded before its GPUs show free: whoever sees them free also finds why they freed
             self.registry.session_ended(placed.session_id, reason)
             self.registry.event("lost" if lost else "ended", placed.user, placed.session_id, {"reason": reason})
