@@ -16,6 +16,7 @@ from genie_core.client import Client
 from genie_core.config import ClusterConfig
 from genie_core.events import EventType
 from genie_core.monitoring import Grade, StaticGPUSource
+from genie_core.monitoring.health import HealthThresholds
 from genie_core.nodes import GPUInfo
 from genie_core.server import Server
 from genie_core.terminal import gpu_processes
@@ -39,6 +40,15 @@ def injected(tmp_path):
     )
     server = (
         Server(config, gpu_source=StaticGPUSource(lambda: readings["gpus"]), spare_workers=0).start().start_in_thread()
+    )
+    # Grade the injected GPU only: a busy CI host (CPU over 98%) would otherwise degrade the node before
+    # the test does, and going from DEGRADED to UNHEALTHY emits no NODE_DEGRADED.
+    server.monitor.health.thresholds = HealthThresholds(
+        cpu_busy_percent=101,
+        memory_degraded_percent=101,
+        memory_unhealthy_percent=101,
+        disk_degraded_percent=101,
+        disk_unhealthy_percent=101,
     )
     client = Client("127.0.0.1", server.port, "obs-token", timeout=10).connect()
     yield readings, server, client
