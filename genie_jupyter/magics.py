@@ -85,14 +85,18 @@ def _interrupt(client: Client, request: Request) -> float:
 
 def run_remote(client: Client, code: str, *, gpu: int | None = None, timeout: float | None = None) -> dict[str, Any]:
     """Run `code` remotely, rendering its output live; the notebook's interrupt interrupts it
-    (each press sends one more interrupt, for code that swallowed the first)."""
+    (each press sends one more interrupt, for code that swallowed the first). Presses are held for
+    the whole cell and acted on between replies, so a KeyboardInterrupt never drops a reply taken
+    from its queue (a press as the cell finished would lose its execute_reply)."""
     with _interrupts_held() as pressed:
         request = client.execute(code, gpu=gpu)
-    error: dict[str, Any] | None = None
-    deadline = None if timeout is None else time.monotonic() + timeout
-    interrupted_at = _interrupt(client, request) if pressed else None  # pressed as it was sent
-    while True:
-        try:
+        error: dict[str, Any] | None = None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        interrupted_at = None
+        while True:
+            if pressed:  # at most 0.1 s after the press: the longest wait for a reply below
+                pressed.clear()
+                interrupted_at = _interrupt(client, request)
             msg = request.next(timeout=0.1)
             if msg is None:
                 now = time.monotonic()
@@ -110,8 +114,6 @@ def run_remote(client: Client, code: str, *, gpu: int | None = None, timeout: fl
                 return msg.content
             else:
                 render(msg.type, msg.content)
-        except KeyboardInterrupt:
-            interrupted_at = _interrupt(client, request)
     _give_up(deadline)
 
 

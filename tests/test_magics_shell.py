@@ -172,3 +172,27 @@ def test_an_interrupt_pressed_while_the_cell_is_sent_interrupts_the_remote_cell(
     error = result.error_in_exec
     assert isinstance(error, RemoteError) and error.ename == "KeyboardInterrupt", repr(error)
     assert connected.run_cell("%%remote --timeout 10\nprint('next')").success  # not behind a cell still running
+
+
+def test_an_interrupt_pressed_as_the_reply_arrives_keeps_the_reply(connected, monkeypatch):
+    """The press lands just after the cell's reply is taken from its queue (a real SIGINT to this
+    process, sent from there): the cell has finished, so its result stands; the reply must not be
+    dropped by a KeyboardInterrupt, leaving the magic to wait for one that already came."""
+    import os
+    import signal
+
+    from genie_core.client.connection import Request
+
+    take = Request.next
+
+    def pressed_as_it_arrives(self, timeout=None):
+        msg = take(self, timeout)
+        if msg is not None and msg.type == "execute_reply":
+            os.kill(os.getpid(), signal.SIGINT)
+        return msg
+
+    monkeypatch.setattr(Request, "next", pressed_as_it_arrives)
+    result = connected.run_cell("%%remote\nsquares = [i * i for i in range(20000)]\nlen(squares)")
+    monkeypatch.undo()
+    assert result.success, repr(result.error_in_exec)
+    assert connected.run_cell("%%remote --timeout 10\nprint('next')").success
