@@ -80,6 +80,18 @@ def test_200_interrupts_at_random_moments_through_the_client(tmp_path):
     )
 
 
+def _went_idle(kc, msg_id: str, timeout: float) -> bool:
+    """Whether the kernel says it is idle after `msg_id` within `timeout` seconds (iopub)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            msg = kc.get_iopub_msg(timeout=max(deadline - time.monotonic(), 0.01))
+        except queue.Empty:
+            return False
+        if msg["parent_header"].get("msg_id") == msg_id and msg["content"].get("execution_state") == "idle":
+            return True
+
+
 def _stuck(km, what: str) -> NoReturn:
     """The kernel stopped answering: its threads go to its stderr (faulthandler, registered on
     SIGUSR1 at the test's start; pytest captures it), then the test fails saying what was missing."""
@@ -116,11 +128,18 @@ def test_100_interrupt_button_presses_at_random_moments_in_a_real_kernel(tmp_pat
             time.sleep(rng.uniform(0, 0.5))
             km.interrupt_kernel()
             try:
-                reply = reply_to(kc, msg_id, timeout=15)  # never a hang
+                content = reply_to(kc, msg_id, timeout=15)["content"]  # never a hang
             except queue.Empty:
-                _stuck(km, "no reply within 15 s of an interrupt")
-            content = reply["content"]
-            if content["status"] == "ok":
+                content = None
+            if content is None:
+                # No reply: only ipykernel's own loss is forgiven. A press landing in its code after the
+                # cell (reply building and sending) is caught by its dispatcher ("KeyboardInterrupt caught
+                # in kernel"), which sends no reply but goes idle; ipykernel#845 is its twin before the cell.
+                # Anything of ours that hangs never goes idle.
+                if not _went_idle(kc, msg_id, 5):
+                    _stuck(km, "no reply within 15 s of an interrupt, and not idle")
+                kind = "reply lost by ipykernel (the press landed in its code after the cell)"
+            elif content["status"] == "ok":
                 kind = "finished first"
             elif content["ename"] == "RemoteError":  # the remote cell's own KeyboardInterrupt, shown as its traceback
                 assert "KeyboardInterrupt" in "".join(content["traceback"]), content
@@ -133,13 +152,9 @@ def test_100_interrupt_button_presses_at_random_moments_in_a_real_kernel(tmp_pat
                 )
                 kind = "KeyboardInterrupt in the kernel after the remote cell ended"
             outcomes[kind] = outcomes.get(kind, 0) + 1
-            while True:  # the kernel is idle again (ipykernel aborts what arrives while it handles an error)
-                try:
-                    msg = kc.get_iopub_msg(timeout=15)
-                except queue.Empty:
-                    _stuck(km, f"replied {content.get('status')}, not idle within 15 s")
-                if msg["parent_header"].get("msg_id") == msg_id and msg["content"].get("execution_state") == "idle":
-                    break
+            # the kernel is idle again (ipykernel aborts what arrives while it handles an error)
+            if content is not None and not _went_idle(kc, msg_id, 15):
+                _stuck(km, f"replied {content.get('status')}, not idle within 15 s")
             reply, msgs = execute(kc, "%%remote\nprint(os.getpid(), kept)", timeout=15)
             assert reply["status"] == "ok" and stdout(msgs) == f"{pid.strip()} intact\n", (reply, msgs)
     finally:
