@@ -62,9 +62,8 @@ def render(msg_type: str, content: dict[str, Any]) -> None:
 
 @contextlib.contextmanager
 def _interrupts_held() -> Iterator[list[int]]:
-    """Hold the notebook's interrupt presses while a request or an interrupt is sent (the list
-    collects them), so a request is never sent behind an escaping KeyboardInterrupt: it is either
-    not sent, or sent and then interrupted by the caller."""
+    """Hold the notebook's interrupt presses for the block (the list collects them); the caller acts
+    on them, so no KeyboardInterrupt escapes halfway through sending a request or taking a reply."""
     presses: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield presses
@@ -86,15 +85,14 @@ def _interrupt(client: Client, request: Request) -> float:
 def run_remote(client: Client, code: str, *, gpu: int | None = None, timeout: float | None = None) -> dict[str, Any]:
     """Run `code` remotely, rendering its output live; the notebook's interrupt interrupts it
     (each press sends one more interrupt, for code that swallowed the first). Presses are held for
-    the whole cell and acted on between replies, so a KeyboardInterrupt never drops a reply taken
-    from its queue (a press as the cell finished would lose its execute_reply)."""
+    the whole cell and acted on between replies, so none can drop a reply taken from its queue."""
     with _interrupts_held() as pressed:
         request = client.execute(code, gpu=gpu)
         error: dict[str, Any] | None = None
         deadline = None if timeout is None else time.monotonic() + timeout
         interrupted_at = None
         while True:
-            if pressed:  # at most 0.1 s after the press: the longest wait for a reply below
+            if pressed:  # checked between replies (the wait for one polls every 0.1 s)
                 pressed.clear()
                 interrupted_at = _interrupt(client, request)
             msg = request.next(timeout=0.1)
