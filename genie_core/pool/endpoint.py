@@ -29,8 +29,8 @@ from .monitor_actor import PREFIX as MONITOR_PREFIX
 from .monitor_actor import NodeMonitor, sign
 from .queue import Ask, Queue, QuotaExceeded, check_quota
 from .registry import Registry
-from .session_actor import NAMESPACE, PREFIX, SessionActor
-from .warm import WarmSession, WarmSessions, end_actor
+from .session_actor import NAMESPACE, PREFIX, SessionActor, end_actor
+from .warm import WarmSession, WarmSessions
 
 log = logging.getLogger("genie.pool")
 

@@ -8,6 +8,7 @@ warm.py) is started ahead with no session; `claim` gives it one.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
@@ -19,6 +20,14 @@ from ..server import Server
 
 NAMESPACE = "genie-pool"
 PREFIX = "s:"  # session actors' names: s:<session id>, or s:<another id> for a warm one (warm.py)
+
+
+def end_actor(actor: Any) -> None:
+    """A session actor ends, warm or held: Ray frees its GPUs; one already gone (with its node) is no error."""
+    import ray
+
+    with contextlib.suppress(Exception):
+        ray.kill(actor, no_restart=True)
 
 
 class SessionActor:
@@ -78,10 +87,8 @@ class SessionActor:
         """Returns when a warm one is claimed, or says that its server stopped first (the pool
         then ends it and warms another). Its process dying fails the call: the pool sees that too."""
         while not self.session_id:
-            thread = self.server._thread
-            if thread is None or not thread.is_alive():
+            if self.server.wait_stopped(0.5):
                 return "its server stopped"
-            thread.join(0.5)
         return "claimed"
 
     def claim(self, session_id: str, spec: dict[str, Any]) -> dict[str, Any]:
@@ -115,10 +122,9 @@ class SessionActor:
         """Returns why the session is over: its client ended it (or it was culled for idleness), its
         client never came within `connect_within` seconds, or the server was stopped. The actor
         then exits, and Ray frees its GPUs."""
-        thread = self.server._thread
         deadline = self.started + float(self.spec.get("connect_within", 60.0))
         seen = False
-        while thread is not None and thread.is_alive():
+        while not self.server.wait_stopped(0):
             live = len(self.server.sessions.live)
             seen = seen or live > 0 or bool(self.server.sessions.ended)  # one may have come and gone between looks
             if seen and live == 0:
@@ -128,7 +134,7 @@ class SessionActor:
             if not seen and time.time() > deadline:
                 reason = "no client connected in time"
                 break
-            thread.join(0.2)
+            self.server.wait_stopped(0.2)
         else:
             reason = "the server stopped"
         self.server.stop()

@@ -9,13 +9,14 @@ has its GPU to give.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import secrets
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+from .session_actor import end_actor
 
 log = logging.getLogger("genie.pool")
 
@@ -39,14 +40,6 @@ class WarmSession:
     @property
     def ready(self) -> bool:
         return self.up is None
-
-
-def end_actor(actor: Any) -> None:
-    """Ray ends it and frees its GPUs; one already gone (with its node) is no error."""
-    import ray
-
-    with contextlib.suppress(Exception):
-        ray.kill(actor, no_restart=True)
 
 
 class WarmSessions:

@@ -223,6 +223,12 @@ class Server:
         self._thread.start()
         return self
 
+    def wait_stopped(self, timeout: float) -> bool:
+        """Whether the server, run by `start_in_thread`, has stopped serving (waits up to `timeout` s)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self._thread is None or not self._thread.is_alive()
+
     def stop(self, timeout: float = 10.0) -> None:
         """Thread-safe; returns once workers are ended and the port is closed (when run in a thread)."""
         self._loop.stop(join=False)
