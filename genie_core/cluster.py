@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -15,7 +16,7 @@ from typing import Any
 from .client import Client
 from .client.pool import PoolClient, is_pool_token
 from .config import DEFAULT_PORT, ClusterConfig, ConnectionInfo, parse_address
-from .errors import ConfigError, NotInitializedError
+from .errors import ConfigError, NotInitializedError, add_note
 from .events import ClusterEvent, EventBus, EventType, Severity
 from .local_server import LocalServer
 from .monitoring.health import HealthReport
@@ -113,30 +114,60 @@ def init_sync(
 
     `master_port` defaults to 5555; every argument left out falls back to its `GENIE_*`
     environment variable. `node_role="server"` serves from this process instead.
-    Calling it again replaces the previous connection.
+    Calling it again replaces the previous connection once the new one is up; when the new one
+    fails (or is cancelled), the previous one stays current and the error says so.
     """
     phases: list[tuple[str, float]] = _Phases(kwargs.pop("on_phase", None))
     on_wait = kwargs.pop("on_wait", None)
     t0 = time.perf_counter()
     connection_file = kwargs.pop("connection_file", None)
-    config = ClusterConfig.resolve(
-        master_addr=master_addr,
-        master_port=master_port,
-        backend=backend,
-        node_id=node_id,
-        node_role=node_role,
-        timeout=timeout,
-        connection_file=connection_file,
-        **kwargs,
-    )
-    _setup_logging(config.log_level)
-    phases.append(("configure", time.perf_counter() - t0))
-    with _lock:
-        if _state is not None:
-            _close(end_named=False)
+    earlier = _state
+    try:
+        config = ClusterConfig.resolve(
+            master_addr=master_addr,
+            master_port=master_port,
+            backend=backend,
+            node_id=node_id,
+            node_role=node_role,
+            timeout=timeout,
+            connection_file=connection_file,
+            **kwargs,
+        )
+        _setup_logging(config.log_level)
+        phases.append(("configure", time.perf_counter() - t0))
         if config.node_role == "server":
-            return _init_server(config, phases, t0)
-        return _init_client(config, phases, on_wait)
+            if earlier is not None and earlier.role == "server":
+                _close(end_named=False)  # this process's server, replaced: its port is to be bound again
+            state = _init_server(config, phases, t0)
+        else:
+            state = _init_client(config, phases, on_wait)
+    except BaseException as exc:
+        _say_unchanged(exc, earlier)
+        raise
+    _replace(state)
+    return state
+
+
+def _replace(state: ClusterState) -> None:
+    """Make `state` current, then close the one it replaces (a named session of that one is left
+    running, for a later init to attach to)."""
+    global _state
+    with _lock:
+        earlier, _state = _state, state
+    if earlier is not None:
+        _close_state(earlier, end_named=False)
+
+
+def _say_unchanged(exc: BaseException, earlier: ClusterState | None) -> None:
+    """A failed or cancelled init leaves the earlier connection current: the error says so."""
+    if earlier is None or earlier is not _state or not earlier.connected:
+        return
+    session = f", session {earlier.client.session[:8]}" if earlier.client is not None else ""
+    note = f"nothing changed: still connected to genie://{earlier.address}{session}, its variables intact"
+    if isinstance(exc, KeyboardInterrupt):
+        print(f"genie: init cancelled; {note}", file=sys.stderr)
+    else:
+        add_note(exc, note)
 
 
 class _Phases(list[tuple[str, float]]):
@@ -153,21 +184,18 @@ class _Phases(list[tuple[str, float]]):
 
 
 def _init_server(config: ClusterConfig, phases: list[tuple[str, float]], t0: float) -> ClusterState:
-    global _state
     from .server import Server
 
     server = Server(config).start().start_in_thread()
     phases.append(("serve", time.perf_counter() - t0))
-    _state = ClusterState(
+    return ClusterState(
         config=config, role="server", address=server.address, node=server.node_info(), server=server, phases=phases
     )
-    return _state
 
 
 def _init_client(
     config: ClusterConfig, phases: list[tuple[str, float]], on_wait: Callable[[str], None] | None = None
 ) -> ClusterState:
-    global _state
     t = time.perf_counter()
     local: LocalServer | None = None
     if config.master_addr in (None, "", "local") and not config.connection_file:
@@ -228,7 +256,7 @@ def _init_client(
     enable(
         lambda: _state.client if _state is not None else None
     )  # remote_accelerator tensors, served by this connection
-    _state = ClusterState(
+    return ClusterState(
         config=config,
         role="client",
         address=f"{host}:{port}",
@@ -241,7 +269,6 @@ def _init_client(
         pool=pool,
         placement=placed if pool is not None else None,
     )
-    return _state
 
 
 def _session_lost(client: Client, reason: str) -> None:
@@ -291,8 +318,11 @@ def _close(end_named: bool) -> None:
     global _state
     with _lock:
         state, _state = _state, None
-    if state is None:
-        return
+    if state is not None:
+        _close_state(state, end_named)
+
+
+def _close_state(state: ClusterState, end_named: bool) -> None:
     if state.client is not None:
         state.client.close(notify=end_named or not state.client.session_name)
     if state.server is not None:

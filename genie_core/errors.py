@@ -7,8 +7,21 @@ class GenieError(Exception):
     """Base class of every error Genie raises on purpose."""
 
     def _render_traceback_(self) -> list[str]:
-        # IPython shows this instead of a traceback through Genie's plumbing: one clear line.
-        return [f"\x1b[31m{type(self).__name__}\x1b[0m: {self}"]
+        # IPython shows this instead of a traceback through Genie's plumbing: one clear line (with
+        # its notes, PEP 678's, such as "nothing changed: still connected to ...").
+        return [f"\x1b[31m{type(self).__name__}\x1b[0m: {self}" + _notes(self)]
+
+
+def _notes(exc: BaseException) -> str:
+    return "".join(f"; {note}" for note in getattr(exc, "__notes__", ()))
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """PEP 678's `exc.add_note`, on Python 3.10 too (which has the attribute, not the method)."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:
+        setattr(exc, "__notes__", [*getattr(exc, "__notes__", ()), note])  # noqa: B010
 
 
 class ConfigError(GenieError, ValueError):
@@ -76,5 +89,5 @@ class RemoteError(GenieError):
 
     def _render_traceback_(self) -> list[str]:
         if self.traceback:
-            return self.traceback
-        return [f"{self.ename}: {self.evalue}"]
+            return [*self.traceback, *getattr(self, "__notes__", ())]
+        return [f"{self.ename}: {self.evalue}" + _notes(self)]

@@ -163,6 +163,77 @@ def test_status_text_is_plain_text_with_no_line_cut(connected):
     assert not any("…" in line for line in lines), lines
 
 
+def _error_line(msgs) -> str:
+    errors = [m["content"] for _, m in msgs if m["msg_type"] == "error"]
+    assert errors, msgs
+    return plain("\n".join(errors[0]["traceback"]))
+
+
+def _value(kc, expression: str) -> str:
+    """An expression's value in the kernel, as its text (a string without its quotes)."""
+    _, msgs = execute(kc, expression)
+    shown = [m["content"]["data"]["text/plain"] for _, m in msgs if m["msg_type"] == "execute_result"]
+    assert shown, msgs
+    return shown[0].strip("'")
+
+
+def _black_hole():
+    """A TCP port that accepts and never answers: a genie init to it waits until cancelled."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    return listener
+
+
+def test_a_failed_or_cancelled_init_leaves_the_session_and_its_names(connected):
+    """A second %genie_init that fails (wrong token, nobody listening, another Python on the
+    server) or is interrupted replaces nothing: the error says so, and the next cell still runs in
+    the same session with its variables."""
+    km, kc = connected
+    execute(kc, "%remote kept = 'my names'")
+    execute(kc, "import genie_core\nbefore = genie_core.get_cluster_state().client.session")
+    session = _value(kc, "before[:8]")
+    port = int(_value(kc, "genie_core.get_cluster_state().address").rsplit(":", 1)[1])
+    closed = _black_hole()
+    free_port = closed.getsockname()[1]
+    closed.close()  # nothing listens there now
+    pretend_other_python = (
+        "import genie_core.versions as v\n_real = v._versions\n"
+        "v._versions = lambda: {**_real(), 'python': '3.99.0'}\n"
+        "_token = genie_core.get_cluster_state().config.token\n"
+    )
+    attempts = [
+        (f"%genie_init 127.0.0.1:{port} --token wrong-token-0123456789", "AuthenticationError"),
+        (f"%genie_init 127.0.0.1:{free_port} --token some-token-0123456789 --timeout 2", "ConnectionFailed"),
+        (pretend_other_python + f"%genie_init 127.0.0.1:{port} --token {{_token}}", "VersionMismatch"),
+    ]
+    for cell, error in attempts:
+        reply, msgs = execute(kc, cell)
+        execute(kc, "if '_real' in dir(): v._versions = _real")
+        assert reply["status"] == "error", (cell, msgs)
+        line = _error_line(msgs)
+        assert line.startswith(error), line
+        assert f"nothing changed: still connected to genie://127.0.0.1:{port}, session {session}" in line, line
+        assert len(line.splitlines()) == 1, line
+        reply, msgs = execute(kc, "%%remote\nprint(kept)")
+        assert reply["status"] == "ok" and stdout(msgs) == "my names\n", (cell, msgs)
+
+    hole = _black_hole()  # the cancelled init: Ctrl-C (the interrupt button) while it waits
+    try:
+        msg_id = kc.execute(f"%genie_init 127.0.0.1:{hole.getsockname()[1]} --token some-token-0123456789")
+        time.sleep(1.5)
+        km.interrupt_kernel()
+        reply = reply_to(kc, msg_id, timeout=15)
+        assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+    finally:
+        hole.close()
+    reply, msgs = execute(kc, "%%remote\nprint(kept)")
+    assert reply["status"] == "ok" and stdout(msgs) == "my names\n", msgs
+    assert _value(kc, "genie_core.get_cluster_state().client.session == before") == "True"
+
+
 # The tests above share the module's connected kernel; the ones below replace its connection.
 
 

@@ -552,6 +552,13 @@ def test_a_notebook_waits_in_the_queue_then_runs_cells_on_its_gpu(pool):
             reply, msgs = execute(kc, f"%%remote --gpu {gpu}\nimport os\nprint(os.environ['CUDA_VISIBLE_DEVICES'])")
             assert reply["status"] == "ok", msgs
             assert stdout(msgs).strip() == gpu
+        execute(kc, "%remote kept = 'my names'")  # a refused placement replaces nothing
+        reply, msgs = execute(kc, f"%genie_init 127.0.0.1:{pool.port} --token {pool.tokens['alice']} --gpus 64")
+        refused = [m["content"] for _, m in msgs if m["msg_type"] == "error"]
+        assert reply["status"] == "error" and refused, msgs
+        assert "nothing changed: still connected to genie://" in "".join(refused[0]["traceback"]), refused
+        reply, msgs = execute(kc, f"%%remote --gpu {held[0]}\nprint(kept)")
+        assert reply["status"] == "ok" and stdout(msgs) == "my names\n", msgs
         reply, msgs = execute(kc, "%genie_status --text")  # the session's server, then the pool
         shown = stdout(msgs)
         assert reply["status"] == "ok" and f"the pool at 127.0.0.1:{pool.port}" in shown, msgs
