@@ -273,7 +273,7 @@ class PostgreSQL:
         if bindir is None and shutil.which("initdb"):
             bindir = Path(shutil.which("initdb") or "").parent
         if bindir is None:
-            pytest.skip("PostgreSQL is not installed (Debian: apt-get install postgresql; .ci/run does)")
+            pytest.skip("PostgreSQL is not installed (Debian: apt-get install postgresql; scripts/test installs it)")
         self.bindir = bindir
         self.home = Path(tempfile.mkdtemp(prefix="genie-pg-"))
         self.data, self.socket = self.home / "data", self.home / "socket"

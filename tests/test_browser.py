@@ -26,7 +26,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 
 pytestmark = [
-    pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)"),
+    pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (scripts/test installs it)"),
     pytest.mark.timeout(300),
 ]
 
@@ -49,8 +49,10 @@ def notebook(cells: list[str]) -> dict:
 
 
 def test_dashboard_renders_live_in_jupyterlab(tmp_path):
-    playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (.ci/run installs it)")
-    pytest.importorskip("jupyterlab", reason="jupyterlab is not installed (.ci/run installs it)")
+    playwright = pytest.importorskip(
+        "playwright.sync_api", reason="playwright is not installed (scripts/test installs it)"
+    )
+    pytest.importorskip("jupyterlab", reason="jupyterlab is not installed (scripts/test installs it)")
     srv = start_server(tmp_path, "--simulate-gpus", "2", "--poll-interval", "0.5")
     root = tmp_path / "lab"
     root.mkdir()

@@ -674,7 +674,7 @@ class Pool:
                 continue
             session_id = str(info.get("session") or entry["name"][len(PREFIX) :])  # an older actor's: its name
             known = [s for s in self.registry.sessions() if s["id"] == session_id]
-            row = known[0] if known else {"user": "?", "name": "", "gpus": len(info["gpu_ids"])}
+            row: dict[str, Any] = known[0] if known else {"user": "?", "name": "", "gpus": len(info["gpu_ids"])}
             placed = LiveSession(
                 session_id,
                 row["user"],
