@@ -126,3 +126,6 @@ def encode_value(value: Any) -> Any:
 #   ("call", name, args, kwargs, out_ids, expect)   one of the server's own functions (attention.py)
 #   ("rng_get", id) / ("rng_set", HostTensor)   the device generator's state (fork_rng, checkpointing)
 #   ("import", module)                    import the module defining a custom op (torch.library) before using it
+#   ("clock", id)                         read the device's clock when it gets here (Event(enable_timing=True))
+#   ("ask", question, args)               a question about the device (memory, properties, elapsed time);
+#                                         the answer comes back as the batch's "eager" {"value": ...}

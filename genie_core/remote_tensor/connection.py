@@ -5,11 +5,28 @@ the layer above it."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
 DEVICE_TYPE = "remote_accelerator"
 _streams: dict[tuple[int, int], Any] = {}
+
+
+class _Current(threading.local):
+    index = 0  # the current device of this thread, as torch.cuda keeps one per thread
+
+
+_current = _Current()
+
+
+def current_index() -> int:
+    """The device `remote_accelerator` without an index means (torch.remote_accelerator.set_device)."""
+    return _current.index
+
+
+def set_current_index(index: int) -> None:
+    _current.index = index
 
 
 def stream_for(index: int | None) -> Any:
@@ -20,7 +37,7 @@ def stream_for(index: int | None) -> Any:
     client = _connected()
     if client is None:
         raise NotInitializedError("using remote_accelerator tensors")
-    index = 0 if index is None else index
+    index = _current.index if index is None else index
     count = device_count()
     if not 0 <= index < count:
         raise RuntimeError(
@@ -40,7 +57,8 @@ def _index(device: Any) -> int:
 
     if isinstance(device, int):
         return device
-    return torch.device(device).index or 0
+    index = torch.device(device).index
+    return _current.index if index is None else index
 
 
 def device_count() -> int:

@@ -1,5 +1,6 @@
-"""The `remote_accelerator` device: PyTorch's PrivateUse1 backend renamed, a device module
-(`torch.remote_accelerator`), and the few factory kernels that creating tensors needs."""
+"""The `remote_accelerator` device: PyTorch's PrivateUse1 backend renamed, its device module
+(`torch.remote_accelerator`, device_module.py), and the few factory kernels that creating tensors
+needs."""
 
 from __future__ import annotations
 
@@ -10,118 +11,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .connection import DEVICE_TYPE, _index, device_count, live_streams, set_client, stream_for
+from .connection import DEVICE_TYPE, set_client, stream_for
+from .device_module import _DeviceModule
 
 _registered = False
 _lock = threading.Lock()
-
-
-class _DeviceModule:
-    """`torch.remote_accelerator`: what `torch.cuda` offers, for the remote devices."""
-
-    @staticmethod
-    def is_available() -> bool:
-        return device_count() > 0
-
-    @staticmethod
-    def device_count() -> int:
-        return device_count()
-
-    @staticmethod
-    def is_initialized() -> bool:
-        return True
-
-    @staticmethod
-    def _is_in_bad_fork() -> bool:
-        return False
-
-    @staticmethod
-    def current_device() -> int:
-        return 0
-
-    @staticmethod
-    def get_amp_supported_dtype() -> list[Any]:
-        """torch.autocast asks this first (see autocast.py)."""
-        from .autocast import supported_dtypes
-
-        return supported_dtypes()
-
-    @staticmethod
-    def synchronize(device: Any = None) -> None:
-        """Run everything recorded so far on the device and wait for it (one round trip)."""
-        import torch
-
-        index = torch.device(device).index if device is not None else 0
-        stream_for(index).flush(sync=True)
-
-    @staticmethod
-    def manual_seed(seed: int) -> None:
-        """Seed the remote devices' generators (recorded; applied before the next ops run)."""
-        for index in range(device_count()):
-            stream_for(index).record(("seed", int(seed)))
-
-    manual_seed_all = manual_seed
-
-    @staticmethod
-    def get_rng_state(device: Any = "remote_accelerator") -> Any:
-        """The server device's generator state, as a CPU uint8 tensor (one round trip)."""
-
-        from .stream import new_id
-
-        stream = stream_for(_index(device))
-        rid = new_id()
-        stream.record(("rng_get", rid))
-        try:
-            return stream.fetch(rid)
-        finally:
-            stream.free(rid)
-
-    @staticmethod
-    def set_rng_state(new_state: Any, device: Any = "remote_accelerator") -> None:
-        """Restore a state from get_rng_state (recorded; applied before the next ops run)."""
-        from ..protocol.tensor_ops import HostTensor
-
-        stream_for(_index(device)).record(("rng_set", HostTensor(new_state)))
-
-    @staticmethod
-    def get_rng_state_all() -> list[Any]:
-        return [_DeviceModule.get_rng_state(i) for i in range(device_count())]
-
-    @staticmethod
-    def set_rng_state_all(new_states: Any) -> None:
-        for i, state in enumerate(new_states):
-            _DeviceModule.set_rng_state(state, i)
-
-    @staticmethod
-    def seed() -> None:
-        import torch
-
-        _DeviceModule.manual_seed(torch.seed())
-
-    seed_all = seed
-
-    @staticmethod
-    def initial_seed() -> int:
-        import torch
-
-        return torch.initial_seed()
-
-    @staticmethod
-    def stats() -> dict[str, dict[str, float]]:
-        """Per device index: round trips (batches waited for), messages (all batches sent), ops sent,
-        and the worker's time running them (for benchmarks and curiosity)."""
-        return {
-            f"{s.index}": {
-                "round_trips": s.round_trips,
-                "messages": s.messages,
-                "ops_sent": s.ops_sent,
-                "pending": s.pending(),
-                "server_tensors": s.server_tensors,
-                "server_seconds": round(s.server_seconds, 6),
-                "wait_seconds": round(s.wait_seconds, 6),
-            }
-            for s in live_streams()
-        }
 
 
 def _factory_kernels(lib: Any) -> None:
@@ -137,7 +31,7 @@ def _factory_kernels(lib: Any) -> None:
 
         def kernel(*args: Any, **kwargs: Any) -> Any:
             device = kwargs.get("device")
-            stream = stream_for(device.index if device is not None else 0)
+            stream = stream_for(device.index if device is not None else None)
             meta_kwargs = dict(kwargs, device=torch.device("meta"))
             out = op(*args, **meta_kwargs)
             r = RemoteTensor(out.shape, out.stride(), out.storage_offset(), out.dtype, stream)
@@ -226,10 +120,12 @@ def register() -> None:
         from . import serialization
 
         serialization.register()
-        from . import attention, autocast
+        from . import attention, autocast, pinned, whole_ops
 
         autocast.register()
         attention.register()
+        whole_ops.register()
+        pinned.register()
         _registered = True
 
 

@@ -89,6 +89,11 @@ class OpStream:
     def pending(self) -> int:
         return len(self._records)
 
+    def idle(self) -> bool:
+        """Nothing recorded and no batch in flight: all work so far has run (a batch sent without
+        waiting counts as running until the next flush reads its reply)."""
+        return not self._records and not self._inflight
+
     def _send(self, request: dict[str, Any], n: int) -> Any:
         if self.profile is not None:
             request["profile"] = True

@@ -567,6 +567,25 @@ _DEVICE_DEPENDENT = {
 }
 
 
+def _padded_from_mask(t: Any, mask: Any, mask_check: bool = True) -> Any:
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+def _padded_output(t: Any, padding: float, output_size: Any = None) -> Any:
+    if output_size is None:
+        raise NotImplementedError("the padded size depends on the nested tensor's lengths")
+    return torch.empty(output_size, dtype=t.dtype, device="meta")
+
+
+# The nested tensors of nn.TransformerEncoder's inference fast path (`enable_nested_tensor`): the
+# server holds the nested tensor, and here it has its padded shape (the source's), the shape that
+# `_transformer_encoder_layer_fwd`'s meta kernel and `to_padded_tensor` then work with.
+_SHAPE_RULES = {
+    aten._nested_tensor_from_mask.default: _padded_from_mask,
+    aten.to_padded_tensor.default: _padded_output,
+}
+
+
 def _import_on_server(func, stream: OpStream) -> None:
     """A custom op (torch.library.custom_op) exists on the server once its module is imported there."""
     from torch._library.custom_ops import OPDEFS
@@ -593,7 +612,7 @@ def _output_specs(func, sig: list[Any], args: tuple, kwargs: dict, stream: OpStr
     if cached is None:
         margs, mkwargs = _map(_to_meta, args, kwargs)
         try:
-            out = func(*margs, **mkwargs)
+            out = _SHAPE_RULES.get(func, func)(*margs, **mkwargs)
         except NotImplementedError:
             return None  # no meta kernel, or a data-dependent output shape: run it on the server now
         except RuntimeError as exc:

@@ -10,11 +10,12 @@ import time
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_loads
 
 from ..errors import LimitExceeded, size_text
 from ..protocol.tensor_ops import MemoryFormat, Ref, RemoteDevice, StorageOf
 from ..serialize import serialize_namespace
+from . import device_answers
 
 
 class _Failed:
@@ -42,6 +43,8 @@ def _agree(name: str, value: torch.Tensor, want: tuple, inputs: Any) -> torch.Te
     Values laid out differently in a fresh tensor are copied into the expected layout; a different
     shape or dtype (or layout of a view) fails the op: guessing would give wrong results later."""
     shape, stride, offset, dtype = want
+    if value.is_nested and value.dtype == dtype:  # nn.TransformerEncoder's fast path (the client sees it padded)
+        return value
     if value.layout != torch.strided:
         raise NotImplementedError(
             f"it made a {value.layout} tensor: sparse and other non-strided layouts are not "
@@ -144,12 +147,25 @@ class TensorExecutor:
         self.store: HeldTensors | UncountedTensors = HeldTensors() if max_bytes is not None else UncountedTensors()
         self.max_tensors, self.max_bytes = max_tensors, max_bytes
         self.ops_run = 0
+        self.clocks: dict[int, Any] = {}  # Event(enable_timing=True) readings, by id (device_answers.py)
         self._ops: dict[str, Any] = {}
         gc.freeze()  # what this worker imported lives as long as it does: keep it out of every collection
 
     @property
     def bytes_held(self) -> int:
         return self.store.bytes_held
+
+    def _held_bytes(self) -> int:
+        """Bytes of the distinct storages the session's tensors hold."""
+        if isinstance(self.store, HeldTensors):
+            return self.store.bytes_held
+        storages = {}
+        for value in self.store.values():
+            if isinstance(value, torch.Tensor):
+                storage = value.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        storages.pop(0, None)
+        return sum(storages.values())
 
     def _check_limits(self, made: str) -> None:
         """After an op stored its outputs: over a limit, the op fails (and its outputs are dropped)."""
@@ -231,6 +247,8 @@ class TensorExecutor:
                 tick = time.perf_counter()
             if kind == "free":
                 self.store.pop(record[1], None)
+                if self.clocks:
+                    self.clocks.pop(record[1], None)
                 continue
             if kind == "fail":  # outputs of an op that failed on the client during backward
                 for rid in record[1]:
@@ -267,6 +285,12 @@ class TensorExecutor:
                         torch.set_rng_state(record[1])
                 elif kind == "import":  # the module that defines a custom op used here (torch.library)
                     importlib.import_module(record[1])
+                elif kind == "clock":
+                    self.clocks[record[1]] = device_answers.clock(self.device)
+                elif kind == "ask":
+                    value = device_answers.answer(record[1], record[2], self.device, self._held_bytes(), self.clocks)
+                    if request.get("eager_last") and index == len(records) - 1:
+                        eager = {"value": value}
                 elif kind == "op":
                     out = self._run_op(record)
                     self._check_limits(f"remote op {record[1]}")
@@ -409,4 +433,55 @@ def run_call(name: str, args: tuple, kwargs: dict, store: Any) -> list[Any]:
             torch.autograd.grad(out, [t for t, n in zip(inputs, needs, strict=True) if n], grad_out, retain_graph=True)
         )
         return [next(grads) if n else None for n in needs]
+    if name == "aten":
+        return _run_whole(args, kwargs, store)
+    if name == "aten_backward":
+        graph, grads = args
+        found = store.get(graph)
+        if not isinstance(found, tuple):
+            raise RuntimeError("the graph for this backward is gone (backward through it twice without retain_graph?)")
+        outs, inputs = found
+        pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad and g is not None]
+        wanted = [t for t in inputs if t is not None]
+        got = iter(
+            torch.autograd.grad(
+                [o for o, _ in pairs], wanted, [g for _, g in pairs], retain_graph=True, materialize_grads=True
+            )
+        )
+        return [next(got) if t is not None else None for t in inputs]
     raise ValueError(f"unknown server call {name!r}")
+
+
+_specs: dict[str, Any] = {}
+
+
+def _spec(text: str) -> Any:
+    found = _specs.get(text)
+    if found is None:
+        found = _specs[text] = treespec_loads(text)
+    return found
+
+
+def _run_whole(args: tuple, kwargs: dict, store: Any) -> list[Any]:
+    """An aten op run whole with this device's kernels (genie_core/remote_tensor/whole_ops.py),
+    keeping its graph under `graph` for the backward when a gradient is wanted."""
+    graph, needs = kwargs["graph"], kwargs["needs"]
+    packet, overload = kwargs["op"].removeprefix("aten.").split(".")
+    op = getattr(getattr(torch.ops.aten, packet), overload)
+    leaves, spec = list(args), _spec(kwargs["spec"])
+    if graph is None:
+        with torch.no_grad():
+            op_args, op_kwargs = tree_unflatten(leaves, spec)
+            out = op(*op_args, **op_kwargs)
+        return list(out) if isinstance(out, (tuple, list)) else [out]
+    tensors = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    inputs: list[Any] = []
+    for i, need in zip(tensors, needs, strict=True):
+        leaves[i] = leaves[i].detach().requires_grad_(need)
+        inputs.append(leaves[i] if need else None)
+    call_args, call_kwargs = tree_unflatten(leaves, spec)
+    with torch.enable_grad():
+        out = op(*call_args, **call_kwargs)
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    store[graph] = (outs, inputs)
+    return [o.detach() for o in outs]
