@@ -415,8 +415,21 @@ def run_op(op: Any) -> dict[str, Any]:
     return result
 
 
-def child(address: str, token: str) -> None:
-    """Answer one JSON line per op name read from stdin."""
+def _database(kind: str) -> tuple[dict[str, Any], Any]:
+    """The entries by name, and the function that runs one: PyTorch's op_db, or its module_db
+    (module_conformance.py)."""
+    if kind == "modules":
+        import module_conformance
+        from torch.testing._internal.common_modules import module_db
+
+        return {m.formatted_name: m for m in module_db}, module_conformance.run_module
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    return {_op_id(op): op for op in op_db}, run_op
+
+
+def child(address: str, token: str, kind: str = "ops") -> None:
+    """Answer one JSON line per entry name read from stdin."""
     warnings.filterwarnings("ignore")
     import torch
 
@@ -424,9 +437,7 @@ def child(address: str, token: str) -> None:
     from genie_core.errors import ConnectionLost
 
     genie_core.init_sync(address, token=token, timeout=30)
-    from torch.testing._internal.common_methods_invocations import op_db
-
-    ops = {_op_id(op): op for op in op_db}
+    ops, run_one = _database(kind)
     torch.set_num_threads(1)
     out = sys.stdout
     sys.stdout = sys.stderr  # ops that print must not garble the answers
@@ -436,7 +447,7 @@ def child(address: str, token: str) -> None:
         name = line.strip()
         start = time.perf_counter()
         try:
-            result = run_op(ops[name])
+            result = run_one(ops[name])
         except ConnectionLost as exc:
             result = {"op": name, "lost": _reason(exc)}
         except Exception as exc:
@@ -450,10 +461,10 @@ def child(address: str, token: str) -> None:
 
 # -- parent -----------------------------------------------------------------------------------
 class _Child:
-    def __init__(self, address: str, token: str, gpu: bool = False) -> None:
+    def __init__(self, address: str, token: str, gpu: bool = False, kind: str = "ops") -> None:
         env = dict(os.environ, GENIE_CONFORMANCE_DEVICE="gpu" if gpu else "cpu")
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--child", address, token],
+            [sys.executable, __file__, "--child", address, token, kind],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -491,11 +502,12 @@ class _Child:
 
 
 def run(
-    address: str, token: str, workers: int = 2, only: list[str] | None = None, gpu: bool = False
+    address: str, token: str, workers: int = 2, only: list[str] | None = None, gpu: bool = False, kind: str = "ops"
 ) -> list[dict[str, Any]]:
-    """Every op of op_db (or `only`), in a pool of child processes; a dead or hung child is a crash.
-    `gpu`: the server computes on a GPU, so values are compared within tolerance."""
-    first = _Child(address, token, gpu)
+    """Every entry of op_db (or of module_db, `kind="modules"`; or `only` these), in a pool of child
+    processes; a dead or hung child is a crash. `gpu`: the server computes on a GPU, so values are
+    compared within tolerance."""
+    first = _Child(address, token, gpu, kind)
     names = [n for n in first.ops if only is None or n in only]
     todo: queue.Queue[str] = queue.Queue()
     for n in names:
@@ -510,7 +522,7 @@ def run(
             except queue.Empty:
                 break
             if child is None:
-                child = _Child(address, token, gpu)
+                child = _Child(address, token, gpu, kind)
             start = time.perf_counter()
             answer = child.ask(name, OP_TIMEOUT_S)
             if answer is None or "lost" in answer:
@@ -574,9 +586,10 @@ def rates(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+    if len(sys.argv) in (4, 5) and sys.argv[1] == "--child":
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        child(sys.argv[2], sys.argv[3])
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # module_conformance beside it
+        child(sys.argv[2], sys.argv[3], *sys.argv[4:])
 
 
 def document(results: list[dict[str, Any]], seconds: float, server: str, title: str = "PyTorch OpInfo database") -> str:

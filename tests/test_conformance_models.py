@@ -151,9 +151,9 @@ def _document():
     if not RESULTS:
         return
     import platform
-    from pathlib import Path
 
     import opinfo_conformance
+    from reliability import measured_doc
 
     lines = [
         "## Hugging Face transformers models",
@@ -173,8 +173,7 @@ def _document():
         row = RESULTS.get(kind, {})
         generate = row.get("generate", "n/a" if kind not in dict(GENERATIVE) else "not run")
         lines.append(f"| {kind} | {row.get('train', 'not run')} | {generate} | {row.get('seconds', '')} |")
-    doc = Path(__file__).resolve().parent.parent / "docs" / "CONFORMANCE.md"
-    opinfo_conformance.replace_section(doc, "models", "\n".join(lines) + "\n")
+    opinfo_conformance.replace_section(measured_doc("CONFORMANCE.md"), "models", "\n".join(lines) + "\n")
 
 
 def _note(kind: str, what: str, outcome: str, seconds: float) -> None:

@@ -1,22 +1,20 @@
 """PyTorch's OpInfo database on `remote_accelerator` against eager CPU (see opinfo_conformance.py).
 
 Writes the measured rates, and every op that does not match with its reason, to
-docs/CONFORMANCE.md; asserts no wrong result and no crash, at least 98% of ops matching
+docs/CONFORMANCE.md (see reliability.measured_doc); asserts no wrong result and no crash, at least 98% of ops matching
 forward and 95% backward, and that the suite really ran (few ops skipped).
 """
 
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("expecttest")  # torch.testing._internal needs it
 
 import opinfo_conformance as conformance
-
-DOC = Path(__file__).resolve().parent.parent / "docs" / "CONFORMANCE.md"
+from reliability import measured_doc
 
 
 @pytest.mark.timeout(900)
@@ -30,7 +28,7 @@ def test_opinfo_database_matches_the_cpu(tmp_path):
         seconds = time.perf_counter() - start
     finally:
         srv.stop()
-    conformance.replace_section(DOC, "opinfo", conformance.document(results, seconds, "CPU"))
+    conformance.replace_section(measured_doc("CONFORMANCE.md"), "opinfo", conformance.document(results, seconds, "CPU"))
     rates = conformance.rates(results)
     failing = {
         (r["op"], mode): conformance.outcome(r, mode)

@@ -40,7 +40,7 @@ def test_opinfo_database_on_a_gpu_server(tmp_path):
     pytest.importorskip("expecttest")
     import opinfo_conformance as conformance
     from conftest import start_server
-    from test_conformance_opinfo import DOC
+    from reliability import measured_doc
 
     srv = start_server(tmp_path, "--gpus", "0")
     try:
@@ -50,7 +50,7 @@ def test_opinfo_database_on_a_gpu_server(tmp_path):
     finally:
         srv.stop()
     conformance.replace_section(
-        DOC,
+        measured_doc("CONFORMANCE.md"),
         "opinfo-gpu",
         conformance.document(
             results, seconds, torch.cuda.get_device_name(0), title="PyTorch OpInfo database on a GPU server"

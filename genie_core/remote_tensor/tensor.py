@@ -309,10 +309,17 @@ def _scan(args: tuple, kwargs: dict) -> tuple[OpStream | None, list[Any], bool]:
     return stream, sig, local
 
 
+_Uninitialized = torch.nn.parameter.UninitializedTensorMixin
+
+
 def dispatch(func, args: tuple, kwargs: dict) -> Any:
     info = func.__dict__.get("_genie")  # (not a dict keyed by the op: its __hash__ is Python code)
     if info is None:
         info = func._genie = _OpInfo(func)
+    if info.special and func is _COPY and isinstance(args[1], _Uninitialized):
+        from .lazy import uninitialized_on_device  # `.to()` of a lazy module's parameter: no values yet
+
+        return uninitialized_on_device(args[0], args[1])
     stream, sig, local = _scan(args, kwargs)
     if stream is None:
         raise RuntimeError("no remote tensor among the arguments")

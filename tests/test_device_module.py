@@ -1,0 +1,273 @@
+"""What PyTorch's own code asks of a device beyond its ops: the device module
+(`torch.remote_accelerator`), random-number state under checkpointing, pinned memory, the
+recurrent layers, packed sequences and the transformer's nested inference path, each against the
+CPU on a real server subprocess (a CPU server here).
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import genie_core
+
+DEV = "remote_accelerator:0"
+
+
+@pytest.fixture(scope="module")
+def remote(tmp_path_factory):
+    from conftest import start_server
+
+    srv = start_server(tmp_path_factory.mktemp("device-module"), "--gpus", "")  # a CPU server, even on a GPU machine
+    genie_core.init_sync(f"127.0.0.1:{srv.info.port}", token=srv.info.token, timeout=20)
+    yield srv
+    genie_core.shutdown_sync()
+    srv.stop()
+
+
+# -- random numbers ---------------------------------------------------------------------------
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpointing_with_dropout_gives_the_cpus_gradients(remote, reentrant):
+    """The recompute in backward must draw the same dropout mask as the forward did."""
+
+    def grad(device):
+        torch.manual_seed(0)
+        x = torch.arange(1.0, 9.0).to(device).requires_grad_()
+        checkpoint(lambda t: F.dropout(t, 0.5) * t, x, use_reentrant=reentrant).sum().backward()
+        return x.grad.cpu()
+
+    expected = grad("cpu")
+    assert torch.equal(grad(DEV), expected), (grad(DEV), expected)
+
+
+def test_a_checkpointed_model_trains_like_the_cpu(remote):
+    """transformers' gradient_checkpointing_enable, in train mode with dropout: one AdamW step."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=32, vocab_size=50)
+    torch.manual_seed(0)
+    local = transformers.GPT2LMHeadModel(config)
+    model = copy.deepcopy(local).to(DEV)
+    ids = torch.randint(0, 50, (2, 12))
+    for m, device in ((local, "cpu"), (model, DEV)):
+        m.gradient_checkpointing_enable()
+        m.train()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        torch.manual_seed(7)
+        m(ids.to(device), labels=ids.to(device)).loss.backward()
+        opt.step()
+    for (name, p), q in zip(local.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(q.cpu(), p, msg=name)
+
+
+RANDOM = {
+    "rand": lambda d: torch.rand(5, device=d),
+    "randn": lambda d: torch.randn(3, 4, device=d),
+    "randint": lambda d: torch.randint(0, 100, (6,), device=d),
+    "randperm": lambda d: torch.randperm(10, device=d),
+    "dropout": lambda d: F.dropout(torch.ones(12, device=d), 0.5),
+    "bernoulli": lambda d: torch.bernoulli(torch.full((8,), 0.3, device=d)),
+    "multinomial": lambda d: torch.multinomial(torch.tensor([0.1, 0.2, 0.7], device=d), 6, replacement=True),
+    "normal_": lambda d: torch.empty(5, device=d).normal_(2.0, 3.0),
+    "uniform_": lambda d: torch.empty(5, device=d).uniform_(-1, 1),
+    "exponential_": lambda d: torch.empty(5, device=d).exponential_(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RANDOM))
+def test_random_ops_give_the_cpus_values_under_the_same_seed(remote, name):
+    draw = RANDOM[name]
+    torch.manual_seed(11)
+    expected = draw("cpu")
+    torch.manual_seed(11)
+    assert torch.equal(draw(DEV).cpu(), expected)
+
+
+def test_rng_state_and_fork_rng(remote):
+    dev = torch.remote_accelerator
+    torch.manual_seed(3)
+    state = dev.get_rng_state()
+    first = torch.randn(4, device=DEV).cpu()
+    dev.set_rng_state(state)
+    assert torch.equal(torch.randn(4, device=DEV).cpu(), first)
+    with torch.random.fork_rng(device_type="remote_accelerator"):
+        inside = torch.randn(4, device=DEV).cpu()
+    assert torch.equal(torch.randn(4, device=DEV).cpu(), inside)  # the fork put the state back
+
+
+# -- the device module --------------------------------------------------------------------------
+def test_the_device_module_answers_from_the_server(remote):
+    dev = torch.remote_accelerator
+    assert dev._initialized and dev.is_initialized() and dev.is_available()
+    props = dev.get_device_properties(0)
+    assert props.name == dev.get_device_name() and "CPU" in props.name  # a CPU server's device 0 is its CPU
+    assert dev.get_device_capability() == (0, 0) and props.total_memory > 2**30
+    before = dev.memory_allocated()
+    x = torch.empty(1 << 20, device=DEV)
+    assert dev.memory_allocated() - before == 4 << 20  # 1 Mi float32, held by this session on the server
+    del x
+    assert dev.memory_allocated() == before
+    free, total = dev.mem_get_info()
+    assert 0 < free <= total
+    with pytest.raises(NotImplementedError, match="keeps no peak"):
+        dev.max_memory_allocated()
+    assert torch.accelerator.current_accelerator() == torch.device("remote_accelerator")
+
+
+def test_current_device_streams_and_events(remote):
+    dev = torch.remote_accelerator
+    with dev.device(0):
+        assert dev.current_device() == 0 and torch.empty(1, device="remote_accelerator").device == torch.device(DEV)
+    with pytest.raises(RuntimeError, match="remote_accelerator:3 does not exist"):
+        dev.set_device(3)
+    assert dev.current_device() == 0  # a refused set_device changes nothing
+    start, end = dev.Event(enable_timing=True), dev.Event(enable_timing=True)
+    a = torch.randn(300, 300, device=DEV)
+    start.record()
+    for _ in range(20):
+        a = a @ a / 300
+    end.record()
+    end.synchronize()
+    assert end.query() and 0 < start.elapsed_time(end) < 60_000
+    stream = dev.current_stream()
+    with dev.stream(stream):
+        b = a + 1
+    stream.synchronize()
+    assert stream.query() and stream == dev.Stream(0)
+    assert torch.equal(b.cpu(), a.cpu() + 1)
+
+
+# -- pinned memory ------------------------------------------------------------------------------
+def test_pin_memory_and_a_pinned_data_loader(remote):
+    t = torch.randn(4, 3)[:, 1]
+    pinned = t.pin_memory()
+    assert pinned.is_pinned() and not t.is_pinned() and torch.equal(pinned, t)
+    assert torch.equal(pinned.to(DEV, non_blocking=True).cpu(), t)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.arange(16.0).view(8, 2)), batch_size=4, pin_memory=True
+    )
+    batches = [b for (b,) in loader]
+    assert all(b.is_pinned() for b in batches) and torch.equal(torch.cat(batches), torch.arange(16.0).view(8, 2))
+
+
+def test_a_refused_memory_lock_says_so(remote, tmp_path):
+    """As a user whose `ulimit -l` is small (root is exempt), pinning more than it allows is one
+    clear error, never pageable memory that claims to be pinned."""
+    code = (
+        "import torch, genie_core.remote_tensor.device as d; d.register()\n"
+        "print(torch.randn(4).pin_memory().is_pinned())\n"
+        "try:\n    torch.randn(1 << 22).pin_memory()\nexcept RuntimeError as e:\n    print(e)\n"
+    )
+    run = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "HOME": str(tmp_path),
+            "PYTHONPATH": str(__import__("pathlib").Path(__file__).parents[1]),
+        },
+    )
+    if run.returncode and "Operation not permitted" in run.stderr:
+        pytest.skip("setpriv cannot change user here")
+    lines = run.stdout.splitlines()
+    assert lines[:1] == ["True"], run.stderr[-2000:]
+    assert "cannot pin 16.0 MiB of host memory" in lines[1] and "ulimit -l" in lines[1], lines
+
+
+# -- recurrent layers and packed sequences -------------------------------------------------------
+RECURRENT = {
+    "lstm-2-layer-bidirectional-dropout": (
+        lambda: nn.LSTM(3, 4, num_layers=2, bidirectional=True, dropout=0.3),
+        (5, 2, 3),
+    ),
+    "gru-batch-first": (lambda: nn.GRU(3, 4, batch_first=True), (2, 5, 3)),
+    "rnn-relu": (lambda: nn.RNN(3, 4, nonlinearity="relu"), (5, 2, 3)),
+    "lstm-cell": (lambda: nn.LSTMCell(3, 4), (2, 3)),
+    "gru-cell": (lambda: nn.GRUCell(3, 4), (2, 3)),
+    "rnn-cell": (lambda: nn.RNNCell(3, 4), (2, 3)),
+}
+
+
+def _flat(out):
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _flat(o)]
+    return [out]
+
+
+@pytest.mark.parametrize("name", sorted(RECURRENT))
+def test_recurrent_layers_train_like_the_cpu(remote, name):
+    make, shape = RECURRENT[name]
+    torch.manual_seed(0)
+    local = make().train()
+    model = copy.deepcopy(local).to(DEV)
+    x = torch.randn(*shape)
+    grads = []
+    for m, device in ((local, "cpu"), (model, DEV)):
+        inp = x.clone().to(device).requires_grad_()
+        torch.manual_seed(1)
+        outs = _flat(m(inp))
+        torch.manual_seed(2)
+        loss = sum((o * torch.randn(o.shape).to(device)).sum() for o in outs)
+        grads.append([g.cpu() for g in torch.autograd.grad(loss, [inp, *m.parameters()])])
+        grads[-1].append([o.detach().cpu() for o in outs])
+    torch.testing.assert_close(grads[1], grads[0])
+
+
+def test_packed_sequences_through_an_lstm(remote):
+    torch.manual_seed(0)
+    local = nn.LSTM(3, 4)
+    model = copy.deepcopy(local).to(DEV)
+    x = torch.randn(5, 3, 3)
+    lengths = torch.tensor([3, 5, 2])  # unsorted: pack sorts and unsorts on the device
+    results = []
+    for m, device in ((local, "cpu"), (model, DEV)):
+        inp = x.clone().to(device).requires_grad_()
+        packed = nn.utils.rnn.pack_padded_sequence(inp, lengths, enforce_sorted=False)
+        assert packed.batch_sizes.device.type == "cpu"  # as PyTorch keeps them, on any device
+        out, (h, _) = m(packed)
+        padded, out_lengths = nn.utils.rnn.pad_packed_sequence(out)
+        (padded.sum() + h.sum()).backward()
+        results.append(
+            [padded.detach().cpu(), out_lengths, h.detach().cpu(), inp.grad.cpu(), m.weight_hh_l0.grad.cpu()]
+        )
+    torch.testing.assert_close(results[1], results[0])
+
+
+def test_the_transformer_encoders_nested_inference_path(remote):
+    """Eval mode, no grad, a padding mask: PyTorch's fast path packs the batch into a nested
+    tensor (kept on the server) and pads the output with zeros, as on the CPU."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
+    local = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+    model = copy.deepcopy(local).to(DEV)
+    x = torch.randn(2, 5, 8)
+    mask = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    with torch.no_grad():
+        expected = local(x, src_key_padding_mask=mask)
+        actual = model(x.to(DEV), src_key_padding_mask=mask.to(DEV)).cpu()
+    assert torch.equal(expected[1, 3:], torch.zeros(2, 8))  # the nested path ran (the padded rows are zeros)
+    torch.testing.assert_close(actual, expected)
+
+
+def test_a_lazy_module_moved_before_its_first_forward(remote):
+    torch.manual_seed(0)
+    local = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.LazyLinear(2))
+    model = copy.deepcopy(local).to(DEV)
+    assert isinstance(model[0].weight, nn.UninitializedParameter) and model[0].weight.device == torch.device(DEV)
+    x = torch.randn(3, 5)
+    torch.manual_seed(1)
+    expected = local(x)
+    torch.manual_seed(1)
+    actual = model(x.to(DEV))
+    assert type(model[0]) is nn.Linear and model[0].weight.shape == (4, 5)
+    assert torch.equal(actual.cpu(), expected)
