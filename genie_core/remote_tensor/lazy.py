@@ -17,11 +17,11 @@ class _Uninitialized(RemoteTensor):
     """An uninitialized parameter or buffer on `remote_accelerator` (what `.to()` makes of a lazy
     module's). Only what `nn.Module.to()` and `materialize` need works on it."""
 
-    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+    __torch_function__ = torch._C._disabled_torch_function_impl
     shape = torch.Tensor.shape  # (the mixin refuses it; the ops that move it ask)
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         if func is aten.detach.default:  # nn.Parameter(this) detaches and wants the same kind back
             this = args[0]
             return RemoteTensor.__new__(cls, this.shape, this.stride(), this.storage_offset(), this.dtype, this._stream)

@@ -309,7 +309,7 @@ def _scan(args: tuple, kwargs: dict) -> tuple[OpStream | None, list[Any], bool]:
     return stream, sig, local
 
 
-_Uninitialized = torch.nn.parameter.UninitializedTensorMixin
+_Uninitialized = torch.nn.parameter.UninitializedTensorMixin  # type: ignore[attr-defined]
 
 
 def dispatch(func, args: tuple, kwargs: dict) -> Any:
