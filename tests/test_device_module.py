@@ -271,3 +271,96 @@ def test_a_lazy_module_moved_before_its_first_forward(remote):
     actual = model(x.to(DEV))
     assert type(model[0]) is nn.Linear and model[0].weight.shape == (4, 5)
     assert torch.equal(actual.cpu(), expected)
+
+
+# -- the audit ----------------------------------------------------------------------------------
+# What PyTorch's device-generic Python code (torch.utils.checkpoint, torch.random.fork_rng,
+# torch.amp, torch.utils.data, torch.distributed, torch._utils._get_device_module users) and the
+# usual torch.cuda utilities ask a device module for: None where torch.remote_accelerator has it,
+# else why not.
+AUDIT = {
+    "is_available": None,
+    "device_count": None,
+    "is_initialized": None,
+    "_initialized": None,
+    "init": None,
+    "_lazy_init": None,
+    "_is_in_bad_fork": None,
+    "current_device": None,
+    "set_device": None,
+    "device": None,
+    "device_of": None,
+    "synchronize": None,
+    "manual_seed": None,
+    "manual_seed_all": None,
+    "seed": None,
+    "seed_all": None,
+    "initial_seed": None,
+    "get_rng_state": None,
+    "set_rng_state": None,
+    "get_rng_state_all": None,
+    "set_rng_state_all": None,
+    "Stream": None,
+    "Event": None,
+    "current_stream": None,
+    "default_stream": None,
+    "set_stream": None,
+    "stream": None,
+    "get_amp_supported_dtype": None,
+    "is_bf16_supported": None,
+    "get_device_name": None,
+    "get_device_properties": None,
+    "get_device_capability": None,
+    "memory_stats": None,
+    "memory_allocated": None,
+    "max_memory_allocated": None,
+    "memory_reserved": None,
+    "max_memory_reserved": None,
+    "reset_peak_memory_stats": None,
+    "mem_get_info": None,
+    "empty_cache": None,
+    "default_generators": "explicit torch.Generator objects: the generator is the server device's own",
+    "_get_generator": "explicit torch.Generator objects: the generator is the server device's own",
+    "set_rng_ctx": "DTensor's random state across ranks (torch.distributed.tensor): not for one remote device",
+    "unset_rng_ctx": "DTensor's random state across ranks (torch.distributed.tensor): not for one remote device",
+    "memory_summary": "a text report of CUDA's caching allocator: memory_stats() has the counters",
+    "CUDAGraph": "captured graphs: not yet (the torch.compile issue)",
+    "graph": "captured graphs: not yet (the torch.compile issue)",
+    "make_graphed_callables": "captured graphs: not yet (the torch.compile issue)",
+    "ipc_collect": "CUDA IPC between processes: the server's tensors never leave its worker",
+}
+
+# Beyond the module: what PyTorch reaches in C++ for a device, where a device defined in Python
+# (torch.utils.backend_registration) cannot answer.
+REFUSED_IN_CPP = {
+    "torch.accelerator.synchronize()": "PyTorch's Python device guard cannot synchronize: use "
+    "torch.remote_accelerator.synchronize()",
+    "torch.empty(..., pin_memory=True)": "asks the C++ hooks for a pinned allocator: use .pin_memory(), which works",
+    "max_memory_allocated() on a CPU server": "the CPU keeps no peak (memory_allocated() is exact); a GPU server answers",
+}
+
+
+def test_the_device_module_audit(remote):
+    from opinfo_conformance import replace_section
+    from reliability import measured_doc
+
+    dev = torch.remote_accelerator
+    found = {name: hasattr(dev, name) for name in AUDIT}
+    assert found == {name: why is None for name, why in AUDIT.items()}
+    lines = [
+        "## The device module (`torch.remote_accelerator`)",
+        "",
+        "Checked by `tests/test_device_module.py` (`test_the_device_module_audit`): what PyTorch's "
+        "device-generic code and the usual `torch.cuda` utilities ask a device module for. Answers about "
+        "the device (properties, memory) come from the server, one round trip each; RNG seeds and states "
+        "are recorded with the ops; on a CPU server every random op gives the CPU's values under the same "
+        "seed (a GPU server draws from its own generator: seeded alike, its values are CUDA's, not the "
+        "CPU's).",
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| there | {', '.join(f'`{n}`' for n, why in AUDIT.items() if why is None)} |",
+    ]
+    lines += [f"| refused: `{n}` | {why} |" for n, why in AUDIT.items() if why is not None]
+    lines += [f"| refused: `{n}` | {why} |" for n, why in REFUSED_IN_CPP.items()]
+    replace_section(measured_doc("CONFORMANCE.md"), "device-module", "\n".join(lines) + "\n")
