@@ -336,7 +336,8 @@ REFUSED_IN_CPP = {
     "torch.accelerator.synchronize()": "PyTorch's Python device guard cannot synchronize: use "
     "torch.remote_accelerator.synchronize()",
     "torch.empty(..., pin_memory=True)": "asks the C++ hooks for a pinned allocator: use .pin_memory(), which works",
-    "max_memory_allocated() on a CPU server": "the CPU keeps no peak (memory_allocated() is exact); a GPU server answers",
+    "max_memory_allocated() on a CPU server": "the CPU keeps no peak (memory_allocated() is exact); "
+    "a GPU server answers",
 }
 
 
