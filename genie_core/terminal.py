@@ -205,6 +205,14 @@ def render(info: dict[str, Any]) -> Group:
     return Group(*parts)
 
 
+def console() -> Console:
+    """The terminal's width when there is one; piped (`| less`, a log) there is none, and lines are
+    never wrapped (rich would wrap at 80 columns and break words)."""
+    if sys.stdout.isatty():
+        return Console()
+    return Console(width=4096, soft_wrap=True, color_system=None)
+
+
 def status(address: str | None, token: str | None, connection_file: str | None, as_json: bool) -> int:
     client = connect(address, token, connection_file)
     try:
@@ -215,7 +223,7 @@ def status(address: str | None, token: str | None, connection_file: str | None, 
         json.dump(info, sys.stdout, indent=1, default=str)
         print()
     else:
-        Console().print(render(info))
+        console().print(render(info))
     return 0
 
 

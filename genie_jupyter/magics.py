@@ -202,7 +202,9 @@ class GenieMagics(Magics):
     def genie_init(self, line: str) -> None:
         """Connect this notebook to a genie server (replacing any earlier connection)."""
         args = parse_argstring(self.genie_init, line)
-        progress = InitProgress()
+        local = args.address in (None, "", "local")
+        where = "an embedded local server" if local and not args.connection_file else (args.address or "")
+        progress = InitProgress(target=where or "the server in the connection file")
         shown = display(progress, display_id=True)
 
         def on_phase(name: str, seconds: float) -> None:
@@ -211,19 +213,24 @@ class GenieMagics(Magics):
         def on_wait(text: str) -> None:  # a full pool: the queue, live
             progress.summary = text
 
-        local = args.address in (None, "", "local")
-        state = genie_core.init_sync(
-            master_addr=args.address,
-            token=args.token,
-            connection_file=args.connection_file,
-            timeout=args.timeout,
-            gpus=args.gpus if local else None,
-            pool_gpus=_gpu_count(args.gpus) if not local and args.gpus is not None else None,
-            pool_accelerator=args.accelerator,
-            session_name=args.session,
-            on_phase=on_phase,
-            on_wait=on_wait,
-        )
+        try:
+            state = genie_core.init_sync(
+                master_addr=args.address,
+                token=args.token,
+                connection_file=args.connection_file,
+                timeout=args.timeout,
+                gpus=args.gpus if local else None,
+                pool_gpus=_gpu_count(args.gpus) if not local and args.gpus is not None else None,
+                pool_accelerator=args.accelerator,
+                session_name=args.session,
+                on_phase=on_phase,
+                on_wait=on_wait,
+            )
+        except BaseException:
+            progress.summary = f"✗ not connected to {progress.target} (why: below)"
+            if shown is not None:
+                shown.update(progress)
+            raise
         progress.summary = summary(state)
         # Shown once: the widget draws it, and the text snapshot (front ends without widgets) is refreshed.
         if shown is not None:

@@ -57,6 +57,8 @@ class GenieWidget(anywidget.AnyWidget):
             lines += [f"✓ {p['name']} ({p['seconds'] * 1000:.0f} ms)" for p in self.phases] + (
                 [self.summary] if self.summary else []
             )
+            if not self.phases and not self.summary:
+                lines.append(f"connecting to {self.target}…" if self.target else "connecting…")
         if "health" in self.sections and self.health:
             lines.append(
                 f"health {self.health.get('grade')}: "
@@ -99,6 +101,7 @@ class EventLog(GenieWidget):
 
 class InitProgress(GenieWidget):
     sections = t.List(t.Unicode(), ["init"]).tag(sync=True)
+    target = t.Unicode("")  # where %genie_init connects, for the text form before the first phase
 
 
 class Dashboard(GenieWidget):

@@ -171,7 +171,7 @@ def plain(text: str) -> str:
 
 
 STRESS = int(os.environ.get("GENIE_STRESS_REPEATS", "5"))  # runs of each fault-path test (pytest-repeat)
-_repeats: dict[str, list[bool]] = {}
+_repeats: dict[str, list[str]] = {}  # test -> each run's outcome: "passed", "failed" or the skip's reason
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -187,7 +187,22 @@ def pytest_runtest_makereport(item, call):
 
     case = re.sub(r"-?\d+-\d+$", "", getattr(getattr(item, "callspec", None), "id", ""))  # less pytest-repeat's "3-5"
     name = f"{item.module.__name__}::{item.originalname}" + (f"[{case}]" if case else "")
-    _repeats.setdefault(name, []).append(report.passed)
+    if report.skipped:
+        why = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        ran = why.removeprefix("Skipped: ")
+    else:
+        ran = "passed" if report.passed else "failed"
+    _repeats.setdefault(name, []).append(ran)
+
+
+def _runs_text(runs: list[str]) -> str:
+    """How a repeated test went, a skip said as one (never as runs that failed)."""
+    ran = [r for r in runs if r in ("passed", "failed")]
+    skips = sorted({r for r in runs if r not in ("passed", "failed")})
+    text = f"{ran.count('passed')} of {len(ran)} runs passed" if ran else ""
+    if skips:
+        text += ("; " if text else "") + f"skipped ({len(runs) - len(ran)} runs): {'; '.join(skips)}"
+    return text
 
 
 def _is_xdist_worker(config: pytest.Config) -> bool:
@@ -226,9 +241,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     import reliability
 
     for name, runs in sorted(_repeats.items()):
-        reliability.record(
-            "Repeated fault-path tests (flaky is failing)", name, f"{sum(runs)} of {len(runs)} runs passed"
-        )
+        reliability.record("Repeated fault-path tests (flaky is failing)", name, _runs_text(runs))
     if _is_xdist_worker(session.config):
         return
     reliability.write_document()

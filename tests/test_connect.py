@@ -77,6 +77,9 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     plain = start_server(tmp_path_factory.mktemp("plain"))
+    c = plain.client()
+    plain.data_port = c.node["transport"]["data_port"]  # (the tcp data plane's)
+    c.close()
     encrypted = start_server(tmp_path_factory.mktemp("encrypted"), "--encrypt")
     yield plain, encrypted
     plain.stop()
@@ -104,6 +107,7 @@ CASES = {
     "unknown client key": (AuthenticationError, "refused this client's encryption key"),
     "wrong server key": (ConnectionFailed, "does not hold the key"),
     "unreachable": (ConnectionFailed, "connection refused"),
+    "the data port by mistake": (ConnectionFailed, "is a genie server's data port, not its control port"),
     "server dies mid-handshake": (ConnectionFailed, "closed the connection during the Genie handshake"),
     # A paused server's kernel accepts connections until its backlog fills, then stops answering SYNs.
     "server paused mid-handshake": (ConnectionFailed, "did not answer the Genie handshake|no answer within"),
@@ -119,6 +123,7 @@ def test_each_connect_failure_is_its_own_error_within_the_timeout_50_times(serve
     stranger["client_public"], stranger["client_secret"] = (k.decode() for k in zmq.curve_keypair())
     impostor = dict(encrypted.info.curve, server_public=zmq.curve_keypair()[0].decode())
     port, token = plain.info.port, plain.info.token
+    data_port = plain.data_port
 
     def connect(i: int) -> None:
         if case == "wrong token":
@@ -131,6 +136,8 @@ def test_each_connect_failure_is_its_own_error_within_the_timeout_50_times(serve
             Client("127.0.0.1", encrypted.info.port, encrypted.info.token, timeout=TIMEOUT, curve=impostor).connect()
         elif case == "unreachable":
             Client("127.0.0.1", _free_port(), token, timeout=TIMEOUT).connect()
+        elif case == "the data port by mistake":
+            Client("127.0.0.1", data_port, token, timeout=TIMEOUT).connect()
         elif case == "server dies mid-handshake":
             relay = CuttingRelay(port, limit=1 + i % 64)  # cut anywhere in the greeting and handshake
             try:

@@ -217,6 +217,10 @@ def test_a_failed_or_cancelled_init_leaves_the_session_and_its_names(connected):
         assert line.startswith(error), line
         assert f"nothing changed: still connected to genie://127.0.0.1:{port}, session {session}" in line, line
         assert len(line.splitlines()) == 1, line
+        # the init widget's text form (front ends without widgets) is the progress, then the failure
+        shown = [m["content"]["data"]["text/plain"] for _, m in msgs if "display_data" in m["msg_type"]]
+        assert shown[0].startswith("connecting to 127.0.0.1:"), shown
+        assert shown[-1].splitlines()[-1].startswith("✗ not connected to 127.0.0.1:"), shown
         reply, msgs = execute(kc, "%%remote\nprint(kept)")
         assert reply["status"] == "ok" and stdout(msgs) == "my names\n", (cell, msgs)
 

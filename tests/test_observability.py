@@ -41,10 +41,9 @@ def injected(tmp_path):
     server = (
         Server(config, gpu_source=StaticGPUSource(lambda: readings["gpus"]), spare_workers=0).start().start_in_thread()
     )
-    # Grade the injected GPU only: a busy CI host (CPU over 98%) would otherwise degrade the node before
-    # the test does, and going from DEGRADED to UNHEALTHY emits no NODE_DEGRADED.
+    # Grade the injected GPU only: a CI host short of memory or disk would otherwise degrade the node
+    # before the test does, and going from DEGRADED to UNHEALTHY emits no NODE_DEGRADED.
     server.monitor.health.thresholds = HealthThresholds(
-        cpu_busy_percent=101,
         memory_degraded_percent=101,
         memory_unhealthy_percent=101,
         disk_degraded_percent=101,
@@ -143,12 +142,16 @@ def test_status_json_against_a_real_server(tmp_path):
 def test_status_text_and_top_with_simulated_gpus(tmp_path):
     srv = start_server(tmp_path, "--simulate-gpus", "2", "--poll-interval", "0.2")
     try:
-        env = dict(os.environ, GENIE_TOKEN=srv.info.token, COLUMNS="160")
+        env = dict(os.environ, GENIE_TOKEN=srv.info.token)
+        env.pop("COLUMNS", None)  # piped, with no width to go by: nothing is wrapped
         addr = f"127.0.0.1:{srv.info.port}"
         text = subprocess.run(
             [sys.executable, "-m", "genie_core", "status", addr], capture_output=True, text=True, timeout=30, env=env
         ).stdout
         assert "health" in text and "SIMULATED" in text and "Simulated GPU 1 (fake)" in text
+        host = next(line for line in text.splitlines() if line.startswith("host"))
+        assert "load" in host and "memory" in host and host.rstrip().endswith("free") and len(host) > 80, text
+        env["COLUMNS"] = "160"
         top = subprocess.run(
             [sys.executable, "-m", "genie_core", "top", addr, "--iterations", "3"],
             capture_output=True,

@@ -22,6 +22,7 @@ from typing import Any, cast
 
 import zmq
 
+from ..dataplane.wire import GREETING as DATA_GREETING
 from ..errors import (
     AuthenticationError,
     ConnectionFailed,
@@ -214,6 +215,14 @@ class Connection:
             self._loop.call_every(self.heartbeat_interval, self._heartbeat)
         return welcome.content
 
+    def _data_port(self) -> ConnectionFailed:
+        """Someone gave a server's data port (the tcp data plane's) where its control port goes."""
+        return ConnectionFailed(
+            f"{self.address} is a genie server's data port, not its control port: connect to the port on "
+            f"`genie serve`'s ready line (with a fixed --port the data port is the next one up, so "
+            f"{self.host}:{self.port - 1})"
+        )
+
     def _probe_server(self) -> None:
         """Fail fast, with the reason, when nothing listens, something other than ZMTP answers, or
         the server's encryption differs from ours (zmq itself would retry silently). Sends only
@@ -246,7 +255,11 @@ class Connection:
                 f"within {self.timeout:g} s: is a genie server (protocol genie/2) listening there?"
             ) from None
         except OSError as exc:
+            if greeting.startswith(DATA_GREETING[: len(greeting)]) and greeting:
+                raise self._data_port() from None
             raise ConnectionFailed(f"could not connect to {where}: {exc.strerror or exc}") from None
+        if greeting.startswith(DATA_GREETING[: len(greeting)]) and greeting:
+            raise self._data_port()
         if len(greeting) < GREETING_BYTES:
             raise ConnectionFailed(
                 f"the server at {self.address} closed the connection during the Genie handshake "
