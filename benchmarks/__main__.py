@@ -8,6 +8,7 @@ import importlib
 import json
 import platform
 import sys
+import time
 from pathlib import Path
 
 import genie_core
@@ -56,11 +57,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     results = {"machine": machine(), "quick": args.quick, "benchmarks": []}
+    began = time.perf_counter()
     for name in args.names:
         extra = {"minutes": args.minutes} if name == "soak" and args.minutes else {}
+        start = time.perf_counter()
         result = importlib.import_module(f"benchmarks.{name}").run(quick=args.quick, **extra)
+        result["benchmark_seconds"] = round(time.perf_counter() - start, 1)
         results["benchmarks"].append(result)
         print(json.dumps(result, indent=1), file=sys.stderr)
+    took = ", ".join(f"{r['name']} {r['benchmark_seconds']:g} s" for r in results["benchmarks"])
+    print(f"{len(args.names)} benchmark(s) in {time.perf_counter() - began:.0f} s ({took})", file=sys.stderr)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))

@@ -140,7 +140,14 @@ def _endpoint_cpu(pool, token: str, seconds: float) -> dict:
     pool.node_poll = 1e9  # the 100 nodes are simulated: keep Ray's node table from replacing them
     fake = [f"sim{i:03d}" + "0" * 50 for i in range(100)]
     for node_id in fake:
-        pool.nodes[node_id] = {"alive": True, "gpus": 8, "name": f"sim/{node_id[:6]}", "ip": "127.0.0.1", "death": ""}
+        pool.nodes[node_id] = {
+            "alive": True,
+            "gpus": 8,
+            "name": f"sim/{node_id[:6]}",
+            "ip": "127.0.0.1",
+            "death": "",
+            "simulated": True,  # readings only: neither a warm session nor a placement goes there
+        }
         pool.monitors[node_id] = None  # no monitor actor: the sender process plays them
     sender = multiprocessing.get_context("spawn").Process(
         target=_send_readings, args=(pool.sink, pool._readings_key, fake, seconds + 3)

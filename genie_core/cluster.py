@@ -230,6 +230,8 @@ def _init_client(
         curve=curve,
         session_name=config.session_name or "",
     )
+    if pool is not None:
+        pooled(client.connection, str(placed["node"]))
     try:
         client.connect()
         phases.append(("connect", time.perf_counter() - t))
@@ -271,11 +273,20 @@ def _init_client(
     )
 
 
+def pooled(connection: Any, node: str) -> None:
+    """A pool's session: a lost connection names its node, and the one thing to do is to be placed again."""
+    connection.pooled = True
+    connection.serving = f"your session on {node} ({connection.address})"
+    connection.when_gone = "run %genie_init again to be placed on another node"
+
+
 def _session_lost(client: Client, reason: str) -> None:
-    """The pool says this client's session is gone (its node left): say so once, and fail what waits."""
+    """The pool says this client's session is gone (its node left): say so once (one NODE_LOST,
+    unless the connection's loss already said it), and fail what waits."""
     text = f"session lost: {reason}"
-    client.events.emit(ClusterEvent(EventType.NODE_LOST, client.address, Severity.ERROR, {"message": text}))
-    client.connection.session_lost(f"{text}; %genie_init again to be placed on another node")
+    if client.connection.lost_reason is None:
+        client.events.emit(ClusterEvent(EventType.NODE_LOST, client.address, Severity.ERROR, {"message": text}))
+    client.connection.session_lost(text)  # (the connection adds the one thing to do)
 
 
 def resolve_server(config: ClusterConfig) -> tuple[str, int, str, dict[str, str] | None]:

@@ -15,7 +15,7 @@ from conftest import STRESS, start_server
 from reliability import record
 
 from genie_core.client import Client
-from genie_core.errors import AuthenticationError, ConnectionFailed
+from genie_core.errors import AuthenticationError, ConnectionFailed, ConnectionLost
 
 ROUNDS = 50
 TIMEOUT = 2.0
@@ -174,3 +174,38 @@ def test_each_connect_failure_is_its_own_error_within_the_timeout_50_times(serve
     good = plain.client()  # the server still serves
     assert good.ping() < 1
     good.close()
+
+
+def test_a_lost_pool_session_is_told_once_with_its_node_and_the_one_thing_to_do(tmp_path):
+    """A pool session's server closes (its node died): the cell waiting says which node and what to
+    do; the pool's notice that follows replaces the reason, with the advice once, and the event
+    log has one NODE_LOST for the one loss."""
+    from genie_core.cluster import _session_lost, pooled
+    from genie_core.events import EventType
+
+    srv = start_server(tmp_path)
+    client = srv.client(heartbeat_interval=0.2, heartbeat_timeout=2.0)
+    pooled(client.connection, "gpu-node-3/5d2f1a")
+    lost_events = []
+    client.events.subscribe(lost_events.append, types=[EventType.NODE_LOST])
+    try:
+        waiting = client.execute("import time; time.sleep(30)")
+        time.sleep(0.5)
+        srv.proc.kill()
+        with pytest.raises(ConnectionLost) as first:
+            waiting.wait(10)
+        said = str(first.value)
+        assert f"your session on gpu-node-3/5d2f1a (127.0.0.1:{srv.info.port})" in said, said
+        assert said.count("%genie_init") == 1 and "placed on another node" in said, said
+        _session_lost(client, "node gpu-node-3/5d2f1a left the pool (Ray reports it dead)")
+        deadline = time.monotonic() + 5
+        while "left the pool" not in (client.connection.lost_reason or "") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        reason = client.connection.lost_reason or ""
+        assert reason.startswith("session lost: node gpu-node-3/5d2f1a left the pool"), reason
+        assert reason.count("%genie_init") == 1 and "start a new session" not in reason, reason
+        time.sleep(0.3)
+        assert len(lost_events) == 1, lost_events
+    finally:
+        client.close()
+        srv.stop()

@@ -288,6 +288,8 @@ def test_each_node_reports_its_gpus_and_health_and_keeps_a_history(pool):
         assert node["reading_age_s"] < 5
     text = render_pool(pool.status())
     assert "(simulated GPUs: fake readings)" in text and "GPU 1:" in text and "free" in text, text
+    head = next(line for line in text.splitlines() if " 0 GPU(s) " in line)  # Ray's head, without GPUs
+    assert "no GPUs: nothing is placed here" in head and "no reading yet" not in head, text
     # a reading not signed with the pool's key is dropped
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
@@ -621,6 +623,9 @@ def test_the_embedded_pool_from_the_command_line(tmp_path):
     finally:
         up.terminate()
         assert up.wait(30) == 0
-        assert "genie pool stopped" in (up.stdout.read() if up.stdout else "")
+        said = up.stdout.read() if up.stdout else ""
+        assert "genie pool stopped" in said
+        # the local head's health checks (pool/head.py), as `genie pool up` says at start
+        assert "a node that dies is noticed in about 3 s (Ray's health checks: every 1 s, 3 missed)" in said, said
         down = subprocess.run([*genie, "pool", "down"], env=env, capture_output=True, text=True)
         assert down.returncode == 0 and "stopped the local Ray head" in down.stdout, down

@@ -139,6 +139,11 @@ class Connection:
         self.node: dict[str, Any] = {}
         self.slot: int | None = None
         self.lost_reason: str | None = None
+        # How a lost connection is told: what the server is to the user, and the one thing to do
+        # once the session is gone (a pool session names its node and says to be placed again).
+        self.serving = f"genie server at {self.address}"
+        self.when_gone = "run %genie_init (or genie_core.init) again to start a new session"
+        self.pooled = False  # a pool's session: when its server closes the connection, the session is gone
         self.session_gone = False  # the server said it no longer has our session
         self.rtt: float | None = None
         self.closed = False
@@ -303,9 +308,7 @@ class Connection:
             event = recv_monitor_message(monitor)
             if self.session:
                 if event["event"] == zmq.EVENT_DISCONNECTED and not self.closed:
-                    self.mark_lost(
-                        f"connection to genie server at {self.address} lost: the server closed the connection"
-                    )
+                    self.mark_lost(f"connection to {self.serving} lost: the server closed the connection")
                 continue
             if self._handshake_error is not None:
                 continue  # the first event says why; a disconnect follows every failed handshake
@@ -458,14 +461,18 @@ class Connection:
             event = recv_monitor_message(monitor)
             if event["event"] == zmq.EVENT_DISCONNECTED and self.session and not self.closed:
                 self.mark_lost(
-                    f"connection to genie server at {self.address} lost: the server closed the connection "
-                    "(it stopped or crashed)"
+                    f"connection to {self.serving} lost: the server closed the connection "
+                    + (
+                        f"(the session's process or node died); {self.when_gone}"
+                        if self.pooled
+                        else "(it stopped or crashed)"
+                    )
                 )
 
     def _heartbeat(self) -> None:
         silent_for = time.monotonic() - self.last_heard
         if self.lost_reason is None and silent_for > self.heartbeat_timeout:
-            self.mark_lost(f"connection to genie server at {self.address} lost: no heartbeat for {silent_for:.1f} s")
+            self.mark_lost(f"connection to {self.serving} lost: no heartbeat for {silent_for:.1f} s")
         for rid, req in list(self.pending.items()):
             if req.type == T.PING and time.monotonic() - req.sent > self.heartbeat_timeout:
                 self.pending.pop(rid, None)
@@ -493,7 +500,7 @@ class Connection:
         server restarted): this connection is done."""
         if self.lost_reason is None:
             self.mark_lost(why)
-        self.lost_reason = f"{why}; run %genie_init (or genie_core.init) again to start a new session"
+        self.lost_reason = f"{why}; {self.when_gone}"
         if not self.session_gone:
             self.session_gone = True
             self.on_session_gone(why)

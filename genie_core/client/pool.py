@@ -171,7 +171,12 @@ def render_pool(report: dict[str, Any]) -> str:
     then the queue."""
     lines = [f"{report['free']} of {report['total']} GPUs free"]
     for node in report["nodes"]:
-        health = (node.get("health") or {}).get("grade", "no reading yet") if node["alive"] else "dead"
+        if not node["alive"]:
+            health = "dead"
+        elif not node["gpus"]:
+            health = "no GPUs: nothing is placed here (Ray's head, or a CPU node)"
+        else:
+            health = (node.get("health") or {}).get("grade", "no reading yet")
         fake = "  (simulated GPUs: fake readings)" if node.get("simulated") else ""
         lines.append(f"{node['name']:<24} {node['ip']:<15} {node['gpus']} GPU(s)  {health}{fake}")
         lines += [f"    ! {reason}" for reason in (node.get("health") or {}).get("reasons", [])]

@@ -61,7 +61,7 @@ def _user(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from .head import LOCAL_ONLY, start_local_head
+    from .head import LOCAL_ONLY, RAY_START_HEALTH_CHECKS, node_loss_seconds, start_local_head
 
     if args.ray_address is None:
         os.environ.update(LOCAL_ONLY)  # read when ray is imported
@@ -95,6 +95,12 @@ def _up(args: argparse.Namespace) -> int:
     print(
         f"genie pool at {pool.ip}:{pool.port}: {len([n for n in free['nodes'] if n['alive']])} node(s), "
         f"{free['total']} GPU(s), {len(pool.sessions)} running session(s); registry {pool.registry.kind}",
+        flush=True,
+    )
+    seconds, how = node_loss_seconds()
+    print(
+        f"a node that dies is noticed in about {seconds:.0f} s ({how})"
+        + (f"; for about 3 s start Ray's head with {RAY_START_HEALTH_CHECKS}" if seconds > 5 else ""),
         flush=True,
     )
     # A stop by a service manager is a Ctrl-C: the warm sessions end (each holds a GPU), sessions go on.

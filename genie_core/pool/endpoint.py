@@ -331,7 +331,8 @@ class Pool:
         return {"free": max(0, sum(free.values())), "total": total}
 
     def _free_by_node(self) -> dict[str, int]:
-        free = {nid: n["gpus"] for nid, n in list(self.nodes.items()) if n["alive"]}
+        # (a simulated node, the benchmark's, only reports readings: nothing is placed on it)
+        free = {nid: n["gpus"] for nid, n in list(self.nodes.items()) if n["alive"] and not n.get("simulated")}
         for placed in list(self.sessions.values()):
             if placed.node_id in free:
                 free[placed.node_id] -= placed.gpus

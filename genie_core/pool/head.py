@@ -31,6 +31,27 @@ HEALTH_CHECKS = {
 }
 
 
+def node_loss_seconds() -> tuple[float, str]:
+    """About how long Ray (so the pool) takes to see that a node died, from the health checks of
+    the cluster joined (its system config, else Ray's defaults), with how they are set."""
+    import ray
+
+    try:
+        overrides = ray._private.state.state.get_system_config()
+    except Exception:  # an older or newer Ray without it: its defaults, as this driver sees them
+        overrides = {}
+
+    def setting(name: str) -> float:
+        return float(overrides.get(name, getattr(ray._config, name)()))
+
+    period, threshold = setting("health_check_period_ms") / 1000, setting("health_check_failure_threshold")
+    return period * threshold, f"Ray's health checks: every {period:g} s, {threshold:g} missed"
+
+
+# The `ray start` options that make a node loss seen in about 3 s (Ray's defaults take 12 s or more).
+RAY_START_HEALTH_CHECKS = f"--system-config='{json.dumps(HEALTH_CHECKS, separators=(',', ':'))}'"
+
+
 # Ray puts a node on this machine's network address, even when told 127.0.0.1, unless multi-node
 # clusters are off, as they are on Windows and macOS; then every address is the loopback. A local
 # head is for one machine (and Ray's ports have no authentication), so it runs that way.
