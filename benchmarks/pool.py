@@ -157,6 +157,14 @@ def _endpoint_cpu(pool, token: str, seconds: float) -> dict:
     thread = next(t for t in psutil.Process().threads() if t.id == pool.thread_id)
     cpu0, t0, taken0 = thread.user_time + thread.system_time, time.monotonic(), pool.readings_taken
     watcher = PoolClient("127.0.0.1", pool.port, token, timeout=30)
+    # the pool dashboard of a notebook watching, two nodes opened (their GPUs' history is sent)
+    from genie_jupyter.pool_feed import PoolFeed
+    from genie_jupyter.widgets import PoolDashboard
+
+    feed = PoolFeed(watcher.status, f"127.0.0.1:{pool.port}")
+    dashboard = PoolDashboard(expanded=fake[:2])
+    feed.attach(dashboard)
+    bytes0, updates0, busy0 = feed.bytes_sent, feed.updates, feed.busy_seconds
     views = 0
     while time.monotonic() - t0 < seconds:
         tick = time.monotonic()
@@ -165,6 +173,13 @@ def _endpoint_cpu(pool, token: str, seconds: float) -> dict:
         time.sleep(max(0.0, 1.0 - (time.monotonic() - tick)))
     thread = next(t for t in psutil.Process().threads() if t.id == pool.thread_id)
     cpu1, t1, taken1 = thread.user_time + thread.system_time, time.monotonic(), pool.readings_taken
+    fed = {
+        "dashboard_bytes_per_s_100x8": round((feed.bytes_sent - bytes0) / (t1 - t0)),
+        "dashboard_updates_per_s": round((feed.updates - updates0) / (t1 - t0), 2),
+        "dashboard_update_ms_python": round(1000 * (feed.busy_seconds - busy0) / max(1, feed.updates - updates0), 2),
+        "dashboard_nodes_shown": len(dashboard.pool.get("nodes", [])),
+    }
+    feed.stop()
     watcher.close()
     sender.join(30)
     for node_id in fake:
@@ -177,6 +192,7 @@ def _endpoint_cpu(pool, token: str, seconds: float) -> dict:
         "readings_per_s_taken": round((taken1 - taken0) / (t1 - t0), 1),
         "status_views": views,
         "status_lines": text.count("\n") + 1,
+        **fed,
     }
 
 

@@ -16,6 +16,7 @@ __all__ = [
     "GPUGauges",
     "HealthBadge",
     "InitProgress",
+    "PoolDashboard",
     "__version__",
     "feed_for",
     "load_ipython_extension",
@@ -24,7 +25,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:  # the widgets import anywidget: only when asked for
-    if name in ("Dashboard", "GPUGauges", "HealthBadge", "BackendCard", "EventLog", "InitProgress"):
+    if name in ("Dashboard", "GPUGauges", "HealthBadge", "BackendCard", "EventLog", "InitProgress", "PoolDashboard"):
         from . import widgets
 
         return getattr(widgets, name)

@@ -25,8 +25,9 @@ from genie_core.errors import RemoteError
 
 from . import autoremote
 from .feed import ClusterFeed
+from .pool_feed import PoolFeed
 from .progress import TransferProgress
-from .widgets import Dashboard, InitProgress, JobsView
+from .widgets import Dashboard, InitProgress, JobsView, PoolDashboard
 
 _feeds: dict[int, ClusterFeed] = {}
 
@@ -37,6 +38,18 @@ def feed_for(state: genie_core.ClusterState) -> ClusterFeed:
     if feed is None or feed._stopped.is_set():
         _feeds.clear()
         feed = _feeds[id(state)] = ClusterFeed(state)
+    return feed
+
+
+_pool_feeds: dict[int, PoolFeed] = {}
+
+
+def pool_feed_for(state: genie_core.ClusterState) -> PoolFeed:
+    """One pool feed per pool session, shared by every pool dashboard showing it."""
+    feed = _pool_feeds.get(id(state))
+    if feed is None or feed._stopped.is_set():
+        _pool_feeds.clear()
+        feed = _pool_feeds[id(state)] = PoolFeed(state.pool.status, state.pool.address)
     return feed
 
 
@@ -257,7 +270,8 @@ class GenieMagics(Magics):
             _print_pool(state)
             return
         display(feed_for(state).attach(Dashboard()))
-        _print_pool(state)
+        if state.pool is not None:  # a pool's session: the pool too, live
+            display(pool_feed_for(state).attach(PoolDashboard()))
 
     @magic_arguments()
     @argument("--gpu", type=int, default=None, help="run on the worker of this GPU (default: the session's GPU)")

@@ -108,6 +108,38 @@ class Dashboard(GenieWidget):
     sections = t.List(t.Unicode(), ["health", "gauges", "backend", "events"]).tag(sync=True)
 
 
+class PoolDashboard(GenieWidget):
+    """The pool: every node (health and its reasons) and every GPU (utilization and memory with
+    their history, temperature, power, who holds it), the queue with your place, your sessions'
+    GPUs. Fed by genie_jupyter.pool_feed from the pool's own readings."""
+
+    sections = t.List(t.Unicode(), ["pool"]).tag(sync=True)
+    pool = t.Dict().tag(sync=True)  # pool_feed.pool_view
+    expanded = t.List(t.Unicode()).tag(sync=True)  # node ids the user opened: their history is sent
+    controls = t.Dict({"sort": "free", "type": ""}).tag(sync=True)  # sort: free | name | busy; type: a GPU name
+    pool_history = t.Bytes(b"").tag(sync=True)  # float32 [rows, 2 (utilization, memory), points]
+    pool_history_rows: t.List[list[Any]] = t.List().tag(sync=True)  # [[node id, GPU index], ...], one per row
+    pool_history_shape = t.List([0, 2, 0]).tag(sync=True)
+    pool_history_span = t.Float(0.0).tag(sync=True)
+
+    def text(self) -> str:
+        view = self.pool
+        if not view:
+            return "pool: no reading yet"
+        lines = ["pool lost: its endpoint does not answer" if self.status == "lost" else ""]
+        queue = view["queue"]
+        lines.append(
+            f"pool at {view['address']}: {view['free']} of {view['total']} GPUs free"
+            + (f"; queue {queue['length']}" if queue["length"] else "")
+            + (f" (you: {', '.join(map(str, queue['yours']))})" if queue["yours"] else "")
+        )
+        for node in view["nodes"]:
+            lines.append(f"{node['name']} {node['grade']}: {node['free']} of {len(node['gpus'])} free")
+            lines += [f"    ! {reason}" for reason in node["reasons"]]
+        lines += [f"you: GPU {m['gpu']} on {m['node']} ({m['session']})" for m in view["mine"]]
+        return "\n".join(line for line in lines if line)
+
+
 class JobsView(GenieWidget):
     """The session's background jobs with their live output tails; it refreshes itself about
     twice a second while any of them runs (from the jobs' own state: no round trip)."""

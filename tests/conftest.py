@@ -205,6 +205,33 @@ def _runs_text(runs: list[str]) -> str:
     return text
 
 
+_durations: dict[str, float] = {}
+_began = time.time()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Each test's time (setup, call and teardown; with pytest-xdist, reported to the controller)."""
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+def _write_slowest() -> None:
+    """test-artifacts/slowest.md: the run's 20 slowest tests, so the next person sees where the time goes."""
+    slowest = sorted(_durations.items(), key=lambda kv: -kv[1])[:20]
+    lines = [
+        f"# The 20 slowest tests of the run of {time.strftime('%Y-%m-%d %H:%M')}",
+        "",
+        f"{len(_durations)} tests, {sum(_durations.values()) / 60:.1f} minutes of test time, "
+        f"{(time.time() - _began) / 60:.1f} minutes of wall time.",
+        "",
+        "| seconds | test |",
+        "| --- | --- |",
+        *[f"| {seconds:.1f} | `{nodeid}` |" for nodeid, seconds in slowest],
+    ]
+    out = Path(__file__).resolve().parents[1] / "test-artifacts" / "slowest.md"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+
+
 def _is_xdist_worker(config: pytest.Config) -> bool:
     return hasattr(config, "workerinput")
 
@@ -245,6 +272,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if _is_xdist_worker(session.config):
         return
     reliability.write_document()
+    _write_slowest()
     from genie_core.pool.head import stop_local_head
 
     for folder in _local_heads() - _heads_before:  # a notebook that failed before `genie pool down`

@@ -8,22 +8,10 @@ job, and that text is readable in both JupyterLab themes. Screenshots go under t
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 from conftest import start_server
-
-from genie_core.local_server import stop_process
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
+from lab import ARTIFACTS, CHROMIUM, lab_page, switch_theme
 
 pytestmark = [
     pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (scripts/test installs it)"),
@@ -31,102 +19,18 @@ pytestmark = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def notebook(cells: list[str]) -> dict:
-    return {
-        "cells": [
-            {"cell_type": "code", "metadata": {}, "source": c, "outputs": [], "execution_count": None} for c in cells
-        ],
-        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
-        "nbformat": 4,
-        "nbformat_minor": 5,
-    }
-
-
 def test_dashboard_renders_live_in_jupyterlab(tmp_path):
-    playwright = pytest.importorskip(
-        "playwright.sync_api", reason="playwright is not installed (scripts/test installs it)"
-    )
-    pytest.importorskip("jupyterlab", reason="jupyterlab is not installed (scripts/test installs it)")
     srv = start_server(tmp_path, "--simulate-gpus", "2", "--poll-interval", "0.5")
-    root = tmp_path / "lab"
-    root.mkdir()
-    (root / "genie.ipynb").write_text(
-        json.dumps(
-            notebook(
-                [
-                    "%load_ext genie_jupyter",
-                    f"%genie_init 127.0.0.1:{srv.info.port} --token {srv.info.token}",
-                    "%genie_dashboard",
-                    "%%remote --bg --name demo\nimport time\nfor i in range(600):\n"
-                    "    print('step', i, flush=True)\n    time.sleep(0.2)",
-                    "%genie_jobs",
-                ]
-            )
-        )
-    )
-    settings = tmp_path / "lab-settings" / "@jupyterlab" / "apputils-extension"
-    settings.mkdir(parents=True)
-    (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')  # no news toast
-    port, token = free_port(), os.urandom(12).hex()
-    with open(tmp_path / "lab.log", "w") as log:  # the child holds its own descriptor
-        lab = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "jupyter",
-                "lab",
-                "--no-browser",
-                "--ip=127.0.0.1",
-                f"--port={port}",
-                f"--ServerApp.token={token}",
-                f"--ServerApp.root_dir={root}",
-                "--LabApp.expose_app_in_browser=True",
-                "--allow-root",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=log,
-            env=dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "lab-settings")),
-        )
+    cells = [
+        "%load_ext genie_jupyter",
+        f"%genie_init 127.0.0.1:{srv.info.port} --token {srv.info.token}",
+        "%genie_dashboard",
+        "%%remote --bg --name demo\nimport time\nfor i in range(600):\n"
+        "    print('step', i, flush=True)\n    time.sleep(0.2)",
+        "%genie_jobs",
+    ]
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status?token={token}", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline and lab.poll() is None, (tmp_path / "lab.log").read_text()[-2000:]
-                time.sleep(0.3)
-        with playwright.sync_playwright() as p:
-            browser = p.chromium.launch(
-                executable_path=CHROMIUM,
-                args=[
-                    "--no-sandbox",
-                    "--disable-gpu",
-                    "--disable-quic",
-                    "--no-first-run",
-                    "--disable-background-networking",
-                    "--disable-component-update",
-                    "--disable-sync",
-                ],
-            )
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(f"http://127.0.0.1:{port}/lab/tree/genie.ipynb?token={token}")
-            page.wait_for_selector(".jp-Notebook", timeout=90_000)
-            page.wait_for_function(
-                "window.jupyterapp && window.jupyterapp.shell.currentWidget && "
-                "window.jupyterapp.shell.currentWidget.sessionContext.session",
-                timeout=90_000,
-            )
-            page.wait_for_function(
-                "window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.status === 'idle'", timeout=90_000
-            )
-            page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+        with lab_page(tmp_path, cells) as page:
             selector = '.genie-gauge[data-gpu="0"] .genie-value[data-metric="utilization"]'
             util = page.locator(selector).first
             util.wait_for(timeout=90_000)
@@ -141,9 +45,7 @@ def test_dashboard_renders_live_in_jupyterlab(tmp_path):
             assert page.locator(".genie-backend-chosen").first.text_content().startswith("backend: ")
             assert page.locator('[role="meter"]').count() >= 8  # accessible labels on every bar
             check_the_rest(page)
-            browser.close()
     finally:
-        stop_process(lab, 15)
         srv.stop()
 
 
@@ -186,11 +88,7 @@ def check_the_rest(page) -> None:
     )
     ARTIFACTS.mkdir(exist_ok=True)
     for theme, light in (("JupyterLab Light", True), ("JupyterLab Dark", False)):
-        page.evaluate(f"window.jupyterapp.commands.execute('apputils:change-theme', {{theme: {json.dumps(theme)}}})")
-        page.wait_for_function(
-            f"document.body.dataset.jpThemeLight === {json.dumps(str(light).lower())}", timeout=30_000
-        )
-        page.wait_for_timeout(1000)
+        switch_theme(page, light)
         color = page.evaluate("getComputedStyle(document.querySelector('.genie-widget')).color")
         assert (luminance(color) < 0.4) if light else (luminance(color) > 0.6), (theme, color)
         axis = page.evaluate("getComputedStyle(document.querySelector('.genie-chart .genie-axis')).fill")

@@ -629,3 +629,138 @@ def test_the_embedded_pool_from_the_command_line(tmp_path):
         assert "a node that dies is noticed in about 3 s (Ray's health checks: every 1 s, 3 missed)" in said, said
         down = subprocess.run([*genie, "pool", "down"], env=env, capture_output=True, text=True)
         assert down.returncode == 0 and "stopped the local Ray head" in down.stdout, down
+
+
+def test_the_pool_dashboard_names_only_your_own_sessions_and_greys_out_when_the_pool_is_lost(pool):
+    """The pool dashboard (genie_jupyter.pool_feed) from the real endpoint, as alice sees it with
+    bob beside her: her GPU is hers by name, bob's is "another user" (his name never reaches her
+    front end); an opened node's GPUs get their history; a lost endpoint greys it out, and it
+    comes back when the endpoint answers again."""
+    from relay import Relay
+
+    from genie_jupyter.pool_feed import PoolFeed
+    from genie_jupyter.widgets import PoolDashboard
+
+    _wait_free(pool, 4)
+    alice, bob = Seat(pool, "alice"), Seat(pool, "bob")
+    relay = Relay(pool.port)
+    watcher = PoolClient("127.0.0.1", relay.port, pool.tokens["alice"], timeout=2)
+    feed = PoolFeed(watcher.status, f"127.0.0.1:{pool.port}", interval=0.25)
+    widget = feed.attach(PoolDashboard())
+    try:
+        assert wait_until(lambda: widget.pool.get("nodes"), timeout=10)
+        holders = [g["holder"] for n in widget.pool["nodes"] for g in n["gpus"]]
+        assert sum(h.startswith("you: ") for h in holders) == 1 and holders.count("another user") == 1, holders
+        assert "bob" not in json.dumps(widget.pool) and widget.pool["mine"][0]["node"], widget.pool
+        head = next(n for n in widget.pool["nodes"] if not n["gpus"])
+        assert head["grade"] == "NO GPUS", head
+        mine = next(n for n in widget.pool["nodes"] if any(g["holder"].startswith("you") for g in n["gpus"]))
+        widget.expanded = [mine["id"]]
+        assert wait_until(
+            lambda: widget.pool_history_shape[0] == len(mine["gpus"]) and widget.pool_history_shape[2] > 1
+        )
+        assert len(widget.pool_history) == 4 * 2 * widget.pool_history_shape[0] * widget.pool_history_shape[2]
+        assert {tuple(r) for r in widget.pool_history_rows} == {(mine["id"], g["index"]) for g in mine["gpus"]}
+        assert "GPUs free" in widget.text() and "you: GPU" in widget.text()
+        relay.cut()
+        assert wait_until(lambda: widget.status == "lost", timeout=15)
+        assert widget.text().startswith("pool lost")
+        relay.heal()
+        assert wait_until(lambda: widget.status == "live", timeout=15)
+    finally:
+        feed.stop()
+        relay.cut()
+        watcher.close()
+        for seat in (alice, bob):
+            seat.close()
+
+
+def _screenshot_dir():
+    """Where the pool dashboard's screenshots go: docs/screenshots when the committed figures are
+    written (GENIE_WRITE_DOCS=1; the README shows them), else test-artifacts/."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    folder = root / ("docs/screenshots" if os.environ.get("GENIE_WRITE_DOCS") == "1" else "test-artifacts")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+@pytest.mark.timeout(400)
+def test_the_pool_dashboard_in_jupyterlab_at_2_and_100_nodes(pool, tmp_path):
+    """A pool session's %genie_status in a real browser: the pool widget lists the nodes, opens one
+    to its GPUs and their history, sorts and filters; then with 100 nodes of 8 simulated GPUs (a
+    process pushing signed readings, as the endpoint benchmark does) it still draws them all.
+    Screenshots in both JupyterLab themes, at 2 and at 100 nodes."""
+    import multiprocessing
+
+    from lab import lab_page, switch_theme
+
+    from benchmarks.pool import _send_readings
+
+    _wait_free(pool, 4)
+    cells = [
+        "%load_ext genie_jupyter",
+        f"%genie_init 127.0.0.1:{pool.port} --token {pool.tokens['carol']} --gpus 1",
+        "%genie_status",
+    ]
+    shots = _screenshot_dir()
+    fake = [f"sim{i:03d}" + "0" * 50 for i in range(98)]
+    polled, sender = pool.node_poll, None
+    try:
+        with lab_page(tmp_path, cells, viewport={"width": 1400, "height": 1400}) as page:
+            page.locator(".genie-pool-node").first.wait_for(timeout=120_000)
+            page.wait_for_function("document.querySelectorAll('.genie-pool-node').length === 3", timeout=30_000)
+            title = page.locator(".genie-pool-title").first.text_content()
+            assert title.startswith(f"pool at 127.0.0.1:{pool.port}") and "of 4 GPUs free" in title, title
+            mine = page.locator(".genie-pool-mine li").first.text_content()
+            assert mine.startswith("you: GPU"), mine
+            # open the node that holds carol's GPU: its GPUs, who holds them, and their history
+            page.locator(".genie-pool-node summary").nth(0).click()
+            page.wait_for_function("document.querySelectorAll('.genie-pool-node[open] .genie-pool-gpu').length >= 2")
+            page.wait_for_function("document.querySelectorAll('.genie-pool-node[open] .genie-chart').length >= 2")
+            assert page.locator(".genie-pool-type option").count() >= 2  # "all" and the simulated GPUs' type
+            page.select_option(".genie-pool-sort", "name")
+            page.wait_for_function("document.querySelector('.genie-pool-sort').value === 'name'")
+            for light in (True, False):
+                switch_theme(page, light)
+                area = page.locator(".jp-OutputArea-output:has(.genie-pool)").last
+                area.screenshot(path=str(shots / f"pool-2-nodes-{'light' if light else 'dark'}.png"))
+            # 100 nodes: 98 simulated beside the 2 of the cluster
+            pool.node_poll = 1e9  # keep Ray's node table from replacing the simulated ones
+            for node_id in fake:
+                pool.nodes[node_id] = {
+                    "alive": True,
+                    "gpus": 8,
+                    "name": f"sim/{node_id[:6]}",
+                    "ip": "127.0.0.1",
+                    "death": "",
+                    "simulated": True,
+                }
+                pool.monitors[node_id] = None
+            sender = multiprocessing.get_context("spawn").Process(
+                target=_send_readings, args=(pool.sink, pool._readings_key, fake, 60)
+            )
+            sender.start()
+            page.wait_for_function("document.querySelectorAll('.genie-pool-node').length === 101", timeout=30_000)
+            page.wait_for_function(
+                "[...document.querySelectorAll('.genie-pool-node .genie-badge')]"
+                ".filter(b => b.textContent === 'HEALTHY').length >= 98",
+                timeout=30_000,
+            )
+            page.select_option(".genie-pool-sort", "free")
+            first = page.locator(".genie-pool-node-name").first.text_content()
+            assert first.startswith("sim/"), first  # 8 free GPUs: first when free GPUs come first
+            for light in (True, False):
+                switch_theme(page, light)
+                area = page.locator(".jp-OutputArea-output:has(.genie-pool)").last
+                area.screenshot(path=str(shots / f"pool-100-nodes-{'light' if light else 'dark'}.png"))
+    finally:
+        if sender is not None:
+            sender.terminate()
+            sender.join(10)
+        pool.node_poll = polled
+        for node_id in fake:
+            pool.nodes.pop(node_id, None)
+            pool.readings.pop(node_id, None)
+            pool.monitors.pop(node_id, None)

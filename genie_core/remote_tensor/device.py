@@ -120,8 +120,9 @@ def register() -> None:
         from . import serialization
 
         serialization.register()
-        from . import attention, autocast, pinned, whole_ops
+        from . import attention, autocast, lazy, pinned, whole_ops
 
+        lazy.register()
         autocast.register()
         attention.register()
         whole_ops.register()

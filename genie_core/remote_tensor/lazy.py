@@ -52,3 +52,10 @@ def uninitialized_on_device(dst: RemoteTensor, src: Any) -> RemoteTensor:
     parameter = isinstance(src, torch.nn.UninitializedParameter)
     dst.__class__ = UninitializedRemoteParameter if parameter else UninitializedRemoteBuffer
     return dst
+
+
+def register() -> None:
+    """Make `.to(remote_accelerator)` of an uninitialized parameter or buffer one of these."""
+    from . import tensor
+
+    tensor.uninitialized_copy = uninitialized_on_device

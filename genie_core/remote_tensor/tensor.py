@@ -310,16 +310,15 @@ def _scan(args: tuple, kwargs: dict) -> tuple[OpStream | None, list[Any], bool]:
 
 
 _Uninitialized = torch.nn.parameter.UninitializedTensorMixin  # type: ignore[attr-defined]
+uninitialized_copy: Any = None  # lazy.py's, set when the device is registered (lazy.register)
 
 
 def dispatch(func, args: tuple, kwargs: dict) -> Any:
     info = func.__dict__.get("_genie")  # (not a dict keyed by the op: its __hash__ is Python code)
     if info is None:
         info = func._genie = _OpInfo(func)
-    if info.special and func is _COPY and isinstance(args[1], _Uninitialized):
-        from .lazy import uninitialized_on_device  # `.to()` of a lazy module's parameter: no values yet
-
-        return uninitialized_on_device(args[0], args[1])
+    if info.special and func is _COPY and isinstance(args[1], _Uninitialized) and uninitialized_copy is not None:
+        return uninitialized_copy(args[0], args[1])  # `.to()` of a lazy module's parameter: no values yet
     stream, sig, local = _scan(args, kwargs)
     if stream is None:
         raise RuntimeError("no remote tensor among the arguments")

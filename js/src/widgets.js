@@ -228,14 +228,109 @@ function drawJobs(model) {
   return box;
 }
 
-const SECTIONS = { gauges: drawGauges, health: drawHealth, backend: drawBackend, events: drawEvents, init: drawInit, jobs: drawJobs };
+// The pool's nodes in the order asked ("free": most free GPUs first; "busy": busiest first; "name"),
+// only those with GPUs of `type` when one is given.
+export function poolNodes(nodes, sort = "free", type = "") {
+  const busy = (n) => {
+    const u = n.gpus.map((g) => g.utilization).filter((v) => Number.isFinite(v));
+    return u.length ? u.reduce((a, b) => a + b, 0) / u.length : -1;
+  };
+  const order = {
+    free: (a, b) => b.free - a.free || a.name.localeCompare(b.name),
+    busy: (a, b) => busy(b) - busy(a) || a.name.localeCompare(b.name),
+    name: (a, b) => a.name.localeCompare(b.name),
+  }[sort] || ((a, b) => a.name.localeCompare(b.name));
+  return nodes.filter((n) => !type || n.type === type).slice().sort(order);
+}
+
+export function gpuTypes(nodes) {
+  return [...new Set(nodes.map((n) => n.type).filter(Boolean))].sort();
+}
+
+// One GPU's history rows ([utilization, memory] series) from the float32 buffer, by node and index.
+export function poolSeries(buffer, shape, rows, nodeId, index) {
+  const row = rows.findIndex(([n, i]) => n === nodeId && i === index);
+  if (row < 0 || !shape[2]) return null;
+  return [historySeries(buffer, shape, row, 0), historySeries(buffer, shape, row, 1)];
+}
+
+function meter(label, pct, text) {
+  const bar = el("div", { class: "genie-bar", role: "meter", "aria-label": label, "aria-valuemin": "0", "aria-valuemax": "100",
+    "aria-valuenow": pct === null || pct === undefined ? "0" : String(Math.round(pct)) });
+  bar.append(el("div", { class: `genie-fill genie-${level(pct)}`, style: `width:${pct === null || pct === undefined ? 0 : Math.min(100, pct)}%` }));
+  return [bar, el("span", { class: "genie-value" }, text)];
+}
+
+function drawPool(model) {
+  const t0 = performance.now();
+  const view = model.get("pool") || {};
+  const box = el("section", { class: "genie-pool", "aria-label": "GPU pool" });
+  if (!view.nodes) { box.append(el("p", { class: "genie-muted" }, "pool: no reading yet")); return box; }
+  const controls = model.get("controls") || {};
+  const queue = view.queue || { length: 0, yours: [] };
+  box.append(el("div", { class: "genie-pool-title" }, `pool at ${view.address} · ${view.free} of ${view.total} GPUs free` +
+    (queue.length ? ` · ${queue.length} waiting${queue.yours.length ? ` (you: ${queue.yours.join(", ")})` : ""}` : "")));
+  const sort = el("select", { class: "genie-pool-sort", "aria-label": "sort nodes" });
+  for (const [v, label] of [["free", "free GPUs first"], ["busy", "busiest first"], ["name", "by name"]]) {
+    const o = el("option", { value: v }, label); if ((controls.sort || "free") === v) o.selected = true; sort.append(o);
+  }
+  const type = el("select", { class: "genie-pool-type", "aria-label": "GPU type" });
+  type.append(el("option", { value: "" }, "all GPU types"));
+  for (const name of gpuTypes(view.nodes)) { const o = el("option", { value: name }, name); if (controls.type === name) o.selected = true; type.append(o); }
+  const change = () => { model.set("controls", { sort: sort.value, type: type.value }); model.save_changes(); };
+  sort.addEventListener("change", change); type.addEventListener("change", change);
+  box.append(el("div", { class: "genie-pool-controls" }, sort, type));
+  if ((view.mine || []).length) {
+    const mine = el("ul", { class: "genie-pool-mine", "aria-label": "your sessions" });
+    for (const m of view.mine) mine.append(el("li", {}, `you: GPU ${m.gpu} on ${m.node} (${m.session}) · ` +
+      `${formatNumber(m.utilization, "%")} busy · memory ${formatNumber(m.memory, "%")}`));
+    box.append(mine);
+  }
+  const expanded = new Set(model.get("expanded") || []);
+  const [buffer, shape, rows] = [model.get("pool_history"), model.get("pool_history_shape") || [0, 2, 0], model.get("pool_history_rows") || []];
+  for (const node of poolNodes(view.nodes, controls.sort, controls.type)) {
+    const details = el("details", { class: `genie-pool-node${node.alive ? "" : " genie-lost"}`, "data-node": node.id });
+    details.open = expanded.has(node.id);
+    const grade = node.grade.toLowerCase().replace(" ", "-");
+    details.append(el("summary", {}, el("span", { class: "genie-pool-node-name" }, node.name),
+      el("span", { class: `genie-badge genie-grade-${grade}` }, node.grade),
+      el("span", { class: "genie-muted" }, ` ${node.free} of ${node.gpus.length} free · ${node.type || "no GPU reading"}${node.simulated ? " · simulated" : ""}`)));
+    details.addEventListener("toggle", () => {
+      const now = new Set(model.get("expanded") || []);
+      if (details.open) now.add(node.id); else now.delete(node.id);
+      model.set("expanded", [...now]); model.save_changes();
+    });
+    if (details.open) {  // a closed node costs one line: the GPUs of 100 nodes are not drawn unless opened
+      for (const reason of node.reasons) details.append(el("div", { class: "genie-bad" }, `! ${reason}`));
+      for (const g of node.gpus) {
+        const mem = g.memory_total ? (100 * g.memory_used) / g.memory_total : null;
+        const row = el("div", { class: "genie-pool-gpu", "data-gpu": String(g.index) },
+          el("span", { class: "genie-label" }, `GPU ${g.index}`),
+          ...meter(`${node.name} GPU ${g.index} utilization`, g.utilization, formatNumber(g.utilization, "%")),
+          ...meter(`${node.name} GPU ${g.index} memory`, mem, g.memory_total ? `${formatBytes(g.memory_used)} / ${formatBytes(g.memory_total)}` : "unknown"),
+          el("span", { class: "genie-value" }, formatNumber(g.temperature, " °C")),
+          el("span", { class: "genie-value" }, formatNumber(g.power_draw, " W")),
+          el("span", { class: `genie-pool-holder${g.holder.startsWith("you") ? " genie-pool-yours" : ""}` }, g.holder));
+        details.append(row);
+        const series = poolSeries(buffer, shape, rows, node.id, g.index);
+        if (series) details.append(historyChart(g, [{ name: "utilization", values: series[0] }, { name: "memory", values: series[1] }], model.get("pool_history_span") || 0));
+      }
+    }
+    box.append(details);
+  }
+  performance.measure("genie-pool-draw", { start: t0 });  // in a Chromium performance trace (blink.user_timing)
+  return box;
+}
+
+const SECTIONS = { gauges: drawGauges, health: drawHealth, backend: drawBackend, events: drawEvents, init: drawInit, jobs: drawJobs, pool: drawPool };
 
 function draw(model, el_) {
   const root = el("div", { class: "genie-widget" });
   const status = model.get("status");
   if (status === "lost") {
     root.classList.add("genie-lost");
-    root.append(el("div", { class: "genie-bad", role: "alert" }, `server lost · last seen ${ago(Date.now() / 1000 - model.get("last_seen"))}`));
+    const what = (model.get("sections") || []).includes("pool") ? "pool endpoint lost" : "server lost";
+    root.append(el("div", { class: "genie-bad", role: "alert" }, `${what} · last seen ${ago(Date.now() / 1000 - model.get("last_seen"))}`));
   }
   for (const name of model.get("sections") || []) root.append(SECTIONS[name](model));
   el_.replaceChildren(root);
@@ -243,7 +338,8 @@ function draw(model, el_) {
 
 function render({ model, el: el_ }) {
   const redraw = () => draw(model, el_);
-  for (const name of ["gpus", "history", "health", "backend", "events", "event_filter", "phases", "summary", "status", "last_seen", "sections", "jobs", "history_span"]) {
+  for (const name of ["gpus", "history", "health", "backend", "events", "event_filter", "phases", "summary", "status", "last_seen", "sections", "jobs", "history_span",
+    "pool", "controls", "expanded", "pool_history"]) {
     model.on(`change:${name}`, redraw);
   }
   redraw();

@@ -64,3 +64,24 @@ test("who holds a GPU: sessions by name, other processes said plainly", () => {
   ] });
   assert.deepEqual(lines, ["pid 7 · 3.0 GiB · SM 45% · session 'work' (alice@lap)", "pid 9 · memory unknown · not a genie session"]);
 });
+
+import { poolNodes, gpuTypes, poolSeries } from "../src/widgets.js";
+
+const node = (name, free, type, util) => ({ id: name, name, free, type, gpus: util.map((u, i) => ({ index: i, utilization: u })) });
+
+test("pool nodes sort with free GPUs first, busiest first or by name, and filter by GPU type", () => {
+  const nodes = [node("b", 1, "A100", [90, 10]), node("a", 1, "T4", [20, 20]), node("c", 2, "A100", [null, 5])];
+  assert.deepEqual(poolNodes(nodes, "free").map((n) => n.name), ["c", "a", "b"]);
+  assert.deepEqual(poolNodes(nodes, "busy").map((n) => n.name), ["b", "a", "c"]);
+  assert.deepEqual(poolNodes(nodes, "name").map((n) => n.name), ["a", "b", "c"]);
+  assert.deepEqual(poolNodes(nodes, "free", "A100").map((n) => n.name), ["c", "b"]);
+  assert.deepEqual(gpuTypes(nodes), ["A100", "T4"]);
+  assert.deepEqual(nodes.map((n) => n.name), ["b", "a", "c"]);  // the model's list is left as it was
+});
+
+test("a pool GPU's history is found by node and index in the float32 rows", () => {
+  const values = new Float32Array([1, 2, 3, 4, 5, 6, 7, 8]);  // 2 rows x 2 metrics x 2 points
+  const rows = [["n1", 0], ["n1", 1]];
+  assert.deepEqual(poolSeries(new Uint8Array(values.buffer), [2, 2, 2], rows, "n1", 1), [[5, 6], [7, 8]]);
+  assert.equal(poolSeries(new Uint8Array(values.buffer), [2, 2, 2], rows, "n2", 0), null);  // a closed node: none sent
+});
