@@ -49,7 +49,9 @@ def pool_feed_for(state: genie_core.ClusterState) -> PoolFeed:
     feed = _pool_feeds.get(id(state))
     if feed is None or feed._stopped.is_set():
         _pool_feeds.clear()
-        feed = _pool_feeds[id(state)] = PoolFeed(state.pool.status, state.pool.address)
+        watcher = state.pool.copy()  # the feed's own connection, asked once a second
+        watcher.timeout = 5.0
+        feed = _pool_feeds[id(state)] = PoolFeed(watcher.ask_status, state.pool.address, on_stop=watcher.close)
     return feed
 
 
@@ -435,6 +437,9 @@ class GenieMagics(Magics):
             autoremote.turn_off(self.shell)
             print("autoremote off.")
         was = genie_core.is_initialized()
+        for feed in _pool_feeds.values():  # the pool session is over: its dashboard stops asking
+            feed.stop()
+        _pool_feeds.clear()
         genie_core.shutdown_sync()
         print("Genie session closed." if was else "Genie was not connected.")
 

@@ -80,10 +80,11 @@ def pool_view(report: dict[str, Any], address: str) -> dict[str, Any]:
             }
         )
     queue = report.get("queue", [])
+    shown = [n for n in nodes if n["alive"]]
     return {
         "address": address,
-        "free": report.get("free", 0),
-        "total": report.get("total", 0),
+        "free": sum(n["free"] for n in shown),  # as the rows below count them
+        "total": sum(len(n["gpus"]) for n in shown),
         "nodes": nodes,
         "queue": {"length": len(queue), "yours": [i + 1 for i, a in enumerate(queue) if "session" in a]},
         "mine": mine,
@@ -94,8 +95,9 @@ class PoolFeed:
     """Reads the pool once a second on a thread of its own and updates the widgets showing it; a
     pool that stops answering greys them out ("lost"), and they come back when it answers."""
 
-    def __init__(self, ask_status: Any, address: str, interval: float = INTERVAL) -> None:
+    def __init__(self, ask_status: Any, address: str, interval: float = INTERVAL, on_stop: Any = None) -> None:
         self.ask_status = ask_status  # () -> the pool's status report; raises when it does not answer
+        self.on_stop = on_stop  # called on the feed's thread once it stops (closes what it asked through)
         self.address = address
         self.interval = interval
         self.widgets: list[Any] = []
@@ -136,6 +138,8 @@ class PoolFeed:
             began = time.monotonic()
             self.poll()
             self._stopped.wait(max(0.0, self.interval - (time.monotonic() - began)))
+        if self.on_stop is not None:
+            self.on_stop()
 
     def poll(self) -> None:
         """One reading of the pool, handed to the widgets (or, when the pool does not answer, "lost")."""

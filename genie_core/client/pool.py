@@ -124,12 +124,21 @@ class PoolClient:
     def status(self) -> dict[str, Any]:
         """The pool now: nodes, their GPUs and who holds them, the queue. On a socket of its own,
         so any thread may ask while the keep-alive runs."""
-        other = PoolClient(self._host, self._port, self._token, timeout=self.timeout)
+        other = self.copy()
         try:
-            request_id, key = other._request("status")
-            return other._receive(request_id, key, self.timeout)
+            return other.ask_status()
         finally:
             other.close()
+
+    def copy(self) -> PoolClient:
+        """A client of the same user, for another thread (a socket belongs to one)."""
+        return PoolClient(self._host, self._port, self._token, timeout=self.timeout)
+
+    def ask_status(self) -> dict[str, Any]:
+        """`status`, on this client's own socket: for a client one thread keeps for asking it again
+        and again (the pool dashboard's feed: one connection however long it runs)."""
+        request_id, key = self._request("status")
+        return self._receive(request_id, key, self.timeout)
 
     def watch(self, on_lost: Callable[[str], None]) -> None:
         """From now on, keep telling the pool where this client is, and call `on_lost(reason)` if

@@ -327,7 +327,7 @@ class Pool:
     # -- placement ---------------------------------------------------------------------
     def _free(self) -> dict[str, int]:
         free = self._free_by_node()
-        total = sum(n["gpus"] for n in list(self.nodes.values()) if n["alive"])
+        total = sum(n["gpus"] for n in list(self.nodes.values()) if n["alive"] and not n.get("simulated"))
         return {"free": max(0, sum(free.values())), "total": total}
 
     def _free_by_node(self) -> dict[str, int]:

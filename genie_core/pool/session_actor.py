@@ -23,9 +23,13 @@ PREFIX = "s:"  # session actors' names: s:<session id>, or s:<another id> for a 
 
 
 def end_actor(actor: Any) -> None:
-    """A session actor ends, warm or held: Ray frees its GPUs; one already gone (with its node) is no error."""
+    """A session actor ends, warm or held: its server stops first (so it removes its shared-memory
+    files; at most a second's wait), then Ray frees its GPUs; one already gone (with its node) is
+    no error."""
     import ray
 
+    with contextlib.suppress(Exception):
+        ray.get(actor.stop.remote(), timeout=1.0)
     with contextlib.suppress(Exception):
         ray.kill(actor, no_restart=True)
 

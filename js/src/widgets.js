@@ -286,6 +286,8 @@ function drawPool(model) {
       `${formatNumber(m.utilization, "%")} busy · memory ${formatNumber(m.memory, "%")}`));
     box.append(mine);
   }
+  const list = el("div", { class: "genie-pool-nodes" });  // scrolls: a hundred nodes stay a screenful
+  box.append(list);
   const expanded = new Set(model.get("expanded") || []);
   const [buffer, shape, rows] = [model.get("pool_history"), model.get("pool_history_shape") || [0, 2, 0], model.get("pool_history_rows") || []];
   for (const node of poolNodes(view.nodes, controls.sort, controls.type)) {
@@ -316,7 +318,7 @@ function drawPool(model) {
         if (series) details.append(historyChart(g, [{ name: "utilization", values: series[0] }, { name: "memory", values: series[1] }], model.get("pool_history_span") || 0));
       }
     }
-    box.append(details);
+    list.append(details);
   }
   performance.measure("genie-pool-draw", { start: t0 });  // in a Chromium performance trace (blink.user_timing)
   return box;
@@ -337,7 +339,14 @@ function draw(model, el_) {
 }
 
 function render({ model, el: el_ }) {
-  const redraw = () => draw(model, el_);
+  // One draw per update: the traits an update changes arrive in one message, and each fires its
+  // own change event; the draw waits until all of them are in.
+  let pending = false;
+  const redraw = () => {
+    if (pending) return;
+    pending = true;
+    queueMicrotask(() => { pending = false; draw(model, el_); });
+  };
   for (const name of ["gpus", "history", "health", "backend", "events", "event_filter", "phases", "summary", "status", "last_seen", "sections", "jobs", "history_span",
     "pool", "controls", "expanded", "pool_history"]) {
     model.on(`change:${name}`, redraw);
