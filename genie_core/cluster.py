@@ -17,7 +17,7 @@ from .client import Client
 from .client.pool import PoolClient, is_pool_token
 from .config import DEFAULT_PORT, ClusterConfig, ConnectionInfo, parse_address
 from .errors import ConfigError, NotInitializedError, add_note
-from .events import ClusterEvent, EventBus, EventType, Severity
+from .events import EventBus
 from .local_server import LocalServer
 from .monitoring.health import HealthReport
 from .nodes import NodeInfo
@@ -281,12 +281,10 @@ def pooled(connection: Any, node: str) -> None:
 
 
 def _session_lost(client: Client, reason: str) -> None:
-    """The pool says this client's session is gone (its node left): say so once (one NODE_LOST,
-    unless the connection's loss already said it), and fail what waits."""
-    text = f"session lost: {reason}"
-    if client.connection.lost_reason is None:
-        client.events.emit(ClusterEvent(EventType.NODE_LOST, client.address, Severity.ERROR, {"message": text}))
-    client.connection.session_lost(text)  # (the connection adds the one thing to do)
+    """The pool says this client's session is gone (its node left): fail what waits, and say so
+    once. The connection says it: one NODE_LOST for the loss, whichever is heard first, the pool's
+    notice or the connection closing (it adds the one thing to do)."""
+    client.connection.session_lost(f"session lost: {reason}")
 
 
 def resolve_server(config: ClusterConfig) -> tuple[str, int, str, dict[str, str] | None]:

@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 import zmq
-from conftest import STRESS, start_server
+from conftest import STRESS, start_server, wait_until
 from reliability import record
 
 from genie_core.client import Client
@@ -206,6 +206,32 @@ def test_a_lost_pool_session_is_told_once_with_its_node_and_the_one_thing_to_do(
         assert reason.count("%genie_init") == 1 and "start a new session" not in reason, reason
         time.sleep(0.3)
         assert len(lost_events) == 1, lost_events
+    finally:
+        client.close()
+        srv.stop()
+
+
+def test_a_lost_pool_session_heard_from_the_pool_first_is_one_node_lost_too(tmp_path):
+    """The other order: the pool's notice comes before the connection closes."""
+    from genie_core.cluster import _session_lost, pooled
+    from genie_core.events import EventType
+
+    srv = start_server(tmp_path)
+    client = srv.client(heartbeat_interval=0.2, heartbeat_timeout=2.0)
+    pooled(client.connection, "gpu-node-3/5d2f1a")
+    lost_events = []
+    client.events.subscribe(lost_events.append, types=[EventType.NODE_LOST])
+    try:
+        _session_lost(client, "node gpu-node-3/5d2f1a left the pool (Ray reports it dead)")
+        assert wait_until(lambda: client.connection.lost_reason is not None, timeout=5)
+        srv.proc.kill()
+        time.sleep(1.0)
+        reason = client.connection.lost_reason or ""
+        assert reason.startswith("session lost: node gpu-node-3/5d2f1a left the pool"), reason
+        assert reason.count("%genie_init") == 1, reason
+        with pytest.raises(ConnectionLost, match="placed on another node"):
+            client.execute("print(1)").wait(5)
+        assert len(lost_events) == 1, [e.data for e in lost_events]
     finally:
         client.close()
         srv.stop()
