@@ -161,7 +161,7 @@ def _endpoint_cpu(pool, token: str, seconds: float) -> dict:
     from genie_jupyter.pool_feed import PoolFeed
     from genie_jupyter.widgets import PoolDashboard
 
-    feed = PoolFeed(watcher.status, f"127.0.0.1:{pool.port}")
+    feed = PoolFeed(watcher.ask_status, f"127.0.0.1:{pool.port}")
     dashboard = PoolDashboard(expanded=fake[:2])
     feed.attach(dashboard)
     bytes0, updates0, busy0 = feed.bytes_sent, feed.updates, feed.busy_seconds
@@ -207,8 +207,8 @@ def run(quick: bool = False) -> dict:
     from genie_core.pool.head import HEALTH_CHECKS
     from genie_core.protocol import pool as wire
 
-    n_cells = 50 if quick else 400
-    n_inits = 2 if quick else 8
+    n_cells = 20 if quick else 400
+    n_inits = 1 if quick else 8
     cluster = Cluster(
         initialize_head=True,
         connect=True,
@@ -251,7 +251,7 @@ def run(quick: bool = False) -> dict:
         direct.close()
         genie_core.shutdown_sync()
         ends = []  # end to end: ask, placed, connected, first answer; sequential
-        for _ in range(2 if quick else 6):
+        for _ in range(1 if quick else 6):
             t = time.perf_counter()
             session = PoolClient("127.0.0.1", pool.port, token, timeout=60)
             placed = session.place(1)
@@ -259,8 +259,8 @@ def run(quick: bool = False) -> dict:
             ends.append(time.perf_counter() - t)
             client.close()
             session.close()
-        decisions = _decisions(2000 if quick else 20000)
-        out.update(_endpoint_cpu(pool, token, 5.0 if quick else 30.0))
+        decisions = _decisions(500 if quick else 20000)
+        out.update(_endpoint_cpu(pool, token, 2.0 if quick else 30.0))
         out.update(
             {
                 "init_to_first_cell_s_p50": round(statistics.median(inits), 3),

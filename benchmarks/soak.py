@@ -3,7 +3,7 @@ pulls, remote-tensor work, interrupts and reconnects. The server's RSS, open fil
 threads and /dev/shm use are sampled throughout; after the warm-up they must stay flat, and no
 error may happen other than the KeyboardInterrupts the clients asked for.
 
-`python -m benchmarks soak --minutes N` (default 2; `--quick`: 20 seconds)."""
+`python -m benchmarks soak --minutes N` (default 2; `--quick`: 5 seconds)."""
 
 from __future__ import annotations
 
@@ -142,7 +142,7 @@ def _pooled(names: dict[str, int]) -> dict[str, int]:
 
 
 def run(quick: bool = False, minutes: float | None = None) -> dict:
-    seconds = 20.0 if quick else 60.0 * (2.0 if minutes is None else minutes)
+    seconds = 5.0 if quick else 60.0 * (2.0 if minutes is None else minutes)
     proc, info = _servers.start("--no-ucx")
     server = psutil.Process(proc.pid)
     owners = {server.pid}  # the server, its workers and the soak's clients
@@ -153,13 +153,13 @@ def run(quick: bool = False, minutes: float | None = None) -> dict:
         # Warm-up: as many clients as the soak do everything once or more, and leave; what the
         # server keeps from then on (thread pools grown to their size under concurrent load,
         # caches) is the baseline.
-        procs, results = _clients(ctx, info, CLIENTS, 5.0 if quick else 15.0)
+        procs, results = _clients(ctx, info, CLIENTS, 2.0 if quick else 15.0)
         owners.update(p.pid for p in procs if p.pid)
         for _ in procs:
             results.get(timeout=120)
         for p in procs:
             p.join(30)
-        time.sleep(3.0)
+        time.sleep(1.0 if quick else 3.0)
         baseline = _sample(server, owners)
         threads_before = _thread_names(server.pid)
         procs, results = _clients(ctx, info, CLIENTS, seconds)

@@ -76,6 +76,8 @@ def pool_view(report: dict[str, Any], address: str) -> dict[str, Any]:
                 "reasons": list(health.get("reasons") or []),
                 "type": next((g["name"] for g in gpus if g["name"]), ""),
                 "free": sum(1 for g in gpus if g["holder"].startswith("free")),
+                "gpu_count": len(gpus),
+                "utilization": _mean([g["utilization"] for g in gpus]),
                 "gpus": gpus,
             }
         )
@@ -84,7 +86,7 @@ def pool_view(report: dict[str, Any], address: str) -> dict[str, Any]:
     return {
         "address": address,
         "free": sum(n["free"] for n in shown),  # as the rows below count them
-        "total": sum(len(n["gpus"]) for n in shown),
+        "total": sum(n["gpu_count"] for n in shown),
         "nodes": nodes,
         "queue": {"length": len(queue), "yours": [i + 1 for i, a in enumerate(queue) if "session" in a]},
         "mine": mine,
@@ -167,19 +169,22 @@ class PoolFeed:
         self.busy_seconds += time.perf_counter() - began
 
     def _apply(self, widgets: list[Any], view: dict[str, Any], status: str) -> None:
-        size = len(json.dumps(view))
         for w in widgets:
+            shown = for_widget(view, list(w.expanded))
             with w.hold_sync():
-                w.pool = view
+                w.pool = shown
                 w.status = status
                 w.last_seen = self.last_seen
                 self._history_into(w)
-            self.bytes_sent += size + len(w.pool_history)
+            self.bytes_sent += len(json.dumps(shown)) + len(w.pool_history)
         self.updates += 1
 
     def _send_history(self, widgets: list[Any]) -> None:
+        """A node opened or closed: its GPUs and their history, now (not at the next reading)."""
         for w in widgets:
             with w.hold_sync():
+                if self._view is not None:
+                    w.pool = for_widget(self._view, list(w.expanded))
                 self._history_into(w)
 
     def _history_into(self, widget: Any) -> None:
@@ -197,6 +202,19 @@ class PoolFeed:
         widget.pool_history_shape = [len(rows), 2, points]
         widget.pool_history_span = (self._times[-1] - self._times[0]) if points > 1 else 0.0
         widget.pool_history = bytes(data)
+
+
+def _mean(values: list[Any]) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(sum(known) / len(known), 1) if known else None
+
+
+def for_widget(view: dict[str, Any], opened: list[str]) -> dict[str, Any]:
+    """What goes to one front end: every node's line, and GPUs only for the nodes it has opened
+    (a closed node is drawn as one line: the GPUs of a hundred nodes need not travel)."""
+    keep = set(opened)
+    nodes = [n if n["id"] in keep else {**n, "gpus": []} for n in view["nodes"]]
+    return {**view, "nodes": nodes}
 
 
 def _nan(value: Any) -> float:

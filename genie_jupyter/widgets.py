@@ -134,7 +134,7 @@ class PoolDashboard(GenieWidget):
             + (f" (you: {', '.join(map(str, queue['yours']))})" if queue["yours"] else "")
         )
         for node in view["nodes"]:
-            lines.append(f"{node['name']} {node['grade']}: {node['free']} of {len(node['gpus'])} free")
+            lines.append(f"{node['name']} {node['grade']}: {node['free']} of {node['gpu_count']} free")
             lines += [f"    ! {reason}" for reason in node["reasons"]]
         lines += [f"you: GPU {m['gpu']} on {m['node']} ({m['session']})" for m in view["mine"]]
         return "\n".join(line for line in lines if line)

@@ -649,13 +649,18 @@ def test_the_pool_dashboard_names_only_your_own_sessions_and_greys_out_when_the_
     widget = feed.attach(PoolDashboard())
     try:
         assert wait_until(lambda: widget.pool.get("nodes"), timeout=10)
+        gpu_nodes = [n["id"] for n in widget.pool["nodes"] if n["gpu_count"]]
+        assert all(not n["gpus"] for n in widget.pool["nodes"])  # closed nodes: one line each, no GPUs sent
+        widget.expanded = gpu_nodes  # opened: their GPUs, who holds them, their history
+        assert wait_until(lambda: all(n["gpus"] for n in widget.pool["nodes"] if n["id"] in gpu_nodes))
         holders = [g["holder"] for n in widget.pool["nodes"] for g in n["gpus"]]
         assert sum(h.startswith("you: ") for h in holders) == 1 and holders.count("another user") == 1, holders
         assert "bob" not in json.dumps(widget.pool) and widget.pool["mine"][0]["node"], widget.pool
-        head = next(n for n in widget.pool["nodes"] if not n["gpus"])
+        head = next(n for n in widget.pool["nodes"] if not n["gpu_count"])
         assert head["grade"] == "NO GPUS", head
         mine = next(n for n in widget.pool["nodes"] if any(g["holder"].startswith("you") for g in n["gpus"]))
         widget.expanded = [mine["id"]]
+        assert wait_until(lambda: all(not n["gpus"] for n in widget.pool["nodes"] if n["id"] != mine["id"]))
         assert wait_until(
             lambda: widget.pool_history_shape[0] == len(mine["gpus"]) and widget.pool_history_shape[2] > 1
         )

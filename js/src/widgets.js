@@ -231,10 +231,7 @@ function drawJobs(model) {
 // The pool's nodes in the order asked ("free": most free GPUs first; "busy": busiest first; "name"),
 // only those with GPUs of `type` when one is given.
 export function poolNodes(nodes, sort = "free", type = "") {
-  const busy = (n) => {
-    const u = n.gpus.map((g) => g.utilization).filter((v) => Number.isFinite(v));
-    return u.length ? u.reduce((a, b) => a + b, 0) / u.length : -1;
-  };
+  const busy = (n) => (Number.isFinite(n.utilization) ? n.utilization : -1);  // the node's mean, sent for every node
   const order = {
     free: (a, b) => b.free - a.free || a.name.localeCompare(b.name),
     busy: (a, b) => busy(b) - busy(a) || a.name.localeCompare(b.name),
@@ -296,7 +293,7 @@ function drawPool(model) {
     const grade = node.grade.toLowerCase().replace(" ", "-");
     details.append(el("summary", {}, el("span", { class: "genie-pool-node-name" }, node.name),
       el("span", { class: `genie-badge genie-grade-${grade}` }, node.grade),
-      el("span", { class: "genie-muted" }, ` ${node.free} of ${node.gpus.length} free · ${node.type || "no GPU reading"}${node.simulated ? " · simulated" : ""}`)));
+      el("span", { class: "genie-muted" }, ` ${node.free} of ${node.gpu_count} free · ${node.type || "no GPU reading"}${node.simulated ? " · simulated" : ""}`)));
     details.addEventListener("toggle", () => {
       const now = new Set(model.get("expanded") || []);
       if (details.open) now.add(node.id); else now.delete(node.id);

@@ -67,7 +67,8 @@ test("who holds a GPU: sessions by name, other processes said plainly", () => {
 
 import { poolNodes, gpuTypes, poolSeries } from "../src/widgets.js";
 
-const node = (name, free, type, util) => ({ id: name, name, free, type, gpus: util.map((u, i) => ({ index: i, utilization: u })) });
+const mean = (u) => { const k = u.filter((v) => v !== null); return k.length ? k.reduce((a, b) => a + b, 0) / k.length : null; };
+const node = (name, free, type, util) => ({ id: name, name, free, type, utilization: mean(util), gpu_count: util.length, gpus: [] });
 
 test("pool nodes sort with free GPUs first, busiest first or by name, and filter by GPU type", () => {
   const nodes = [node("b", 1, "A100", [90, 10]), node("a", 1, "T4", [20, 20]), node("c", 2, "A100", [null, 5])];
