@@ -308,7 +308,7 @@ class Connection:
             event = recv_monitor_message(monitor)
             if self.session:
                 if event["event"] == zmq.EVENT_DISCONNECTED and not self.closed:
-                    self.mark_lost(f"connection to {self.serving} lost: the server closed the connection")
+                    self.mark_lost(self._closed_by_server())
                 continue
             if self._handshake_error is not None:
                 continue  # the first event says why; a disconnect follows every failed handshake
@@ -460,14 +460,13 @@ class Connection:
         while monitor.poll(0):
             event = recv_monitor_message(monitor)
             if event["event"] == zmq.EVENT_DISCONNECTED and self.session and not self.closed:
-                self.mark_lost(
-                    f"connection to {self.serving} lost: the server closed the connection "
-                    + (
-                        f"(the session's process or node died); {self.when_gone}"
-                        if self.pooled
-                        else "(it stopped or crashed)"
-                    )
-                )
+                self.mark_lost(self._closed_by_server())
+
+    def _closed_by_server(self) -> str:
+        """What a lost connection says when the server closed it (whichever monitor saw it first)."""
+        return f"connection to {self.serving} lost: the server closed the connection " + (
+            f"(the session's process or node died); {self.when_gone}" if self.pooled else "(it stopped or crashed)"
+        )
 
     def _heartbeat(self) -> None:
         silent_for = time.monotonic() - self.last_heard
