@@ -12,6 +12,7 @@ import psutil
 import pytest
 import zmq
 from conftest import STRESS, start_server, wait_until
+from relay import Relay
 from reliability import record
 
 from genie_core.client import Client
@@ -19,53 +20,6 @@ from genie_core.errors import AuthenticationError, ConnectionFailed, ConnectionL
 
 ROUNDS = 50
 TIMEOUT = 2.0
-
-
-class CuttingRelay:
-    """127.0.0.1:port -> the server, cutting both directions after `limit` bytes from the server:
-    to the client, the server died in the middle of the handshake."""
-
-    def __init__(self, target_port: int, limit: int) -> None:
-        self.target, self.limit = target_port, limit
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                a, _ = self.listener.accept()
-            except OSError:
-                return
-            b = socket.create_connection(("127.0.0.1", self.target))
-            threading.Thread(target=self._pump, args=(a, b, None), daemon=True).start()
-            threading.Thread(target=self._pump, args=(b, a, self.limit), daemon=True).start()
-
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket, limit: int | None) -> None:
-        sent = 0
-        try:
-            while data := src.recv(1 << 16):
-                if limit is not None and sent + len(data) >= limit:
-                    dst.sendall(data[: limit - sent])
-                    break
-                dst.sendall(data)
-                sent += len(data)
-        except OSError:
-            pass
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
-
-    def close(self) -> None:
-        try:
-            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (close alone would not)
-        except OSError:
-            pass
-        self.listener.close()
 
 
 def _free_port() -> int:
@@ -139,7 +93,7 @@ def test_each_connect_failure_is_its_own_error_within_the_timeout_50_times(serve
         elif case == "the data port by mistake":
             Client("127.0.0.1", data_port, token, timeout=TIMEOUT).connect()
         elif case == "server dies mid-handshake":
-            relay = CuttingRelay(port, limit=1 + i % 64)  # cut anywhere in the greeting and handshake
+            relay = Relay(port, cut_after=1 + i % 64)  # the server "dies" anywhere in the greeting and handshake
             try:
                 Client("127.0.0.1", relay.port, token, timeout=TIMEOUT).connect()
             finally:

@@ -6,16 +6,15 @@ by what an eavesdropper would see, with the unencrypted server as the control.""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 import torch
 import zmq
 from conftest import run, start_server, stdout_of
+from relay import Relay
 from reliability import record
 
 from genie_core.client import Client
@@ -24,48 +23,14 @@ from genie_core.errors import AuthenticationError, ConnectionFailed
 SECRET = "launch-code-" + os.urandom(6).hex()
 
 
-class RecordingRelay:
-    """127.0.0.1:port -> the server; keeps a copy of every byte in both directions."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target = target_port
-        self.wire = bytearray()
-        self._lock = threading.Lock()
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                a, _ = self.listener.accept()
-            except OSError:
-                return
-            b = socket.create_connection(("127.0.0.1", self.target))
-            for src, dst in ((a, b), (b, a)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(1 << 16):
-                with self._lock:
-                    self.wire += data
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self.listener.close()
-
-
 def _session_through_relay(srv) -> bytes:
-    relay = RecordingRelay(srv.info.port)
+    wire = bytearray()
+
+    def keep(data: bytes, direction: str) -> bytes:  # an eavesdropper keeps a copy of every byte
+        wire.extend(data)
+        return data
+
+    relay = Relay(srv.info.port, on_chunk=keep)
     try:
         client = Client("127.0.0.1", relay.port, srv.info.token, timeout=10, curve=srv.info.curve).connect()
         try:
@@ -73,7 +38,7 @@ def _session_through_relay(srv) -> bytes:
             client.push({"small": SECRET * 3})  # under the data-plane threshold: travels on this connection
         finally:
             client.close()
-        return bytes(relay.wire)
+        return bytes(wire)
     finally:
         relay.close()
 

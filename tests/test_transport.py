@@ -3,17 +3,16 @@ choices, authentication of the data port, and detection (fixture sysfs trees at 
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import socket
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from conftest import start_server
+from relay import Relay
 
 import genie_core
 from genie_core.dataplane import BackendUnavailable, hardware, wire
@@ -281,45 +280,21 @@ def test_a_tensor_over_4_gib_round_trips(connect):
     state.client.execute("del huge").wait(60)
 
 
-class FlippingRelay:
-    """A TCP relay on 127.0.0.1 in front of the data port that, once armed, flips one byte of the
-    first large chunk going one way: an attacker on the path who alters a payload in flight."""
+class Flipper:
+    """Once armed, flips one byte of the first large chunk going one way: an attacker on the path
+    who alters a payload in flight (the `on_chunk` of a tests/relay.py Relay)."""
 
-    def __init__(self, port: int) -> None:
-        self.target = port
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
+    def __init__(self) -> None:
         self.armed: str | None = None  # "up" (client to server) or "down"
         self.flipped = 0
-        threading.Thread(target=self._accept, daemon=True).start()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(("127.0.0.1", self.target))
-            threading.Thread(target=self._pipe, args=(client, server, "up"), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(server, client, "down"), daemon=True).start()
-
-    def _pipe(self, src: socket.socket, dst: socket.socket, direction: str) -> None:
-        try:
-            while data := src.recv(1 << 20):
-                if self.armed == direction and len(data) > 4096:  # inside a payload, not a header
-                    self.armed, self.flipped = None, self.flipped + 1
-                    data = bytearray(data)
-                    data[len(data) // 2] ^= 0x01
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
-
-    def close(self) -> None:
-        self.listener.close()
+    def __call__(self, data: bytes, direction: str) -> bytes:
+        if self.armed == direction and len(data) > 4096:  # inside a payload, not a header
+            self.armed, self.flipped = None, self.flipped + 1
+            changed = bytearray(data)
+            changed[len(changed) // 2] ^= 0x01
+            return bytes(changed)
+        return data
 
 
 def test_a_tcp_payload_altered_on_the_way_is_refused_both_ways(server, monkeypatch):
@@ -331,7 +306,8 @@ def test_a_tcp_payload_altered_on_the_way_is_refused_both_ways(server, monkeypat
     state = genie_core.init_sync(f"127.0.0.1:{server.info.port}", token=server.info.token, backend="tcp", timeout=20)
     port = state.backend_report.candidate("tcp").details["port"]
     genie_core.shutdown_sync()
-    relay = FlippingRelay(port)
+    flipper = Flipper()
+    relay = Relay(port, on_chunk=flipper)
     monkeypatch.setattr(tcp, "is_loopback", lambda host: False)
     try:
         state = genie_core.init_sync(
@@ -341,18 +317,18 @@ def test_a_tcp_payload_altered_on_the_way_is_refused_both_ways(server, monkeypat
         t = torch.randn(1 << 20)
         state.client.push({"t": t})  # untouched: the MAC passes
         assert torch.equal(state.client.pull(["t"])["t"], t)
-        relay.armed = "up"
+        flipper.armed = "up"
         with pytest.raises(ConnectionError, match="payload failed authentication"):
             state.client.channel.put([memoryview(t.numpy()).cast("B")])
-        assert relay.flipped == 1
+        assert flipper.flipped == 1
         state = genie_core.init_sync(
             f"127.0.0.1:{server.info.port}", token=server.info.token, backend="tcp", data_port=relay.port, timeout=20
         )
         state.client.push({"t": t})
-        relay.armed = "down"
+        flipper.armed = "down"
         with pytest.raises(ConnectionLost, match="payload failed authentication"):
             state.client.pull(["t"])
-        assert relay.flipped == 2
+        assert flipper.flipped == 2
     finally:
         genie_core.shutdown_sync()
         relay.close()
