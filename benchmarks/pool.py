@@ -19,6 +19,7 @@ import os
 import statistics
 import tempfile
 import time
+from typing import Any
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # every Ray address the loopback (see genie_core.pool.head)
 
@@ -129,17 +130,18 @@ def _send_readings(sink: str, key: bytes, node_ids: list[str], seconds: float) -
     ctx.term()
 
 
-def _endpoint_cpu(pool, token: str, seconds: float) -> dict:
-    """The endpoint thread's CPU while 100 nodes x 8 GPUs report at 1 Hz and a client watches."""
+def simulated_node_ids(n: int) -> list[str]:
+    return [f"sim{i:03d}" + "0" * 50 for i in range(n)]
+
+
+def add_simulated_nodes(pool: Any, node_ids: list[str], seconds: float) -> Any:
+    """Nodes of 8 simulated GPUs in the endpoint's node table, each pushing a signed reading a
+    second for `seconds` (a process plays their monitors). They only report: nothing is placed
+    there. Returns the sender process; `remove_simulated_nodes` undoes it all."""
     import multiprocessing
 
-    import psutil
-
-    from genie_core.client.pool import PoolClient, render_pool
-
-    pool.node_poll = 1e9  # the 100 nodes are simulated: keep Ray's node table from replacing them
-    fake = [f"sim{i:03d}" + "0" * 50 for i in range(100)]
-    for node_id in fake:
+    pool.node_poll = 1e9  # keep Ray's node table from replacing the simulated nodes
+    for node_id in node_ids:
         pool.nodes[node_id] = {
             "alive": True,
             "gpus": 8,
@@ -150,9 +152,32 @@ def _endpoint_cpu(pool, token: str, seconds: float) -> dict:
         }
         pool.monitors[node_id] = None  # no monitor actor: the sender process plays them
     sender = multiprocessing.get_context("spawn").Process(
-        target=_send_readings, args=(pool.sink, pool._readings_key, fake, seconds + 3)
+        target=_send_readings, args=(pool.sink, pool._readings_key, node_ids, seconds)
     )
     sender.start()
+    return sender
+
+
+def remove_simulated_nodes(pool: Any, node_ids: list[str], sender: Any, node_poll: float) -> None:
+    if sender is not None:
+        sender.terminate()
+        sender.join(30)
+    pool.node_poll = node_poll
+    for node_id in node_ids:
+        pool.nodes.pop(node_id, None)
+        pool.readings.pop(node_id, None)
+        pool.monitors.pop(node_id, None)
+
+
+def _endpoint_cpu(pool, token: str, seconds: float) -> dict:
+    """The endpoint thread's CPU while 100 nodes x 8 GPUs report at 1 Hz and a client watches."""
+    import psutil
+
+    from genie_core.client.pool import PoolClient, render_pool
+
+    polled = pool.node_poll
+    fake = simulated_node_ids(100)
+    sender = add_simulated_nodes(pool, fake, seconds + 3)
     time.sleep(3)  # every node has reported once
     thread = next(t for t in psutil.Process().threads() if t.id == pool.thread_id)
     cpu0, t0, taken0 = thread.user_time + thread.system_time, time.monotonic(), pool.readings_taken
@@ -161,7 +186,8 @@ def _endpoint_cpu(pool, token: str, seconds: float) -> dict:
     from genie_jupyter.pool_feed import PoolFeed
     from genie_jupyter.widgets import PoolDashboard
 
-    feed = PoolFeed(watcher.ask_status, f"127.0.0.1:{pool.port}")
+    asker = watcher.copy()  # the feed's own socket, closed by its thread when it stops
+    feed = PoolFeed(asker.ask_status, f"127.0.0.1:{pool.port}", on_stop=asker.close)
     dashboard = PoolDashboard(expanded=fake[:2])
     feed.attach(dashboard)
     bytes0, updates0, busy0 = feed.bytes_sent, feed.updates, feed.busy_seconds
@@ -181,11 +207,7 @@ def _endpoint_cpu(pool, token: str, seconds: float) -> dict:
     }
     feed.stop()
     watcher.close()
-    sender.join(30)
-    for node_id in fake:
-        pool.nodes.pop(node_id, None)
-        pool.readings.pop(node_id, None)
-        pool.monitors.pop(node_id, None)
+    remove_simulated_nodes(pool, fake, sender, polled)
     return {
         "endpoint_cpu_percent_100x8_at_1hz": round(100 * (cpu1 - cpu0) / (t1 - t0), 2),
         "endpoint_cpu_goal_under_10": 100 * (cpu1 - cpu0) / (t1 - t0) < 10,

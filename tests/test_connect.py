@@ -3,6 +3,7 @@ and leaves nothing behind in the client process (threads, file descriptors)."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import threading
@@ -130,19 +131,35 @@ def test_each_connect_failure_is_its_own_error_within_the_timeout_50_times(serve
     good.close()
 
 
-def test_a_lost_pool_session_is_told_once_with_its_node_and_the_one_thing_to_do(tmp_path):
-    """A pool session's server closes (its node died): the cell waiting says which node and what to
-    do; the pool's notice that follows replaces the reason, with the advice once, and the event
-    log has one NODE_LOST for the one loss."""
-    from genie_core.cluster import _session_lost, pooled
+@contextlib.contextmanager
+def _pool_session(tmp_path):
+    """A client to a real server, told it is a pool's session on node gpu-node-3/5d2f1a (as
+    genie_core.init does when a pool placed it), with the NODE_LOST events it emits."""
+    from genie_core.cluster import pooled
     from genie_core.events import EventType
 
     srv = start_server(tmp_path)
     client = srv.client(heartbeat_interval=0.2, heartbeat_timeout=2.0)
     pooled(client.connection, "gpu-node-3/5d2f1a")
-    lost_events = []
+    lost_events: list = []
     client.events.subscribe(lost_events.append, types=[EventType.NODE_LOST])
     try:
+        yield srv, client, lost_events
+    finally:
+        client.close()
+        srv.stop()
+
+
+NODE_LEFT = "node gpu-node-3/5d2f1a left the pool (Ray reports it dead)"
+
+
+def test_a_lost_pool_session_is_told_once_with_its_node_and_the_one_thing_to_do(tmp_path):
+    """A pool session's server closes (its node died): the cell waiting says which node and what to
+    do; the pool's notice that follows replaces the reason, with the advice once, and the event
+    log has one NODE_LOST for the one loss."""
+    from genie_core.cluster import _session_lost
+
+    with _pool_session(tmp_path) as (srv, client, lost_events):
         waiting = client.execute("import time; time.sleep(30)")
         time.sleep(0.5)
         srv.proc.kill()
@@ -151,32 +168,21 @@ def test_a_lost_pool_session_is_told_once_with_its_node_and_the_one_thing_to_do(
         said = str(first.value)
         assert f"your session on gpu-node-3/5d2f1a (127.0.0.1:{srv.info.port})" in said, said
         assert said.count("%genie_init") == 1 and "placed on another node" in said, said
-        _session_lost(client, "node gpu-node-3/5d2f1a left the pool (Ray reports it dead)")
-        deadline = time.monotonic() + 5
-        while "left the pool" not in (client.connection.lost_reason or "") and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _session_lost(client, NODE_LEFT)
+        wait_until(lambda: "left the pool" in (client.connection.lost_reason or ""), timeout=5)
         reason = client.connection.lost_reason or ""
         assert reason.startswith("session lost: node gpu-node-3/5d2f1a left the pool"), reason
         assert reason.count("%genie_init") == 1 and "start a new session" not in reason, reason
         time.sleep(0.3)
         assert len(lost_events) == 1, lost_events
-    finally:
-        client.close()
-        srv.stop()
 
 
 def test_a_lost_pool_session_heard_from_the_pool_first_is_one_node_lost_too(tmp_path):
     """The other order: the pool's notice comes before the connection closes."""
-    from genie_core.cluster import _session_lost, pooled
-    from genie_core.events import EventType
+    from genie_core.cluster import _session_lost
 
-    srv = start_server(tmp_path)
-    client = srv.client(heartbeat_interval=0.2, heartbeat_timeout=2.0)
-    pooled(client.connection, "gpu-node-3/5d2f1a")
-    lost_events = []
-    client.events.subscribe(lost_events.append, types=[EventType.NODE_LOST])
-    try:
-        _session_lost(client, "node gpu-node-3/5d2f1a left the pool (Ray reports it dead)")
+    with _pool_session(tmp_path) as (srv, client, lost_events):
+        _session_lost(client, NODE_LEFT)
         assert wait_until(lambda: client.connection.lost_reason is not None, timeout=5)
         srv.proc.kill()
         time.sleep(1.0)
@@ -186,6 +192,3 @@ def test_a_lost_pool_session_heard_from_the_pool_first_is_one_node_lost_too(tmp_
         with pytest.raises(ConnectionLost, match="placed on another node"):
             client.execute("print(1)").wait(5)
         assert len(lost_events) == 1, [e.data for e in lost_events]
-    finally:
-        client.close()
-        srv.stop()

@@ -696,11 +696,9 @@ def test_the_pool_dashboard_in_jupyterlab_at_2_and_100_nodes(pool, tmp_path):
     to its GPUs and their history, sorts and filters; then with 100 nodes of 8 simulated GPUs (a
     process pushing signed readings, as the endpoint benchmark does) it still draws them all.
     Screenshots in both JupyterLab themes, at 2 and at 100 nodes."""
-    import multiprocessing
-
     from lab import lab_page, switch_theme
 
-    from benchmarks.pool import _send_readings
+    from benchmarks.pool import add_simulated_nodes, remove_simulated_nodes, simulated_node_ids
 
     _wait_free(pool, 4)
     cells = [
@@ -709,7 +707,7 @@ def test_the_pool_dashboard_in_jupyterlab_at_2_and_100_nodes(pool, tmp_path):
         "%genie_status",
     ]
     shots = _screenshot_dir()
-    fake = [f"sim{i:03d}" + "0" * 50 for i in range(98)]  # 100 GPU nodes with the cluster's 2
+    fake = simulated_node_ids(98)  # 100 GPU nodes with the cluster's 2
     polled, sender = pool.node_poll, None
     try:
         with lab_page(tmp_path, cells, viewport={"width": 1400, "height": 1400}) as page:
@@ -732,21 +730,7 @@ def test_the_pool_dashboard_in_jupyterlab_at_2_and_100_nodes(pool, tmp_path):
                 area = page.locator(".jp-OutputArea-output:has(.genie-pool)").last
                 area.screenshot(path=str(shots / f"pool-2-nodes-{'light' if light else 'dark'}.png"))
             # 100 nodes: 98 simulated beside the 2 of the cluster
-            pool.node_poll = 1e9  # keep Ray's node table from replacing the simulated ones
-            for node_id in fake:
-                pool.nodes[node_id] = {
-                    "alive": True,
-                    "gpus": 8,
-                    "name": f"sim/{node_id[:6]}",
-                    "ip": "127.0.0.1",
-                    "death": "",
-                    "simulated": True,
-                }
-                pool.monitors[node_id] = None
-            sender = multiprocessing.get_context("spawn").Process(
-                target=_send_readings, args=(pool.sink, pool._readings_key, fake, 60)
-            )
-            sender.start()
+            sender = add_simulated_nodes(pool, fake, 60)
             page.wait_for_function(
                 f"document.querySelectorAll('.genie-pool-node').length === {known + len(fake)}", timeout=30_000
             )
@@ -768,14 +752,7 @@ def test_the_pool_dashboard_in_jupyterlab_at_2_and_100_nodes(pool, tmp_path):
                 ".requestExecute({code: '%genie_shutdown'}).done"
             )
     finally:
-        if sender is not None:
-            sender.terminate()
-            sender.join(10)
-        pool.node_poll = polled
-        for node_id in fake:
-            pool.nodes.pop(node_id, None)
-            pool.readings.pop(node_id, None)
-            pool.monitors.pop(node_id, None)
+        remove_simulated_nodes(pool, fake, sender, polled)
 
 
 def _trace_the_dashboard(page, nodes: int, seconds: float = 10.0) -> None:
