@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import platform
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,7 +29,9 @@ def elapsed_ms(start: Any, end: Any) -> float:
     return float(start.elapsed_time(end))
 
 
-def answer(question: str, args: tuple, device: torch.device, held_bytes: int, clocks: dict[int, Any]) -> Any:
+def answer(
+    question: str, args: tuple, device: torch.device, held_bytes: Callable[[], int], clocks: dict[int, Any]
+) -> Any:
     """The answer, as JSON-able values under torch.cuda's names."""
     if question == "elapsed":
         start, end = (clocks.get(rid) for rid in args)
@@ -69,7 +72,7 @@ def _cuda(question: str, device: torch.device) -> Any:
     raise ValueError(f"unknown question about the device: {question!r}")
 
 
-def _cpu(question: str, held_bytes: int) -> Any:
+def _cpu(question: str, held_bytes: Callable[[], int]) -> Any:
     import psutil
 
     if question == "properties":
@@ -84,10 +87,10 @@ def _cpu(question: str, held_bytes: int) -> Any:
             "bf16_supported": True,
         }
     if question == "memory":  # the session's tensors, exactly; there is no caching allocator and no peak
-        memory = psutil.virtual_memory()
+        memory, held = psutil.virtual_memory(), held_bytes()  # (counted only when asked: it walks the store)
         return {
-            "allocated_bytes.all.current": held_bytes,
-            "reserved_bytes.all.current": held_bytes,
+            "allocated_bytes.all.current": held,
+            "reserved_bytes.all.current": held,
             "free_bytes": int(memory.available),
             "total_bytes": int(memory.total),
         }

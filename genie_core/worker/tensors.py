@@ -288,7 +288,7 @@ class TensorExecutor:
                 elif kind == "clock":
                     self.clocks[record[1]] = device_answers.clock(self.device)
                 elif kind == "ask":
-                    value = device_answers.answer(record[1], record[2], self.device, self._held_bytes(), self.clocks)
+                    value = device_answers.answer(record[1], record[2], self.device, self._held_bytes, self.clocks)
                     if request.get("eager_last") and index == len(records) - 1:
                         eager = {"value": value}
                 elif kind == "op":
