@@ -8,6 +8,7 @@ import argparse
 import logging
 import sys
 from importlib.metadata import entry_points
+from typing import Any
 
 from .config import ClusterConfig
 from .errors import GenieError
@@ -65,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: never; sessions without a name end when their client goes anyway)",
     )
     serve.add_argument("--gpus", default=None, help="GPU indices to offer, e.g. 0,1 (default: all)")
+    serve.add_argument(
+        "--sandbox",
+        action="store_true",
+        default=None,
+        help="run each session's worker in a sandbox of its own (for a server shared by several people)",
+    )
+    _add_sandbox_options(serve)
     serve.add_argument("--node-id", default=None, help="name of this node (default: host name)")
     serve.add_argument("--connection-file", default=None, help="where to write the connection file")
     serve.add_argument("--lifeline-fd", type=int, default=None, help=argparse.SUPPRESS)  # see LocalServer
@@ -165,9 +173,42 @@ def _serve(args: argparse.Namespace) -> int:
         max_session_bytes=args.max_session_bytes,
         enable_ucx=False if args.no_ucx else None,
         idle_timeout=args.idle_timeout,
+        sandbox=args.sandbox,
+        **_sandbox_settings(args),
     )
     logging.basicConfig(level=config.log_level.upper(), format="[genie %(levelname)s] %(message)s")
     return run_server(config, parent_lifeline=args.lifeline_fd)
+
+
+def _add_sandbox_options(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument(
+        "--session-network",
+        choices=("none", "outbound", "host"),
+        default=None,
+        help="sandboxed cells' network: none (loopback only), outbound (anywhere but this host's and the "
+        "cluster's services; the default) or host (everything this host reaches)",
+    )
+    cmd.add_argument("--session-memory", default=None, metavar="SIZE", help="memory per sandboxed session, e.g. 16GiB")
+    cmd.add_argument(
+        "--session-processes", type=int, default=None, metavar="N", help="processes and threads per session (4096)"
+    )
+    cmd.add_argument("--session-cpus", type=float, default=None, metavar="N", help="CPU time per session, in CPUs")
+    cmd.add_argument(
+        "--allow-unisolated",
+        action="store_true",
+        default=None,
+        help="start even where the sandbox cannot give every protection (each is listed at start)",
+    )
+
+
+def _sandbox_settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "session_network": args.session_network,
+        "session_memory_bytes": args.session_memory,
+        "session_processes": args.session_processes,
+        "session_cpus": args.session_cpus,
+        "allow_unisolated": args.allow_unisolated,
+    }
 
 
 def _add_pool_commands(sub: argparse._SubParsersAction) -> None:

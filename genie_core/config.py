@@ -98,6 +98,12 @@ class ClusterConfig:
     max_session_tensors: int = 1_000_000  # server: remote tensors one session may hold
     max_session_bytes: int | None = None  # server: bytes of remote tensors one session may hold (and the largest push)
     spare_workers: int = 1  # server: workers started ahead of need, so a new session's first cell does not wait
+    sandbox: bool = False  # server: each session's worker in a sandbox of its own (see genie_core.sandbox)
+    session_network: str = "outbound"  # server, sandboxed: none, outbound (not this host's services) or host
+    session_memory_bytes: int | None = None  # server, sandboxed: memory one session's worker may use
+    session_processes: int | None = 4096  # server, sandboxed: processes and threads one session may run
+    session_cpus: float | None = None  # server, sandboxed: CPU time one session may use, in CPUs
+    allow_unisolated: bool = False  # server: start even where the sandbox lacks a protection (said at start)
     log_level: str = "WARNING"
 
     @classmethod
@@ -152,6 +158,10 @@ class ClusterConfig:
             self.max_session_bytes = parse_size(self.max_session_bytes)
         if self.max_session_bytes is not None and self.max_session_bytes < 1:
             raise ConfigError(f"invalid max_session_bytes {self.max_session_bytes}: at least 1 byte")
+        if isinstance(self.session_memory_bytes, str):
+            self.session_memory_bytes = parse_size(self.session_memory_bytes)
+        if self.session_network not in ("none", "outbound", "host"):
+            raise ConfigError(f"unknown session network {self.session_network!r}: choose none, outbound or host")
         if self.health_check_interval <= 0:
             raise ConfigError(f"invalid health_check_interval {self.health_check_interval}: must be positive")
         self.gpus = parse_gpus(self.gpus)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -191,8 +192,11 @@ def sweep_dead() -> int:
             continue
         try:
             os.kill(pid, 0)
-        except ProcessLookupError:
-            path.unlink(missing_ok=True)
+        except ProcessLookupError:  # a sandboxed worker's private /dev/shm is a folder (genie-sbx-PID-ID)
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
             removed += 1
         except PermissionError:
             pass

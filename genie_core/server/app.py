@@ -18,7 +18,15 @@ from typing import Any
 import psutil
 import zmq
 
-from ..config import MIN_NETWORK_TOKEN, ClusterConfig, ConnectionInfo, is_loopback, new_token, runtime_dir
+from ..config import (
+    MIN_NETWORK_TOKEN,
+    ClusterConfig,
+    ConnectionInfo,
+    is_loopback,
+    new_token,
+    runtime_dir,
+    state_dir,
+)
 from ..dataplane import ServerSide
 from ..dataplane.stream import DataHost
 from ..errors import ConfigError
@@ -28,6 +36,7 @@ from ..lifeline import Lifeline, parent_gone
 from ..loop import SocketLoop
 from ..monitoring import GPUSource
 from ..protocol import PROTOCOL_VERSION, Codec, Message, MessageType, Peer, accepted_from, derive_key, error_content
+from ..sandbox import Sandbox, SandboxPolicy
 from ..threads import name_os_thread
 from ..versions import compare, local_versions
 from .admission import Admission, Admitted
@@ -93,6 +102,7 @@ class Server:
         self._loop = SocketLoop("server")
         self._thread: threading.Thread | None = None
         self._worker_dir = ""
+        self.sandbox: Sandbox | None = None
         self._seq = 0
         self._lifeline = Lifeline()  # every worker holds its read end
         self._handlers = self._handler_table()
@@ -121,7 +131,30 @@ class Server:
         return f"genie://{self.config.ip}:{self.port}"
 
     # -- lifecycle ------------------------------------------------------------------------
+    def _make_sandbox(self) -> Sandbox | None:
+        """The sandbox sessions' workers start in (config.sandbox), or ConfigError naming each
+        protection this machine cannot give, unless the admin allowed that (allow_unisolated)."""
+        if not self.config.sandbox:
+            return None
+        policy = SandboxPolicy(
+            network=self.config.session_network,
+            memory_bytes=self.config.session_memory_bytes,
+            processes=self.config.session_processes,
+            cpus=self.config.session_cpus,
+        )
+        sandbox = Sandbox(policy)
+        missing = sandbox.missing()
+        if missing and not self.config.allow_unisolated:
+            raise ConfigError(
+                "the sandbox cannot give every protection here; start with --allow-unisolated to run without "
+                "them, or fix: " + "; ".join(f"{p.name}: {p.detail}" for p in missing)
+            )
+        for path in (runtime_dir(), state_dir(self.node_id, self.config.state_dir)):
+            sandbox.hide(path)
+        return sandbox
+
     def start(self) -> Server:
+        self.sandbox = self._make_sandbox()
         ctx = self._ctx = zmq.Context()
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
@@ -153,6 +186,11 @@ class Server:
         worker_router.setsockopt(zmq.LINGER, 0)
         endpoint = f"ipc://{self._worker_dir}/workers"
         worker_router.bind(endpoint)
+        if self.sandbox is not None:
+            self.sandbox.hide(Path(self._worker_dir))
+            self.sandbox.expose(Path(self._worker_dir) / "workers")
+            os.chmod(Path(self._worker_dir) / "workers", 0o666)  # sessions' uids; the folder stays 0700
+            self.sandbox.start()
         self.pool = WorkerPool(
             worker_router,
             endpoint,
@@ -162,6 +200,8 @@ class Server:
             self.spare_workers,
             self._from_worker,
             self.address,
+            self.sandbox,
+            Path(self._worker_dir),
         )
         self.pool.sessions = self.sessions.live
         self._loop.add_socket(self.router, self._on_client_readable)
@@ -181,6 +221,8 @@ class Server:
         )
         path = self.config.connection_file or runtime_dir() / f"genie-server-{self.node_id}-{self.port}.json"
         self.connection_file = info.write(path)
+        if self.sandbox is not None:
+            self.sandbox.mask(self.connection_file)
         self.telemetry.start(self.address, self._broadcast)
         max_put = min(self.config.max_session_bytes or self.config.max_message_bytes, self.config.max_message_bytes)
         self.data = DataPlane(
@@ -243,6 +285,8 @@ class Server:
         self.admission.close()
         self.telemetry.stop()
         self.pool.stop_all()
+        if self.sandbox is not None:
+            self.sandbox.stop()
         self.router.close()
         self.pool.sock.close()
         if self._ctx is not None:
@@ -451,7 +495,8 @@ class Server:
 
     def _directory(self, session: Session) -> SessionDirectory:
         if session.directory is None:
-            session.directory = SessionDirectory(Path(self._worker_dir) / f"session-{session.id[:16]}")
+            root = self.pool.home(session) or Path(self._worker_dir) / f"session-{session.id[:16]}"
+            session.directory = SessionDirectory(root)
         return session.directory
 
     def _on_sync(self, session: Session, msg: Message) -> None:
@@ -594,6 +639,8 @@ def run_server(config: ClusterConfig, parent_lifeline: int | None = None) -> int
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     print(server.ready_line(), flush=True)
+    if server.sandbox is not None:
+        print(server.sandbox.report(), flush=True)
     if not is_loopback(config.ip) and not config.encrypt:
         print(
             f"WARNING: listening on {config.ip} WITHOUT ENCRYPTION: messages are signed, but code, outputs and data "

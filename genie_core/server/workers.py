@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +24,8 @@ import zmq
 from ..config import runtime_dir_for
 from ..dataplane.segment import sweep_worker
 from ..protocol import TERMINAL, Codec, Message, MessageType, Peer, error_content, parse
+from ..sandbox import Sandbox, SandboxedWorker
+from ..sandbox.uids import UidLease
 from .sessions import Session
 
 log = logging.getLogger("genie.server")
@@ -80,6 +83,8 @@ def _runtime_dir_of(pid: str) -> Path | None:
     except OSError:
         return None
     environ = dict(item.decode(errors="replace").partition("=")[::2] for item in raw if b"=" in item)
+    if environ.get("GENIE_SANDBOXED"):
+        return None  # ends with its bwrap, which ends with its server (--die-with-parent)
     return runtime_dir_for(environ)
 
 
@@ -114,10 +119,17 @@ def sweep_orphans() -> int:
 
 class WorkerProcess:
     def __init__(
-        self, worker_id: str, slot: int, endpoint: str, lifeline: int, limits: dict[str, Any] | None = None
+        self,
+        worker_id: str,
+        slot: int,
+        endpoint: str,
+        lifeline: int,
+        limits: dict[str, Any] | None = None,
+        sandboxed: SandboxedWorker | None = None,
     ) -> None:
         self.id = worker_id
         self.slot = slot
+        self.sandboxed = sandboxed
         env = dict(os.environ)
         for name, value in (limits or {}).items():  # the worker enforces the session limits itself
             env[f"GENIE_LIMIT_{name.upper()}"] = "" if value is None else str(value)
@@ -125,8 +137,11 @@ class WorkerProcess:
         env["CUDA_VISIBLE_DEVICES"] = "" if slot == CPU else str(slot)
         env["GENIE_WORKER_ID"] = worker_id
         env.pop("GENIE_TOKEN", None)  # user code has no business with the server's token
+        argv = [sys.executable, "-m", "genie_core.worker", endpoint, worker_id, str(lifeline), str(os.getpid())]
+        if sandboxed is not None:
+            argv, env = sandboxed.command(argv, env)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "genie_core.worker", endpoint, worker_id, str(lifeline), str(os.getpid())],
+            argv,
             env=env,
             stdin=subprocess.DEVNULL,
             pass_fds=(lifeline,),  # it ends when we do, however we end (see genie_core.lifeline)
@@ -135,6 +150,7 @@ class WorkerProcess:
         self.started = time.monotonic()
         self.ready = False
         self.session: Session | None = None
+        self.own_home: tuple[Path, UidLease | None] | None = None  # a sandboxed spare's, until a session takes it
         self.waiting: list[Message] = []  # requests that arrived before the worker was ready
         self.inflight: dict[str, Message] = {}  # request id -> request
         self.stop_requested: float | None = None
@@ -196,8 +212,12 @@ class WorkerPool:
         spares: int,
         reply: Reply,
         address: str,
+        sandbox: Sandbox | None = None,
+        homes: Path | None = None,
     ) -> None:
         self.sock, self.endpoint, self.lifeline, self.limits = sock, endpoint, lifeline, limits
+        self.sandbox, self.home_root = sandbox, homes  # sandboxed sessions' directories go in home_root
+        self.homes: dict[str, tuple[Path, UidLease | None]] = {}  # sandboxed session -> its directory and uid
         self.gpus, self.spare_count, self.reply, self.address = gpus, spares, reply, address
         self.codec = Codec(key=None)  # a private Unix socket in a 0700 folder
         self.workers: dict[str, WorkerProcess] = {}
@@ -235,17 +255,49 @@ class WorkerPool:
         return index, ""
 
     # -- processes ------------------------------------------------------------------------
-    def _spawn(self, slot: int) -> WorkerProcess:
-        worker = WorkerProcess(os.urandom(8).hex(), slot, self.endpoint, self.lifeline, self.limits)
+    def _spawn(self, slot: int, session: Session | None = None) -> WorkerProcess:
+        worker_id = os.urandom(8).hex()
+        sandboxed, own = None, None
+        if self.sandbox is not None:
+            assert self.home_root is not None
+            home = self.homes.get(session.id) if session is not None else None
+            if home is None:  # a spare: its home and uid become those of the session that takes it
+                own = home = (self.home_root / f"home-{worker_id}", self.sandbox.lease())
+            gpu = next((g for g in self.gpus if g["index"] == slot), None)
+            uid = home[1].uid if home[1] is not None else None
+            sandboxed = SandboxedWorker(self.sandbox, worker_id, home[0], uid, gpu)
+        worker = WorkerProcess(worker_id, slot, self.endpoint, self.lifeline, self.limits, sandboxed)
+        worker.own_home = own
         self.workers[worker.id] = worker
         return worker
 
-    def _take(self, slot: int) -> WorkerProcess:
-        for w in self.spares:
-            if w.slot == slot and w.alive():
-                self.spares.remove(w)
-                return w
-        return self._spawn(slot)
+    def _take(self, slot: int, session: Session) -> WorkerProcess:
+        """A spare for the slot (its home becomes the session's), or a fresh worker (in the
+        session's home, when it has one)."""
+        if session.id not in self.homes:
+            for w in self.spares:
+                if w.slot == slot and w.alive():
+                    self.spares.remove(w)
+                    self._adopt_home(w, session)
+                    return w
+        worker = self._spawn(slot, session)
+        self._adopt_home(worker, session)
+        return worker
+
+    def _adopt_home(self, worker: WorkerProcess, session: Session) -> None:
+        if worker.own_home is not None:
+            self.homes[session.id], worker.own_home = worker.own_home, None
+
+    def home(self, session: Session) -> Path | None:
+        """A sandboxed session's directory: its first worker's home (started now if need be)."""
+        if self.sandbox is None:
+            return None
+        if session.id not in self.homes:
+            workers = self.assigned.setdefault(session.id, {})
+            worker = workers[session.slot] = self._take(session.slot, session)
+            worker.session = session
+            self.refill_spares()
+        return self.homes[session.id][0]
 
     def refill_spares(self) -> None:
         slot = self.next_slot()
@@ -274,6 +326,11 @@ class WorkerPool:
             self.workers.pop(worker.id, None)
             worker.stop()
             self.dying.append(worker)
+        home = self.homes.pop(session.id, None)
+        if home is not None:  # its workers are ending: their files go, and the uid is free again
+            shutil.rmtree(home[0], ignore_errors=True)
+            if home[1] is not None:
+                home[1].release()
 
     def stop_all(self, grace: float = 3.0) -> None:
         procs = list(self.workers.values()) + self.spares + self.dying
@@ -287,7 +344,23 @@ class WorkerPool:
                 w.kill()
                 w.proc.wait()
             w.reap()
-            sweep_worker(w.pid)
+            self._gone(w)
+        for home, lease in self.homes.values():
+            shutil.rmtree(home, ignore_errors=True)
+            if lease is not None:
+                lease.release()
+        self.homes.clear()
+
+    def _gone(self, worker: WorkerProcess) -> None:
+        """What a worker that has ended leaves behind: staged segments, its sandbox, a spare's home."""
+        sweep_worker(worker.pid)
+        if worker.sandboxed is not None:
+            worker.sandboxed.close()
+        if worker.own_home is not None:
+            shutil.rmtree(worker.own_home[0], ignore_errors=True)
+            if worker.own_home[1] is not None:
+                worker.own_home[1].release()
+            worker.own_home = None
 
     # -- requests -------------------------------------------------------------------------
     def route(self, session: Session, msg: Message) -> str:
@@ -299,7 +372,7 @@ class WorkerPool:
         worker = workers.get(slot)
         fresh = worker is None
         if worker is None:
-            worker = workers[slot] = self._take(slot)
+            worker = workers[slot] = self._take(slot, session)
             worker.session = session
         worker.inflight[msg.id] = msg
         if worker.ready:
@@ -325,6 +398,9 @@ class WorkerPool:
         return cancelled, forwarded
 
     def _forward(self, worker: WorkerProcess, msg: Message) -> None:
+        ref = msg.content.get("data")
+        if worker.sandboxed is not None and isinstance(ref, dict) and isinstance(ref.get("segment"), str):
+            worker.sandboxed.move_in(ref["segment"])
         frames = self.codec.pack(Message(msg.type, msg.content, msg.buffers, id=msg.id))
         self.sock.send_multipart([worker.id.encode(), *frames], copy=False)
 
@@ -357,6 +433,9 @@ class WorkerPool:
             session = worker.session
             if worker.inflight.get(msg.parent) is None or session is None or session.id not in self.sessions:
                 continue
+            ref = msg.content.get("data")
+            if worker.sandboxed is not None and isinstance(ref, dict) and isinstance(ref.get("segment"), str):
+                ref["segment"] = worker.sandboxed.move_out(ref["segment"], worker.pid)
             if kind in TERMINAL:
                 worker.inflight.pop(msg.parent, None)
                 session.finished(msg.parent, msg.content)
@@ -368,9 +447,10 @@ class WorkerPool:
             if worker.alive():
                 continue
             self.workers.pop(worker.id, None)
-            sweep_worker(worker.pid)
             worker.reap()
-            why = describe_exit(worker.proc.returncode, worker.pid)
+            limit = worker.sandboxed.why_ended() if worker.sandboxed is not None else ""
+            why = limit or describe_exit(worker.proc.returncode, worker.pid)
+            self._gone(worker)
             log.warning("worker %s (pid %d) %s", worker.id, worker.pid, why)
             session = worker.session
             if session is not None and self.of(session).get(worker.slot) is worker:
@@ -386,7 +466,7 @@ class WorkerPool:
         still = []
         for w in self.dying:
             if w.reap():
-                sweep_worker(w.pid)
+                self._gone(w)
             else:
                 still.append(w)
         self.dying = still

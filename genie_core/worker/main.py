@@ -57,7 +57,7 @@ class Worker:
         self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self.loop = SocketLoop("worker")
         self.loop.add_socket(self.sock, self._on_readable)
-        self.server_pid = server_pid
+        self.parent = os.getppid()  # the server; in a sandbox, the sandbox's init (pid 1)
         self.loop.call_every(1.0, self._check_parent)
         self.current: str = ""  # id of the request being served
         self.synced = SyncedCode()  # the session directory's modules (%genie_sync)
@@ -93,7 +93,7 @@ class Worker:
 
     def _check_parent(self) -> None:
         """A fallback for the lifeline, should user code catch or ignore SIGIO."""
-        if os.getppid() != self.server_pid:  # the server is gone: nobody can reach us any more
+        if os.getppid() != self.parent:  # the server is gone: nobody can reach us any more
             os.killpg(os.getpgrp(), signal.SIGKILL)  # with the cell's own child processes
 
     def _interrupt(self, target: str | None) -> None:
@@ -375,4 +375,6 @@ def main(argv: list[str] | None = None) -> None:
     if len(argv) != 4:
         raise SystemExit("usage: python -m genie_core.worker ENDPOINT WORKER_ID LIFELINE_FD SERVER_PID")
     die_with_parent(int(argv[2]))
+    if os.environ.get("GENIE_SANDBOXED"):
+        os.chdir(os.environ["HOME"])  # the session directory, the only one it may write
     Worker(argv[0], argv[1], int(argv[3])).serve()  # what it leaves in /dev/shm, its server sweeps

@@ -1,0 +1,14 @@
+"""A sandbox per session worker: what one user's cell may see and touch on a shared server.
+
+Each sandboxed worker starts under bubblewrap in PID, mount, IPC, UTS, cgroup and user namespaces,
+as an unprivileged uid of its own session (when the server runs as root), with no capabilities and
+`no_new_privs`; it sees the file system read-only except its session directory, a private /tmp and
+a private /dev/shm; only its GPU's device nodes; cgroup limits on memory, processes and CPU; and a
+network chosen by the admin (`none`, `outbound`: no route to this host's or the cluster's services,
+`host`). See the README's isolation section for the threat model.
+"""
+
+from .policy import NETWORKS, Protection, SandboxPolicy, probe
+from .sandbox import Sandbox, SandboxedWorker
+
+__all__ = ["NETWORKS", "Protection", "Sandbox", "SandboxPolicy", "SandboxedWorker", "probe"]

@@ -1,0 +1,42 @@
+"""`--session-network outbound`: sessions' uids may open connections anywhere except this host
+(its loopback and its own addresses: the server, Ray's GCS and raylets, the pool endpoint, other
+sessions' servers) and the cluster's other machines. One nftables table, matched by the socket's
+owner (the sessions' uid range), added at server start and removed at stop."""
+
+from __future__ import annotations
+
+import ipaddress
+import subprocess
+
+from .policy import SandboxPolicy
+
+
+class OutboundFence:
+    def __init__(self, policy: SandboxPolicy, table: str) -> None:
+        self.policy, self.table = policy, table
+
+    def rules(self) -> str:
+        first, last = self.policy.uid_base, self.policy.uid_base + self.policy.uid_count - 1
+        owner = f"meta skuid {first}-{last}"
+        lines = [
+            f"table inet {self.table} {{",
+            "  chain output {",
+            "    type filter hook output priority 0; policy accept;",
+            f"    {owner} fib daddr type local reject",
+            f"    {owner} ip daddr 127.0.0.0/8 reject",
+            f"    {owner} ip6 daddr ::1 reject",
+        ]
+        for address in self.policy.cluster_addresses:
+            family = "ip6" if ipaddress.ip_address(address).version == 6 else "ip"
+            lines.append(f"    {owner} {family} daddr {address} reject")
+        lines += ["  }", "}"]
+        return "\n".join(lines) + "\n"
+
+    def install(self) -> None:
+        self.remove()
+        done = subprocess.run(["nft", "-f", "-"], input=self.rules(), capture_output=True, text=True, timeout=10)
+        if done.returncode != 0:
+            raise OSError(f"nftables refused the sessions' network rules: {done.stderr.strip()}")
+
+    def remove(self) -> None:
+        subprocess.run(["nft", "delete", "table", "inet", self.table], capture_output=True, timeout=10)

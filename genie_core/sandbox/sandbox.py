@@ -1,0 +1,205 @@
+"""The server's sandbox: starts each worker under bubblewrap with what its session may see, and
+moves shared-memory segments in and out of the worker's private /dev/shm."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..dataplane.segment import SHM_DIR, segment_name
+from .cgroups import WorkerCgroup
+from .network import OutboundFence
+from .policy import Protection, SandboxPolicy, probe
+from .uids import UidLease, lease_uid
+
+log = logging.getLogger("genie.server")
+
+# Hidden from cells (an empty tmpfs over each): other users' and sessions' files, the server's
+# state and connection files, Ray's session folder, cgroups (they list other workers' pids).
+HIDDEN = ("/tmp", "/var/tmp", "/run", "/home", "/root", "/mnt", "/media", "/srv", "/sys/fs/cgroup")
+ENV_KEPT = ("PATH", "LANG", "LANGUAGE", "TZ", "TERM", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "PYTHONPATH", "MPLBACKEND")
+ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "GENIE_LIMIT_", "OMP_", "MKL_", "COVERAGE_")
+GPU_SHARED_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
+# Puts the worker in its cgroups (as its own uid, before it becomes the sandbox), then starts it.
+JOIN_CGROUPS = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
+
+
+def _under(path: Path, dirs: list[Path]) -> bool:
+    return any(path == d or d in path.parents for d in dirs)
+
+
+class Sandbox:
+    """One per server. `dev` is where GPU device nodes are looked for (a test may point it at
+    stand-ins: this machine has no GPU)."""
+
+    def __init__(self, policy: SandboxPolicy, dev: Path = Path("/dev")) -> None:
+        self.policy = policy
+        self.protections = probe(policy)
+        self.on = {p.name: p.on for p in self.protections}
+        self.bwrap = shutil.which("bwrap") or "bwrap"
+        self.dev = dev
+        self.hidden = [Path(p) for p in HIDDEN if Path(p).exists()]
+        self.exposed: list[Path] = []  # read-only inside though under a hidden folder (the workers' socket)
+        self.masked: list[Path] = []  # files that read as empty inside (the connection file: it holds the token)
+        self.fence = (
+            OutboundFence(policy, f"genie_sandbox_{os.getpid()}")
+            if policy.network == "outbound" and self.on["network"]
+            else None
+        )
+
+    def hide(self, path: Path) -> None:
+        """Cells see an empty folder there (the server's state, runtime and worker folders)."""
+        path = path.resolve()
+        if path.is_dir() and path not in self.hidden:
+            self.hidden.append(path)
+
+    def expose(self, path: Path) -> None:
+        self.exposed.append(path.resolve())
+
+    def mask(self, path: Path) -> None:
+        self.masked.append(path.resolve())
+
+    def missing(self) -> list[Protection]:
+        return [p for p in self.protections if not p.on]
+
+    def report(self) -> str:
+        return "sandbox per session:\n" + "\n".join(f"  {p.line()}" for p in self.protections)
+
+    def start(self) -> None:
+        if self.fence is not None:
+            self.fence.install()
+
+    def stop(self) -> None:
+        if self.fence is not None:
+            self.fence.remove()
+        if self.on["limits"]:
+            WorkerCgroup.remove_parents()
+
+    def lease(self) -> UidLease | None:
+        """A uid for a new session (None when the server cannot switch uids: not root)."""
+        if not self.on["own uid"]:
+            return None
+        return lease_uid(self.policy.uid_base, self.policy.uid_count)
+
+    def folders_for(self, paths: list[Path]) -> list[Path]:
+        """The folders between a hidden folder and each path bound below it, parents first."""
+        found: list[Path] = []
+        for path in paths:
+            for parent in reversed(path.parents):
+                if any(h in parent.parents for h in self.hidden) and parent not in self.hidden:
+                    found.append(parent)
+        return list(dict.fromkeys(found))
+
+    def readable_paths(self) -> list[Path]:
+        """What the worker's Python needs that lies under a hidden folder (a venv in /tmp or /home)."""
+        import genie_core
+
+        wanted = [Path(sys.prefix), Path(sys.base_prefix), Path(genie_core.__file__).parent.parent]
+        wanted += [Path(p) for p in sys.path if p and Path(p).is_dir()]
+        found = [p.resolve() for p in wanted]
+        return [p for p in dict.fromkeys(found) if _under(p, self.hidden)]
+
+
+class SandboxedWorker:
+    """A worker's sandbox: its home (the session directory), its private /dev/shm, its cgroup."""
+
+    def __init__(self, sandbox: Sandbox, worker_id: str, home: Path, uid: int | None, gpu: dict[str, Any] | None):
+        self.sandbox, self.home, self.uid, self.gpu = sandbox, home, uid, gpu
+        owner = os.getuid() if uid is None else uid
+        self.shm = SHM_DIR / f"genie-sbx-{os.getpid()}-{worker_id}"
+        for path in (home, self.shm):
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chown(path, owner, owner)
+        policy = sandbox.policy
+        self.cgroup = (
+            WorkerCgroup(f"worker-{worker_id}", policy.memory_bytes, policy.processes, policy.cpus)
+            if sandbox.on["limits"]
+            else None
+        )
+
+    def command(self, argv: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+        """The worker's command line and environment, sandboxed. A root server runs bubblewrap
+        privileged (no user namespace, so the mounts need no access of the session's uid) and
+        the worker then becomes the session's uid through setpriv, with no capabilities left; a
+        server of an ordinary user runs it in a user namespace, as that user."""
+        sandbox = self.sandbox
+        args = [sandbox.bwrap, "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+        args += ["--die-with-parent", "--cap-drop", "ALL"]
+        if self.uid is None:
+            args.append("--unshare-user")
+        else:
+            args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP"]
+        if sandbox.policy.network == "none":
+            args.append("--unshare-net")
+        args += ["--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev"]
+        for hidden in sandbox.hidden:
+            args += ["--perms", "1777" if str(hidden) in ("/tmp", "/var/tmp") else "0755", "--tmpfs", str(hidden)]
+        binds = sandbox.readable_paths() + sandbox.exposed
+        for folder in sandbox.folders_for([*binds, self.home]):  # reachable by the session's uid
+            args += ["--perms", "0755", "--dir", str(folder)]
+        for path in binds:
+            args += ["--ro-bind", str(path), str(path)]
+        for path in sandbox.masked:
+            args += ["--ro-bind", "/dev/null", str(path)]
+        args += ["--bind", str(self.home), str(self.home), "--bind", str(self.shm), "/dev/shm"]
+        for node in self._gpu_nodes():
+            args += ["--dev-bind", str(sandbox.dev / node), f"/dev/{node}"]
+        args.append("--")  # no --chdir: the home is the session's uid's (0700); the worker goes there itself
+        if self.uid is not None:
+            args += ["setpriv", f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups", "--no-new-privs"]
+            args += ["--inh-caps=-all", "--bounding-set=-all", "--"]
+        args += argv
+        if self.cgroup is not None:
+            args = ["/bin/sh", "-c", JOIN_CGROUPS, "genie-sandbox", *self.cgroup.procs_files(), "--", *args]
+        kept = {k: v for k, v in env.items() if k in ENV_KEPT or k.startswith(ENV_PREFIXES)}
+        kept.update(HOME=str(self.home), TMPDIR="/tmp", USER="genie", GENIE_SANDBOXED="1")
+        kept["GENIE_WORKER_ID"] = env["GENIE_WORKER_ID"]
+        if self.gpu and self.gpu.get("uuid"):  # an index could mean another GPU once others are hidden
+            kept["CUDA_VISIBLE_DEVICES"] = str(self.gpu["uuid"])
+        return args, kept
+
+    def _gpu_nodes(self) -> list[str]:
+        if self.gpu is None:
+            return []
+        nodes = [f"nvidia{self.gpu.get('minor', self.gpu['index'])}", *GPU_SHARED_NODES]
+        return [n for n in nodes if (self.sandbox.dev / n).exists()]
+
+    # -- shared memory: segments named on the wire live in the host's /dev/shm; the worker's is private
+    def move_in(self, name: str) -> None:
+        """A segment a request names (made by the client or a data listener) goes into the worker's
+        /dev/shm under the same name: a rename on one tmpfs, no copy."""
+        if "/" in name or not name.startswith("genie-"):
+            return
+        try:
+            os.rename(SHM_DIR / name, self.shm / name)
+            if self.uid is not None:
+                os.chown(self.shm / name, self.uid, self.uid)
+        except OSError as exc:  # the worker then says it cannot find it, in the request's reply
+            log.warning("could not hand segment %s to a sandboxed worker: %s", name, exc)
+
+    def move_out(self, name: str, host_pid: int) -> str:
+        """A segment the worker staged goes to the host's /dev/shm, named as if the worker's host
+        pid made it (the data listeners and the sweeps go by that); returns the new name."""
+        if "/" in name or not name.startswith("genie-"):
+            return name
+        fresh = segment_name("genie-w").replace(f"-{os.getpid()}-", f"-{host_pid}-", 1)
+        try:
+            os.rename(self.shm / name, SHM_DIR / fresh)
+            os.chown(SHM_DIR / fresh, os.getuid(), os.getgid())
+        except OSError as exc:
+            log.warning("could not take segment %s from a sandboxed worker: %s", name, exc)
+            return name
+        return fresh
+
+    def close(self) -> None:
+        """After the worker is gone (its home stays: it is the session's directory)."""
+        shutil.rmtree(self.shm, ignore_errors=True)
+        if self.cgroup is not None:
+            self.cgroup.remove()
+
+    def why_ended(self) -> str:
+        return self.cgroup.why_ended() if self.cgroup is not None else ""

@@ -1,0 +1,37 @@
+"""Unprivileged uids for sessions, leased from a subordinate range: a lock file per uid, held
+(flock) by the server that leased it, so servers on one machine never share one and a server
+that dies gives its uids back with its file descriptors."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import random
+import tempfile
+from pathlib import Path
+
+LEASES = Path(tempfile.gettempdir()) / "genie-sandbox-uids"
+
+
+class UidLease:
+    def __init__(self, uid: int, fd: int) -> None:
+        self.uid, self._fd = uid, fd
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def lease_uid(base: int, count: int, tries: int = 64) -> UidLease:
+    LEASES.mkdir(mode=0o700, exist_ok=True)
+    for _ in range(tries):
+        uid = base + random.randrange(count)
+        fd = os.open(LEASES / str(uid), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return UidLease(uid, fd)
+    raise OSError(f"no free uid in {base}..{base + count - 1} after {tries} tries")
