@@ -24,6 +24,7 @@ ALL = [
     "message_signing",
     "llm",
     "pool",
+    "sandbox",
     "soak",
 ]
 

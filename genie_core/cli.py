@@ -174,7 +174,7 @@ def _serve(args: argparse.Namespace) -> int:
         enable_ucx=False if args.no_ucx else None,
         idle_timeout=args.idle_timeout,
         sandbox=args.sandbox,
-        **_sandbox_settings(args),
+        **sandbox_settings(args),
     )
     logging.basicConfig(level=config.log_level.upper(), format="[genie %(levelname)s] %(message)s")
     return run_server(config, parent_lifeline=args.lifeline_fd)
@@ -201,7 +201,7 @@ def _add_sandbox_options(cmd: argparse.ArgumentParser) -> None:
     )
 
 
-def _sandbox_settings(args: argparse.Namespace) -> dict[str, Any]:
+def sandbox_settings(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "session_network": args.session_network,
         "session_memory_bytes": args.session_memory,
@@ -244,6 +244,7 @@ def _add_pool_commands(sub: argparse._SubParsersAction) -> None:
         help="keep no warm session on each node (by default each node keeps one, holding a GPU for the next "
         "one-GPU user, who then skips the seconds Ray takes to start an actor)",
     )
+    _add_sandbox_options(up)  # sessions are always sandboxed in a pool
     pool_sub.add_parser("down", help="stop the local Ray head that `genie pool up` started (ends its sessions)")
     user = pool_sub.add_parser("user", help="users of the pool and their quotas")
     user_sub = user.add_subparsers(dest="user_command", required=True)

@@ -104,6 +104,8 @@ class ClusterConfig:
     session_processes: int | None = 4096  # server, sandboxed: processes and threads one session may run
     session_cpus: float | None = None  # server, sandboxed: CPU time one session may use, in CPUs
     allow_unisolated: bool = False  # server: start even where the sandbox lacks a protection (said at start)
+    sandbox_hide: str | None = None  # server, sandboxed: more folders cells may not see, comma-separated
+    session_blocked: str | None = None  # server, sandboxed (outbound): addresses cells may not reach, comma-separated
     log_level: str = "WARNING"
 
     @classmethod

@@ -150,6 +150,18 @@ def run(client: Client, code: str, timeout: float = 30.0, **kwargs) -> list:
     return [(m.type, m.content) for m in client.execute(code, **kwargs).replies(timeout)]
 
 
+def worker_pid(client: Client) -> int:
+    """The host pid of the client's session worker (a sandboxed cell's own pid is its namespace's)."""
+    import psutil
+
+    wid = stdout_of(run(client, "import os; print(os.environ['GENIE_WORKER_ID'])")).strip()
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        if cmd[1:3] == ["-m", "genie_core.worker"] and wid in cmd:
+            return proc.pid
+    raise AssertionError(f"no worker process {wid} on this host")
+
+
 def stdout_of(replies: list) -> str:
     return "".join(c["text"] for t, c in replies if t == "stream" and c["name"] == "stdout")
 

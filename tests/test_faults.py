@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from conftest import STRESS, run, start_server, stdout_of
+from conftest import STRESS, run, start_server, stdout_of, worker_pid
 from reliability import record
 
 import genie_core
@@ -101,7 +101,8 @@ def test_a_worker_killed_for_lack_of_memory_is_named_as_such(server):
     victim, bystander = server.client(), server.client()
     try:
         run(bystander, "kept = 41")
-        pid = int(stdout_of(run(victim, "import os; x = 1; print(os.getpid())")))
+        run(victim, "x = 1")
+        pid = worker_pid(victim)
         (group / "cgroup.procs").write_text(str(pid))
         start = time.monotonic()
         with pytest.raises(

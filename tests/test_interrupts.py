@@ -46,7 +46,7 @@ def test_200_interrupts_at_random_moments_through_the_client(tmp_path):
     outcomes: dict[str, int] = {}
     warm = srv.client()
     run(warm, "import os, torch\nkept = 'intact'")
-    warm_pid = stdout_of(run(warm, "print(os.getpid())"))
+    warm_pid = stdout_of(run(warm, "print(os.environ['GENIE_WORKER_ID'])"))
     slowest = 0.0
     try:
         for i in range(200):
@@ -65,7 +65,7 @@ def test_200_interrupts_at_random_moments_through_the_client(tmp_path):
             if fresh:
                 client.close()
             else:  # same worker, same namespace: nothing was killed
-                assert stdout_of(run(warm, "print(os.getpid())")) == warm_pid
+                assert stdout_of(run(warm, "print(os.environ['GENIE_WORKER_ID'])")) == warm_pid
         assert stdout_of(run(warm, "print(kept)")) == "intact\n"
     finally:
         warm.close()

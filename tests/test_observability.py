@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from conftest import run, start_server, stdout_of, wait_until
+from conftest import run, start_server, stdout_of, wait_until, worker_pid
 
 from genie_core.client import Client
 from genie_core.config import ClusterConfig
@@ -218,7 +218,7 @@ def test_gpu_memory_and_utilization_are_shown_per_session(injected):
     """NVML's per-process readings (a labelled fake here: the pids are real, the GPU is not) are
     mapped to the sessions whose workers (or what the workers started) they are."""
     readings, _, client = injected
-    worker = int(stdout_of(run(client, "import os\nprint(os.getpid())")))
+    worker = worker_pid(client)
     child = subprocess.Popen(["sleep", "30"])  # not a session's: it belongs to the test
     readings["gpus"] = [
         GPUInfo(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import textwrap
 import time
 
 import pytest
@@ -401,6 +402,43 @@ def test_no_user_reaches_another_users_session(pool):
         assert alice.run("print(secret)") == "alice only"
     finally:
         alice.close()
+
+
+def test_a_cell_reaches_neither_ray_nor_the_pool_nor_another_session(pool, cluster):
+    """The attack of issue 22, in a pool (sandboxed by default): bob's cell against Ray, the pool
+    endpoint, alice's server and alice's worker. What the sandbox does in detail: test_sandbox."""
+    _wait_free(pool, 4)
+    alice, bob = Seat(pool, "alice"), Seat(pool, "bob")
+    try:
+        alice.run("import os; os.environ['HF_TOKEN'] = 'alice-secret'; names = 41")
+        gcs = int(cluster.address.rsplit(":", 1)[1])
+        ports = {"gcs": gcs, "pool": pool.port, "alice": alice.placed["port"]}
+        seen = bob.run(
+            textwrap.dedent(f"""
+            import socket, psutil, subprocess
+            for what, port in {ports}.items():
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=3).close()
+                    print(what, "reached")
+                except OSError as e:
+                    print(what, type(e).__name__)
+            procs = list(psutil.process_iter(["environ"]))
+            print("processes", len(procs), "secret", any("alice-secret" in str(p.info["environ"]) for p in procs))
+            import ray
+            try:
+                ray.init(address="auto")
+                print("ray reached")
+            except Exception as e:
+                print("ray", type(e).__name__)
+            """)
+        )
+        assert "reached" not in seen, seen
+        assert "secret False" in seen and int(seen.split("processes ")[1].split()[0]) <= 3, seen
+        assert alice.run("print(names + 1)") == "42"
+        assert pool.protections and all(p.on for p in pool.protections)
+    finally:
+        alice.close()
+        bob.close()
 
 
 def test_an_idle_named_session_is_ended_and_its_gpu_freed(pool):

@@ -13,7 +13,7 @@ import psutil
 import pytest
 import torch
 import zmq
-from conftest import STRESS, plain, run, start_server, stdout_of, wait_until
+from conftest import STRESS, plain, run, start_server, stdout_of, wait_until, worker_pid
 
 from genie_core.client import Client
 from genie_core.errors import AuthenticationError, ConnectionFailed, ConnectionLost, RemoteError, WorkerDied
@@ -134,8 +134,7 @@ def test_garbage_and_unsigned_frames_are_dropped_and_the_server_keeps_serving(se
     sock.close()
 
 
-def test_a_replayed_request_runs_once(server, tmp_path):
-    marker = tmp_path / "count"
+def test_a_replayed_request_runs_once(server):
     codec = Codec(derive_key(server.info.token))
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
@@ -144,7 +143,7 @@ def test_a_replayed_request_runs_once(server, tmp_path):
     sock.send_multipart(codec.pack(Message("hello", seq=1)))
     assert sock.poll(5000)
     session = codec.unpack(sock.recv_multipart()).content["session"]
-    frames = codec.pack(Message("execute", {"code": f"open({str(marker)!r}, 'a').write('x')"}, session=session, seq=2))
+    frames = codec.pack(Message("execute", {"code": "ran = globals().get('ran', 0) + 1"}, session=session, seq=2))
     sock.send_multipart(frames)
     sock.send_multipart(frames)  # the replay
     replies = []
@@ -154,7 +153,14 @@ def test_a_replayed_request_runs_once(server, tmp_path):
             break
     time.sleep(0.5)
     assert replies.count("execute_reply") == 1
-    assert marker.read_text() == "x"
+    sock.send_multipart(codec.pack(Message("execute", {"code": "print(ran)"}, session=session, seq=3)))
+    printed = ""
+    while sock.poll(5000):
+        reply = codec.unpack(sock.recv_multipart())
+        printed += reply.content.get("text", "") if reply.type == "stream" else ""
+        if reply.type == "execute_reply":
+            break
+    assert printed == "1\n"
     sock.close()
 
 
@@ -278,7 +284,7 @@ def test_each_request_runs_at_most_once_and_the_server_says_what_became_of_it(cl
 def test_sigterm_stops_the_server_and_its_workers(tmp_path):
     srv = start_server(tmp_path)
     client = srv.client()
-    pid = int(stdout_of(run(client, "import os; print(os.getpid())")))
+    pid = worker_pid(client)
     srv.proc.terminate()
     assert srv.proc.wait(10) == 0
     assert wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 5)
@@ -292,8 +298,8 @@ def test_sessions_are_isolated(server):
         run(a, "secret = 123")
         replies = run(b, "secret")
         assert any(t == "error" and c["ename"] == "NameError" for t, c in replies)
-        pid_a = stdout_of(run(a, "import os; print(os.getpid())"))
-        pid_b = stdout_of(run(b, "import os; print(os.getpid())"))
+        pid_a = worker_pid(a)
+        pid_b = worker_pid(b)
         assert pid_a != pid_b
     finally:
         a.close()
@@ -302,7 +308,7 @@ def test_sessions_are_isolated(server):
 
 def test_closing_a_session_ends_its_worker(server):
     c = server.client()
-    pid = int(stdout_of(run(c, "import os; print(os.getpid())")))
+    pid = worker_pid(c)
     c.close()
     assert wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 5)
 
@@ -332,7 +338,7 @@ def test_a_silent_client_is_reaped_after_its_lease(tmp_path):
     try:
         c = srv.client(enable_heartbeat=False)
         with _not_silent(c):  # then silent from here on
-            pid = int(stdout_of(run(c, "import os; print(os.getpid())")))
+            pid = worker_pid(c)
         assert wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 6)
         with pytest.raises(ConnectionLost, match="unknown to the server"):
             run(c, "1")
@@ -355,7 +361,7 @@ def test_a_cell_stopped_by_the_end_of_its_session_is_reported_stopped_even_if_th
     try:
         c = srv.client(enable_heartbeat=False)
         with _not_silent(c):
-            pid = int(stdout_of(run(c, "import os; print(os.getpid())")))
+            pid = worker_pid(c)
         running = c.execute("import time; time.sleep(60)")
         send, dropped = c.connection.request, []
 

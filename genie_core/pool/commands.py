@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..cli import sandbox_settings
 from ..config import state_dir
 from ..errors import ConfigError
 from ..protocol import pool as wire
@@ -90,7 +91,10 @@ def _up(args: argparse.Namespace) -> int:
         idle_timeout=args.idle_timeout,
         queue_timeout=args.queue_timeout,
         warm_sessions=args.warm_sessions,
+        isolation={k: v for k, v in sandbox_settings(args).items() if v is not None},
     ).start()
+    if pool.protections:
+        print("sessions' sandbox:\n" + "\n".join(f"  {p.line()}" for p in pool.protections), flush=True)
     free = pool.status()
     print(
         f"genie pool at {pool.ip}:{pool.port}: {len([n for n in free['nodes'] if n['alive']])} node(s), "

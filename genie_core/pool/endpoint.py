@@ -24,6 +24,7 @@ import zmq
 
 from ..protocol import VERSIONS_TAG
 from ..protocol import pool as wire
+from ..sandbox import Protection, refuse_unisolated
 from ..version import __version__
 from .monitor_actor import PREFIX as MONITOR_PREFIX
 from .monitor_actor import NodeMonitor, sign
@@ -77,8 +78,12 @@ class Pool:
         node_poll: float = 0.5,
         history_every: float = 30.0,
         warm_sessions: bool = True,
+        isolation: dict[str, Any] | None = None,
     ) -> None:
         self.ray_address = ray_address
+        # the sessions' sandbox: ClusterConfig's sandbox settings (sandbox, session_network, ...)
+        self.isolation = {"sandbox": True, **(isolation or {})}
+        self.protections: list[Protection] = []  # the sandbox's, as probed at start
         self.registry = Registry(db)
         self.ip, self.port = ip, port
         self.simulate_gpus = simulate_gpus
@@ -113,6 +118,7 @@ class Pool:
     def start(self) -> Pool:
         import ray
 
+        self.protections = refuse_unisolated(self.isolation)  # each one on or off, said at start
         if not ray.is_initialized():
             ray.init(address=self.ray_address or "auto", namespace=NAMESPACE, log_to_driver=False)
         # max_concurrency: info() answers while wait_ended() blocks
@@ -376,7 +382,12 @@ class Pool:
             "idle_timeout": self.idle_timeout,
             "session_lease": self.session_lease,
             "simulate_gpus": self.simulate_gpus,
+            # cells may not reach the cluster's machines (Ray's services, other sessions' servers)
+            "isolation": {**self.isolation, "session_blocked": ",".join(self._node_addresses())},
         }
+
+    def _node_addresses(self) -> list[str]:
+        return sorted({str(n["NodeManagerAddress"]) for n in self.nodes.values() if n.get("NodeManagerAddress")})
 
     def _start_warm(self, node_id: str, name: str, token: str) -> Any:
         """A warm session actor pinned to `node_id`, holding one GPU, nobody's yet."""

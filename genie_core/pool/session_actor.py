@@ -58,6 +58,8 @@ class SessionActor:
             simulate_gpus=simulated,
             enable_ucx=False,
             session_lease=spec.get("session_lease") or None,
+            sandbox_hide=context.get_temp_dir(),  # Ray's session folders (sockets, logs): not for cells
+            **spec.get("isolation", {}),
         )
         self.started = time.time()
         self.cells: list[dict[str, Any]] = []  # the audit trail, until the pool collects it

@@ -8,7 +8,17 @@ network chosen by the admin (`none`, `outbound`: no route to this host's or the 
 `host`). See the README's isolation section for the threat model.
 """
 
-from .policy import NETWORKS, Protection, SandboxPolicy, probe
+from .policy import NETWORKS, Protection, SandboxPolicy, policy_of, probe, refuse_unisolated, require
 from .sandbox import Sandbox, SandboxedWorker
 
-__all__ = ["NETWORKS", "Protection", "Sandbox", "SandboxPolicy", "SandboxedWorker", "probe"]
+__all__ = [
+    "NETWORKS",
+    "Protection",
+    "Sandbox",
+    "SandboxPolicy",
+    "SandboxedWorker",
+    "policy_of",
+    "probe",
+    "refuse_unisolated",
+    "require",
+]

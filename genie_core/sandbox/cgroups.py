@@ -136,3 +136,16 @@ class WorkerCgroup:
         for parent in _parents().values():
             with contextlib.suppress(OSError):
                 parent.rmdir()
+
+    @staticmethod
+    def sweep() -> None:
+        """The cgroups of servers that died without removing theirs (genie-PID, emptied by then:
+        their workers died with them)."""
+        for parent in _parents().values():
+            for dead in parent.parent.glob("genie-[0-9]*"):
+                pid = dead.name.split("-", 1)[1]
+                if not pid.isdigit() or Path(f"/proc/{pid}").exists():
+                    continue
+                for path in [*dead.glob("worker-*"), dead]:
+                    with contextlib.suppress(OSError):
+                        path.rmdir()

@@ -6,6 +6,7 @@ owner (the sessions' uid range), added at server start and removed at stop."""
 from __future__ import annotations
 
 import ipaddress
+import os
 import subprocess
 
 from .policy import SandboxPolicy
@@ -34,9 +35,30 @@ class OutboundFence:
 
     def install(self) -> None:
         self.remove()
+        sweep_tables(self.table.rsplit("_", 1)[0])
         done = subprocess.run(["nft", "-f", "-"], input=self.rules(), capture_output=True, text=True, timeout=10)
         if done.returncode != 0:
             raise OSError(f"nftables refused the sessions' network rules: {done.stderr.strip()}")
 
     def remove(self) -> None:
         subprocess.run(["nft", "delete", "table", "inet", self.table], capture_output=True, timeout=10)
+
+
+def sweep_tables(prefix: str) -> None:
+    """Remove the tables of servers that died without removing theirs (named PREFIX_PID)."""
+    listed = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True, timeout=10).stdout
+    for line in listed.splitlines():
+        name = line.split()[-1] if line.startswith("table inet ") else ""
+        pid = name[len(prefix) + 1 :]
+        if name.startswith(prefix + "_") and pid.isdigit() and not _alive(int(pid)):
+            subprocess.run(["nft", "delete", "table", "inet", name], capture_output=True, timeout=10)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True

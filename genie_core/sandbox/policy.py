@@ -6,8 +6,13 @@ import os
 import shutil
 import subprocess
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+from ..errors import ConfigError
 from .cgroups import cgroup_support
+
+if TYPE_CHECKING:
+    from ..config import ClusterConfig
 
 NETWORKS = ("none", "outbound", "host")
 UID_BASE = 1_500_000_000  # the subordinate range sessions' uids come from (far above any login's)
@@ -102,3 +107,38 @@ def probe(policy: SandboxPolicy) -> list[Protection]:
     cg_ok, cg_detail = cgroup_support() if root else (False, "cgroups need the server to run as root")
     out.append(Protection("limits", cg_ok and ns_ok, cg_detail))
     return out
+
+
+def policy_of(config: ClusterConfig) -> SandboxPolicy:
+    """The sandbox a server's settings ask for."""
+    blocked = tuple(a.strip() for a in (config.session_blocked or "").split(",") if a.strip())
+    return SandboxPolicy(
+        network=config.session_network,
+        memory_bytes=config.session_memory_bytes,
+        processes=config.session_processes,
+        cpus=config.session_cpus,
+        cluster_addresses=blocked,
+    )
+
+
+def require(protections: list[Protection], allow_unisolated: bool) -> None:
+    """ConfigError naming each protection that is off, unless the admin allowed running without."""
+    missing = [p for p in protections if not p.on]
+    if missing and not allow_unisolated:
+        raise ConfigError(
+            "the sandbox cannot give every protection here; start with --allow-unisolated to run without "
+            "them, or fix: " + "; ".join(f"{p.name}: {p.detail}" for p in missing)
+        )
+
+
+def refuse_unisolated(settings: dict[str, Any]) -> list[Protection]:
+    """For a pool, at its start: the protections its sessions' sandbox would have on this machine,
+    or ConfigError if one is off and `allow_unisolated` is not set."""
+    from ..config import ClusterConfig
+
+    config = ClusterConfig.resolve(**settings)
+    if not config.sandbox:
+        return []
+    protections = probe(policy_of(config))
+    require(protections, config.allow_unisolated)
+    return protections

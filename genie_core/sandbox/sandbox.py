@@ -21,8 +21,8 @@ log = logging.getLogger("genie.server")
 # Hidden from cells (an empty tmpfs over each): other users' and sessions' files, the server's
 # state and connection files, Ray's session folder, cgroups (they list other workers' pids).
 HIDDEN = ("/tmp", "/var/tmp", "/run", "/home", "/root", "/mnt", "/media", "/srv", "/sys/fs/cgroup")
-ENV_KEPT = ("PATH", "LANG", "LANGUAGE", "TZ", "TERM", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "PYTHONPATH", "MPLBACKEND")
-ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "GENIE_LIMIT_", "OMP_", "MKL_", "COVERAGE_")
+ENV_KEPT = ("PATH", "LANG", "LANGUAGE", "TZ", "TERM", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "MPLBACKEND", "GENIE_LOG_LEVEL")
+ENV_PREFIXES = ("LC_", "PYTHON", "CUDA_", "NVIDIA_", "GENIE_LIMIT_", "OMP_", "MKL_", "COVERAGE_")
 GPU_SHARED_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
 # Puts the worker in its cgroups (as its own uid, before it becomes the sandbox), then starts it.
 JOIN_CGROUPS = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
@@ -72,6 +72,8 @@ class Sandbox:
     def start(self) -> None:
         if self.fence is not None:
             self.fence.install()
+        if self.on["limits"]:
+            WorkerCgroup.sweep()
 
     def stop(self) -> None:
         if self.fence is not None:
@@ -157,6 +159,7 @@ class SandboxedWorker:
             args = ["/bin/sh", "-c", JOIN_CGROUPS, "genie-sandbox", *self.cgroup.procs_files(), "--", *args]
         kept = {k: v for k, v in env.items() if k in ENV_KEPT or k.startswith(ENV_PREFIXES)}
         kept.update(HOME=str(self.home), TMPDIR="/tmp", USER="genie", GENIE_SANDBOXED="1")
+        kept.update(IPYTHONDIR="/tmp/.ipython", MPLCONFIGDIR="/tmp/.matplotlib")  # not in the session's files
         kept["GENIE_WORKER_ID"] = env["GENIE_WORKER_ID"]
         if self.gpu and self.gpu.get("uuid"):  # an index could mean another GPU once others are hidden
             kept["CUDA_VISIBLE_DEVICES"] = str(self.gpu["uuid"])

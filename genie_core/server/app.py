@@ -36,7 +36,7 @@ from ..lifeline import Lifeline, parent_gone
 from ..loop import SocketLoop
 from ..monitoring import GPUSource
 from ..protocol import PROTOCOL_VERSION, Codec, Message, MessageType, Peer, accepted_from, derive_key, error_content
-from ..sandbox import Sandbox, SandboxPolicy
+from ..sandbox import Sandbox, policy_of, require
 from ..threads import name_os_thread
 from ..versions import compare, local_versions
 from .admission import Admission, Admitted
@@ -103,6 +103,7 @@ class Server:
         self._thread: threading.Thread | None = None
         self._worker_dir = ""
         self.sandbox: Sandbox | None = None
+        self.sandbox_report = ""  # which protections the sandbox gives here (config.sandbox)
         self._seq = 0
         self._lifeline = Lifeline()  # every worker holds its read end
         self._handlers = self._handler_table()
@@ -136,20 +137,13 @@ class Server:
         protection this machine cannot give, unless the admin allowed that (allow_unisolated)."""
         if not self.config.sandbox:
             return None
-        policy = SandboxPolicy(
-            network=self.config.session_network,
-            memory_bytes=self.config.session_memory_bytes,
-            processes=self.config.session_processes,
-            cpus=self.config.session_cpus,
-        )
-        sandbox = Sandbox(policy)
-        missing = sandbox.missing()
-        if missing and not self.config.allow_unisolated:
-            raise ConfigError(
-                "the sandbox cannot give every protection here; start with --allow-unisolated to run without "
-                "them, or fix: " + "; ".join(f"{p.name}: {p.detail}" for p in missing)
-            )
-        for path in (runtime_dir(), state_dir(self.node_id, self.config.state_dir)):
+        sandbox = Sandbox(policy_of(self.config))
+        require(sandbox.protections, self.config.allow_unisolated)
+        self.sandbox_report = sandbox.report()
+        if not sandbox.on["processes and files"]:
+            return None  # allowed to run without it: workers start as without --sandbox (the report says so)
+        extra = [Path(p.strip()) for p in (self.config.sandbox_hide or "").split(",") if p.strip()]
+        for path in (runtime_dir(), state_dir(self.node_id, self.config.state_dir), *extra):
             sandbox.hide(path)
         return sandbox
 
@@ -639,8 +633,8 @@ def run_server(config: ClusterConfig, parent_lifeline: int | None = None) -> int
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     print(server.ready_line(), flush=True)
-    if server.sandbox is not None:
-        print(server.sandbox.report(), flush=True)
+    if server.sandbox_report:
+        print(server.sandbox_report, flush=True)
     if not is_loopback(config.ip) and not config.encrypt:
         print(
             f"WARNING: listening on {config.ip} WITHOUT ENCRYPTION: messages are signed, but code, outputs and data "

@@ -148,6 +148,7 @@ class WorkerProcess:
             start_new_session=True,  # a Ctrl-C at the server's terminal is the server's, not the cell's
         )
         self.started = time.monotonic()
+        self.python_pid = 0
         self.ready = False
         self.session: Session | None = None
         self.own_home: tuple[Path, UidLease | None] | None = None  # a sandboxed spare's, until a session takes it
@@ -157,10 +158,31 @@ class WorkerProcess:
 
     @property
     def pid(self) -> int:
-        return self.proc.pid
+        """The worker's Python process (a sandboxed one's is bubblewrap's grandchild; until it is
+        ready, bubblewrap's own). Its process group is always `proc.pid`'s."""
+        return self.python_pid or self.proc.pid
+
+    def find_python(self) -> None:
+        """A sandboxed worker's own pid, as this host sees it (its cells see their namespace's)."""
+        import psutil
+
+        try:
+            for child in psutil.Process(self.proc.pid).children(recursive=True):
+                if child.cmdline()[1:3] == ["-m", "genie_core.worker"]:
+                    self.python_pid = child.pid
+        except psutil.Error:
+            pass
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def returncode(self) -> int | None:
+        """As Popen has it: negative for a signal. bubblewrap passes a sandboxed worker's death
+        by signal N on as the shell does, exit code 128 + N."""
+        code = self.proc.returncode
+        if self.sandboxed is not None and code is not None and 128 < code < 128 + 65:
+            return -(code - 128)
+        return code
 
     def busy(self) -> bool:
         return any(m.type == "execute" for m in self.inflight.values())
@@ -426,6 +448,8 @@ class WorkerPool:
                 continue
             if kind is T.READY:
                 worker.ready = True
+                if worker.sandboxed is not None:
+                    worker.find_python()
                 for waiting in worker.waiting:
                     self._forward(worker, waiting)
                 worker.waiting.clear()
@@ -449,7 +473,7 @@ class WorkerPool:
             self.workers.pop(worker.id, None)
             worker.reap()
             limit = worker.sandboxed.why_ended() if worker.sandboxed is not None else ""
-            why = limit or describe_exit(worker.proc.returncode, worker.pid)
+            why = limit or describe_exit(worker.returncode(), worker.pid)
             self._gone(worker)
             log.warning("worker %s (pid %d) %s", worker.id, worker.pid, why)
             session = worker.session

@@ -5,7 +5,9 @@ autoreload does, the changed ones and every synced module imported after them.""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import importlib.util
 import logging
 import os
 import sys
@@ -65,6 +67,8 @@ class SyncedCode:
         for name, module, path in synced[first:] if first is not None else []:
             if not path.exists():
                 continue  # its file was removed: the module stays as it was
+            with contextlib.suppress(OSError, ValueError):  # an edit of the same size in the same second
+                os.unlink(importlib.util.cache_from_source(str(path)))  # would pass its bytecode's check
             try:
                 importlib.reload(module)
                 reloaded.append(name)

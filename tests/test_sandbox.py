@@ -1,0 +1,250 @@
+"""The sandbox per session worker (`genie serve --sandbox`), tried the way an attack would be:
+two users' sessions on one sandboxed server, and from bob's cells everything that used to reach
+alice (her processes, environment, files, her server, the host's services) must fail, while
+alice's names survive. Each protection has a test here that fails when it is taken away."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run, start_server, stdout_of
+
+import genie_core
+from genie_core.errors import WorkerDied
+from genie_core.sandbox import Sandbox, SandboxedWorker, SandboxPolicy
+from genie_core.sandbox.policy import UID_BASE
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("bwrap") is None or os.geteuid() != 0,
+    reason="needs bubblewrap and root (scripts/test installs Debian's bubblewrap when root)",
+)
+
+MiB = 1 << 20
+
+
+def cell(client, code: str, timeout: float = 60.0) -> str:
+    """Run a cell; its stdout, or AssertionError with its error."""
+    replies = run(client, textwrap.dedent(code), timeout=timeout)
+    reply = replies[-1][1]
+    assert reply["status"] == "ok", f"{reply.get('ename')}: {reply.get('evalue')}"
+    return stdout_of(replies)
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """One sandboxed server, two users on it."""
+    srv = start_server(
+        tmp_path_factory.mktemp("sandbox"),
+        "--sandbox",
+        "--no-ucx",
+        "--session-memory",
+        "512MiB",
+        "--session-processes",
+        "128",
+    )
+    try:
+        alice, bob = srv.client(timeout=30), srv.client(timeout=30)
+        cell(alice, "import os; os.environ['HF_TOKEN'] = 'alice-secret'; names = 41")
+        yield srv, alice, bob
+        alice.close()
+        bob.close()
+    finally:
+        srv.stop()
+
+
+def _home(client) -> str:
+    return cell(client, "import os; print(os.getcwd())").strip()
+
+
+def _alive(alice) -> None:
+    assert cell(alice, "print(names + 1)").strip() == "42", "alice lost her names"
+
+
+def test_a_cell_sees_signals_and_reads_only_its_own_processes(shared):
+    srv, alice, bob = shared
+    host_pids = [c.pid for c in __import__("psutil").Process(srv.proc.pid).children(recursive=True)]
+    seen = cell(
+        bob,
+        f"""
+        import os, psutil, signal
+        procs = list(psutil.process_iter(["pid", "cmdline", "environ"]))
+        print("count", len(procs))
+        print("secret", any("alice-secret" in str(p.info["environ"]) for p in procs))
+        for pid in {host_pids}:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                print("killed", pid)
+            except (ProcessLookupError, PermissionError):
+                pass
+        """,
+    )
+    assert "secret False" in seen
+    assert "killed" not in seen
+    assert int(seen.split("count ")[1].split()[0]) <= 3  # its sandbox's init, the worker, maybe a child
+    with pytest.raises(WorkerDied):  # an honest `!pkill` ends the cell's own worker, nobody else's
+        cell(bob, "import subprocess; subprocess.run(['pkill', '-f', 'genie_core.worker'])")
+    _alive(alice)
+
+
+def test_a_cell_writes_only_its_session_directory_and_sees_no_other(shared, tmp_path):
+    srv, alice, bob = shared
+    alice_home = _home(alice)
+    cell(alice, "open('mine.txt', 'w').write('alice')")
+    state = os.environ["GENIE_STATE_DIR"]
+    seen = cell(
+        bob,
+        f"""
+        import os
+        def attempt(what, f):
+            try:
+                f()
+                print(what, "ok")
+            except OSError as e:
+                print(what, type(e).__name__)
+        attempt("alice-dir", lambda: os.listdir({alice_home!r}))
+        attempt("alice-file", lambda: open({alice_home + "/mine.txt"!r}).read())
+        attempt("etc", lambda: open("/etc/genie-test", "w"))
+        attempt("usr", lambda: open("/usr/genie-test", "w"))
+        attempt("own", lambda: open("own.txt", "w").write("bob"))
+        attempt("tmp", lambda: open("/tmp/bob.txt", "w").write("bob"))
+        attempt("connection-file", lambda: print(repr(open({str(srv.connection_file)!r}).read())))
+        print("state", os.path.isdir({state!r}) and os.listdir({state!r}))
+        """,
+    )
+    assert "alice-dir FileNotFoundError" in seen
+    assert "alice-file FileNotFoundError" in seen
+    assert "etc OSError" in seen and "usr OSError" in seen  # EROFS
+    assert "own ok" in seen and "tmp ok" in seen
+    assert "connection-file ok" not in seen or "''" in seen  # it holds the server's token
+    assert "state False" in seen or "state []" in seen
+    assert not Path("/tmp/bob.txt").exists()  # its /tmp is its own
+    _alive(alice)
+
+
+def test_each_session_runs_as_its_own_uid_without_privileges(shared):
+    _srv, alice, bob = shared
+    probe = """
+        import os
+        status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+        caps = [status[k].strip() for k in ("CapEff", "CapBnd", "NoNewPrivs")]
+        print(os.getuid(), os.getgid(), *caps)
+    """
+    a, b = (cell(c, probe).split() for c in (alice, bob))
+    assert a[0] != b[0]
+    for uid, gid, eff, bounding, nnp in (a, b):
+        assert int(uid) >= UID_BASE and gid == uid
+        assert int(eff, 16) == 0 and int(bounding, 16) == 0 and nnp == "1"
+
+
+def test_outbound_network_reaches_nothing_on_this_host(shared):
+    srv, _alice, bob = shared
+    listener = socket.create_server(("127.0.0.1", 0))
+    try:
+        ports = [srv.info.port, listener.getsockname()[1]]
+        seen = cell(
+            bob,
+            f"""
+            import socket
+            for port in {ports}:
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=3).close()
+                    print(port, "connected")
+                except OSError as e:
+                    print(port, type(e).__name__)
+            """,
+        )
+    finally:
+        listener.close()
+    assert "connected" not in seen, seen
+    socket.create_connection(("127.0.0.1", srv.info.port), timeout=3).close()  # the host itself still can
+
+
+def test_a_fork_bomb_stops_at_the_sessions_process_limit(shared):
+    _srv, alice, bob = shared
+    seen = cell(
+        bob,
+        """
+        import subprocess
+        started = []
+        try:
+            for _ in range(300):
+                started.append(subprocess.Popen(["sleep", "30"]))
+        except OSError as e:
+            print("stopped at", len(started), type(e).__name__)
+        for p in started:
+            p.kill()
+            p.wait()
+        """,
+    )
+    assert "stopped at" in seen
+    assert int(seen.split("stopped at ")[1].split()[0]) < 128
+    _alive(alice)
+
+
+def test_a_memory_hog_ends_in_its_own_session_with_one_clear_line(shared):
+    _srv, alice, bob = shared
+    with pytest.raises(WorkerDied, match=r"went over its memory limit, 512(\.0)? MiB \(--session-memory\)"):
+        cell(bob, "hog = bytearray(900 << 20)", timeout=60)
+    _alive(alice)
+    assert cell(bob, "print('fresh')").strip() == "fresh"  # bob's next cell gets a fresh worker
+
+
+def test_shared_memory_moves_through_the_private_dev_shm(shared):
+    """A push's segment is renamed into the worker's own /dev/shm, a pull's out of it: no copy."""
+    srv, _alice, _bob = shared
+    state = genie_core.init_sync(f"127.0.0.1:{srv.info.port}", token=srv.info.token, backend="shm", timeout=30)
+    try:
+        client = state.client
+        assert client.channel.name == "shm"
+        x = torch.arange(16 * MiB, dtype=torch.float32)
+        client.push({"x": x})
+        client.execute("y = x * 2").wait(30)
+        back = client.pull(["x", "y"])
+        assert torch.equal(back["x"], x) and torch.equal(back["y"], x * 2)
+        private = [p.name for p in Path("/dev/shm").glob(f"genie-sbx-{srv.proc.pid}-*/genie-*")]
+        assert all(name.startswith("genie-w-") for name in private), private  # only the worker's spares
+    finally:
+        genie_core.shutdown_sync()
+
+
+def test_only_the_sessions_gpu_device_nodes(tmp_path):
+    """This machine has no GPU: the device nodes are stand-in files (labelled fake), bound the
+    way real /dev/nvidiaN nodes are."""
+    fake_dev = tmp_path / "fake-dev"
+    fake_dev.mkdir()
+    for name in ("nvidia0", "nvidia1", "nvidia2", "nvidiactl", "nvidia-uvm"):
+        (fake_dev / name).write_text("fake device node")
+    sandbox = Sandbox(SandboxPolicy(network="none"), dev=fake_dev)
+    worker = SandboxedWorker(sandbox, "gpu-test", tmp_path / "home", None, {"index": 1, "uuid": "GPU-fake-1"})
+    try:
+        argv, env = worker.command(["sh", "-c", "ls /dev; echo cvd=$CUDA_VISIBLE_DEVICES"], {"GENIE_WORKER_ID": "x"})
+        env["PATH"] = os.environ["PATH"]
+        out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30).stdout.split()
+    finally:
+        worker.close()
+        sandbox.stop()
+    assert {"nvidia1", "nvidiactl", "nvidia-uvm"} <= set(out)
+    assert "nvidia0" not in out and "nvidia2" not in out
+    assert "cvd=GPU-fake-1" in out
+
+
+def test_a_server_without_a_protection_refuses_to_start_unless_allowed(tmp_path):
+    no_bwrap = {"PATH": "/nonexistent"}
+    with pytest.raises(Exception, match="did not start"):
+        start_server(tmp_path, "--sandbox", "--no-ucx", env=no_bwrap)
+    srv = start_server(tmp_path, "--sandbox", "--allow-unisolated", "--no-ucx", env=no_bwrap)
+    try:
+        c = srv.client()
+        assert cell(c, "print(1)").strip() == "1"
+        c.close()
+    finally:
+        srv.stop()
+    logs = "".join(log.read_text() for log in tmp_path.glob("*.log"))
+    assert "the sandbox cannot give every protection here" in logs and "bubblewrap is not installed" in logs
