@@ -37,7 +37,7 @@ def _first_cell(info) -> float:
 def run(quick: bool = False) -> dict:
     if shutil.which("bwrap") is None or os.geteuid() != 0:
         return {"name": "sandbox", "met": "not measured: needs bubblewrap and root"}
-    starts, cells, pushes = (3, 30, 3) if quick else (15, 300, 10)
+    starts, cells, pushes = (3, 30, 3) if quick else (15, 300, 30)
     kinds = {"plain": (), "sandbox": ("--sandbox", "--session-network", "outbound")}
     old_spares = os.environ.get("GENIE_SPARE_WORKERS")
     os.environ["GENIE_SPARE_WORKERS"] = "0"
