@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run, start_server, stdout_of
+from conftest import RunningServer, run, start_server, stdout_of
 
 import genie_core
-from genie_core.errors import WorkerDied
-from genie_core.sandbox import Sandbox, SandboxedWorker, SandboxPolicy
+from genie_core.errors import ConfigError, WorkerDied
+from genie_core.local_server import start_server_process
+from genie_core.sandbox import Sandbox, SandboxedWorker, SandboxPolicy, refuse_unisolated
 from genie_core.sandbox.policy import UID_BASE
 
 pytestmark = pytest.mark.skipif(
@@ -39,16 +40,27 @@ def cell(client, code: str, timeout: float = 60.0) -> str:
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
-    """One sandboxed server, two users on it."""
-    srv = start_server(
-        tmp_path_factory.mktemp("sandbox"),
-        "--sandbox",
-        "--no-ucx",
-        "--session-memory",
-        "512MiB",
-        "--session-processes",
-        "128",
+    """One sandboxed server, two users on it. The server's connection file and a folder the admin
+    hides lie outside /tmp (which cells never see), so that hiding them is what is tested."""
+    outside = Path(f"/var/cache/genie-test-{os.urandom(4).hex()}")
+    (outside / "hidden").mkdir(parents=True)
+    (outside / "hidden" / "admin-secret").write_text("s3cret")
+    tmp = tmp_path_factory.mktemp("sandbox")
+    env = dict(
+        os.environ,
+        GENIE_TOKEN="test-token-" + os.urandom(8).hex(),
+        GENIE_STATE_DIR=str(tmp / "state"),
+        GENIE_SANDBOX_HIDE=str(outside / "hidden"),
+        SERVER_ONLY_SECRET="the-servers-own",
     )
+    args = ("--port", "0", "--sandbox", "--no-ucx", "--session-memory", "512MiB", "--session-processes", "128")
+    with open(tmp / "server.log", "w") as log:
+        proc, info, line = start_server_process(*args, env=env, connection_file=outside / "server.json", stderr=log)
+    srv = RunningServer(proc, info, outside / "server.json", line)
+    srv.hidden = outside / "hidden"
+    for path in (outside, outside / "hidden"):
+        path.chmod(0o755)
+    srv.connection_file.chmod(0o644)  # readable by any uid: only the sandbox's mask keeps the token from cells
     try:
         alice, bob = srv.client(timeout=30), srv.client(timeout=30)
         cell(alice, "import os; os.environ['HF_TOKEN'] = 'alice-secret'; names = 41")
@@ -57,6 +69,7 @@ def shared(tmp_path_factory):
         bob.close()
     finally:
         srv.stop()
+        shutil.rmtree(outside, ignore_errors=True)
 
 
 def _home(client) -> str:
@@ -77,6 +90,7 @@ def test_a_cell_sees_signals_and_reads_only_its_own_processes(shared):
         procs = list(psutil.process_iter(["pid", "cmdline", "environ"]))
         print("count", len(procs))
         print("secret", any("alice-secret" in str(p.info["environ"]) for p in procs))
+        print("server-env", "SERVER_ONLY_SECRET" in os.environ or "GENIE_TOKEN" in os.environ)
         for pid in {host_pids}:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -85,7 +99,7 @@ def test_a_cell_sees_signals_and_reads_only_its_own_processes(shared):
                 pass
         """,
     )
-    assert "secret False" in seen
+    assert "secret False" in seen and "server-env False" in seen
     assert "killed" not in seen
     assert int(seen.split("count ")[1].split()[0]) <= 3  # its sandbox's init, the worker, maybe a child
     with pytest.raises(WorkerDied):  # an honest `!pkill` ends the cell's own worker, nobody else's
@@ -114,7 +128,8 @@ def test_a_cell_writes_only_its_session_directory_and_sees_no_other(shared, tmp_
         attempt("usr", lambda: open("/usr/genie-test", "w"))
         attempt("own", lambda: open("own.txt", "w").write("bob"))
         attempt("tmp", lambda: open("/tmp/bob.txt", "w").write("bob"))
-        attempt("connection-file", lambda: print(repr(open({str(srv.connection_file)!r}).read())))
+        print("connection-file", repr(open({str(srv.connection_file)!r}).read()))
+        print("hidden", os.listdir({str(srv.hidden)!r}))
         print("state", os.path.isdir({state!r}) and os.listdir({state!r}))
         """,
     )
@@ -122,7 +137,8 @@ def test_a_cell_writes_only_its_session_directory_and_sees_no_other(shared, tmp_
     assert "alice-file FileNotFoundError" in seen
     assert "etc OSError" in seen and "usr OSError" in seen  # EROFS
     assert "own ok" in seen and "tmp ok" in seen
-    assert "connection-file ok" not in seen or "''" in seen  # it holds the server's token
+    assert "connection-file ''" in seen  # it holds the server's token
+    assert "hidden []" in seen  # what the admin hid (--sandbox-hide; the server's state is hidden so)
     assert "state False" in seen or "state []" in seen
     assert not Path("/tmp/bob.txt").exists()  # its /tmp is its own
     _alive(alice)
@@ -232,6 +248,7 @@ def test_only_the_sessions_gpu_device_nodes(tmp_path):
         sandbox.stop()
     assert {"nvidia1", "nvidiactl", "nvidia-uvm"} <= set(out)
     assert "nvidia0" not in out and "nvidia2" not in out
+    assert "kmsg" not in out and "loop0" not in out  # none of the host's other devices
     assert "cvd=GPU-fake-1" in out
 
 
@@ -248,3 +265,13 @@ def test_a_server_without_a_protection_refuses_to_start_unless_allowed(tmp_path)
         srv.stop()
     logs = "".join(log.read_text() for log in tmp_path.glob("*.log"))
     assert "the sandbox cannot give every protection here" in logs and "bubblewrap is not installed" in logs
+
+
+def test_a_pool_refuses_to_start_where_a_protection_is_missing_unless_allowed(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")  # no bubblewrap
+    with pytest.raises(ConfigError, match="bubblewrap is not installed"):
+        refuse_unisolated({"sandbox": True})
+    allowed = refuse_unisolated({"sandbox": True, "allow_unisolated": True})
+    assert not next(p for p in allowed if p.name == "processes and files").on
+    monkeypatch.undo()
+    assert all(p.on for p in refuse_unisolated({"sandbox": True}))  # this machine gives them all

@@ -45,6 +45,7 @@ class Sandbox:
         self.hidden = [Path(p) for p in HIDDEN if Path(p).exists()]
         self.exposed: list[Path] = []  # read-only inside though under a hidden folder (the workers' socket)
         self.masked: list[Path] = []  # files that read as empty inside (the connection file: it holds the token)
+        self.empty = Path("/dev/null")
         self.fence = (
             OutboundFence(policy, f"genie_sandbox_{os.getpid()}")
             if policy.network == "outbound" and self.on["network"]
@@ -60,8 +61,11 @@ class Sandbox:
     def expose(self, path: Path) -> None:
         self.exposed.append(path.resolve())
 
-    def mask(self, path: Path) -> None:
+    def mask(self, path: Path, empty: Path) -> None:
+        """`path` reads as the empty file `empty` inside (not /dev/null: a device on a nodev mount
+        cannot be opened)."""
         self.masked.append(path.resolve())
+        self.empty = empty
 
     def missing(self) -> list[Protection]:
         return [p for p in self.protections if not p.on]
@@ -146,7 +150,7 @@ class SandboxedWorker:
         for path in binds:
             args += ["--ro-bind", str(path), str(path)]
         for path in sandbox.masked:
-            args += ["--ro-bind", "/dev/null", str(path)]
+            args += ["--ro-bind", str(sandbox.empty), str(path)]
         args += ["--bind", str(self.home), str(self.home), "--bind", str(self.shm), "/dev/shm"]
         for node in self._gpu_nodes():
             args += ["--dev-bind", str(sandbox.dev / node), f"/dev/{node}"]

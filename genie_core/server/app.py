@@ -216,7 +216,9 @@ class Server:
         path = self.config.connection_file or runtime_dir() / f"genie-server-{self.node_id}-{self.port}.json"
         self.connection_file = info.write(path)
         if self.sandbox is not None:
-            self.sandbox.mask(self.connection_file)
+            empty = Path(self._worker_dir) / "empty"
+            empty.touch(mode=0o444)
+            self.sandbox.mask(self.connection_file, empty)
         self.telemetry.start(self.address, self._broadcast)
         max_put = min(self.config.max_session_bytes or self.config.max_message_bytes, self.config.max_message_bytes)
         self.data = DataPlane(
