@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -226,6 +227,46 @@ def test_shared_memory_moves_through_the_private_dev_shm(shared):
         assert torch.equal(back["x"], x) and torch.equal(back["y"], x * 2)
         private = [p.name for p in Path("/dev/shm").glob(f"genie-sbx-{srv.proc.pid}-*/genie-*")]
         assert all(name.startswith("genie-w-") for name in private), private  # only the worker's spares
+    finally:
+        genie_core.shutdown_sync()
+
+
+def test_a_sandboxed_session_does_what_it_did_without(shared, tmp_path):
+    """What a cell could do before, it can in the sandbox: remote tensors, interrupts, jobs,
+    synced modules, uploads and downloads, rich display, `!cmd`. (The cell, tensor, jobs, sync,
+    files and interrupt suites also pass whole with GENIE_SANDBOX=1: see the README.)"""
+    srv, _alice, _bob = shared
+    state = genie_core.init_sync(f"127.0.0.1:{srv.info.port}", token=srv.info.token, timeout=30)
+    try:
+        client = state.client
+        x = torch.randn(64, 64, device="remote_accelerator:0")
+        assert torch.allclose((x @ x).cpu(), x.cpu() @ x.cpu(), atol=1e-4)
+        running = client.execute("import time\ntime.sleep(30)")
+        time.sleep(0.5)
+        client.interrupt()
+        assert any(m.type == "error" and m.content["ename"] == "KeyboardInterrupt" for m in running.replies(10))
+        job = client.start_job("print('from a job')")
+        assert job.wait(30) and "from a job" in job.output()
+        (tmp_path / "project").mkdir()
+        (tmp_path / "project" / "helper.py").write_text("def twice(n):\n    return 2 * n\n")
+        client.sync(tmp_path / "project")
+        (tmp_path / "data.bin").write_bytes(os.urandom(3 * MiB))
+        client.upload(tmp_path / "data.bin", "data.bin")
+        out = cell(
+            client,
+            """
+            import helper, subprocess
+            from IPython.display import display, HTML
+            display(HTML("<b>rich</b>"))
+            open("made.txt", "w").write(str(helper.twice(21)))
+            print(subprocess.run("echo from a shell", shell=True, capture_output=True, text=True).stdout)
+            """,
+        )
+        assert "from a shell" in out
+        client.download("made.txt", tmp_path / "made.txt")
+        client.download("data.bin", tmp_path / "back.bin")
+        assert (tmp_path / "made.txt").read_text() == "42"
+        assert (tmp_path / "back.bin").read_bytes() == (tmp_path / "data.bin").read_bytes()
     finally:
         genie_core.shutdown_sync()
 
