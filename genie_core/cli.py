@@ -8,10 +8,10 @@ import argparse
 import logging
 import sys
 from importlib.metadata import entry_points
-from typing import Any
 
 from .config import ClusterConfig
 from .errors import GenieError
+from .sandbox.options import add_sandbox_options, sandbox_settings
 
 
 def _port(text: str) -> int:
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="run each session's worker in a sandbox of its own (for a server shared by several people)",
     )
-    _add_sandbox_options(serve)
+    add_sandbox_options(serve)
     serve.add_argument("--node-id", default=None, help="name of this node (default: host name)")
     serve.add_argument("--connection-file", default=None, help="where to write the connection file")
     serve.add_argument("--lifeline-fd", type=int, default=None, help=argparse.SUPPRESS)  # see LocalServer
@@ -180,37 +180,6 @@ def _serve(args: argparse.Namespace) -> int:
     return run_server(config, parent_lifeline=args.lifeline_fd)
 
 
-def _add_sandbox_options(cmd: argparse.ArgumentParser) -> None:
-    cmd.add_argument(
-        "--session-network",
-        choices=("none", "outbound", "host"),
-        default=None,
-        help="sandboxed cells' network: none (loopback only), outbound (anywhere but this host's and the "
-        "cluster's services; the default) or host (everything this host reaches)",
-    )
-    cmd.add_argument("--session-memory", default=None, metavar="SIZE", help="memory per sandboxed session, e.g. 16GiB")
-    cmd.add_argument(
-        "--session-processes", type=int, default=None, metavar="N", help="processes and threads per session (4096)"
-    )
-    cmd.add_argument("--session-cpus", type=float, default=None, metavar="N", help="CPU time per session, in CPUs")
-    cmd.add_argument(
-        "--allow-unisolated",
-        action="store_true",
-        default=None,
-        help="start even where the sandbox cannot give every protection (each is listed at start)",
-    )
-
-
-def sandbox_settings(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "session_network": args.session_network,
-        "session_memory_bytes": args.session_memory,
-        "session_processes": args.session_processes,
-        "session_cpus": args.session_cpus,
-        "allow_unisolated": args.allow_unisolated,
-    }
-
-
 def _add_pool_commands(sub: argparse._SubParsersAction) -> None:
     pool = sub.add_parser("pool", help="a pool of GPU machines run by Ray, shared by several users")
     pool_sub = pool.add_subparsers(dest="pool_command", required=True)
@@ -244,7 +213,7 @@ def _add_pool_commands(sub: argparse._SubParsersAction) -> None:
         help="keep no warm session on each node (by default each node keeps one, holding a GPU for the next "
         "one-GPU user, who then skips the seconds Ray takes to start an actor)",
     )
-    _add_sandbox_options(up)  # sessions are always sandboxed in a pool
+    add_sandbox_options(up)  # sessions are always sandboxed in a pool
     pool_sub.add_parser("down", help="stop the local Ray head that `genie pool up` started (ends its sessions)")
     user = pool_sub.add_parser("user", help="users of the pool and their quotas")
     user_sub = user.add_subparsers(dest="user_command", required=True)

@@ -33,11 +33,12 @@ ALLOWED = {
     "monitoring": {"errors", "config", "events", "nodes", "gpus", "threads"},
     "worker": BASE | {"dataplane"},
     "remote_tensor": BASE,
-    "server": BASE | {"dataplane"},
+    "sandbox": BASE | {"dataplane"},
+    "server": BASE | {"dataplane", "sandbox"},
     "client": BASE | {"dataplane"},
     "cluster": BASE | {"client", "local_server", "remote_tensor", "server", "dataplane"},
     # its session actors run a server; `genie pool status` asks the pool as a client does
-    "pool": BASE | {"server", "client"},
+    "pool": BASE | {"server", "client", "sandbox"},
 }
 
 

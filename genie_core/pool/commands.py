@@ -12,10 +12,10 @@ import sys
 import time
 from pathlib import Path
 
-from ..cli import sandbox_settings
 from ..config import state_dir
 from ..errors import ConfigError
 from ..protocol import pool as wire
+from ..sandbox.options import sandbox_settings
 from .registry import Registry
 
 USER_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")

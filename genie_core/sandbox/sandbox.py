@@ -102,9 +102,7 @@ class Sandbox:
 
     def readable_paths(self) -> list[Path]:
         """What the worker's Python needs that lies under a hidden folder (a venv in /tmp or /home)."""
-        import genie_core
-
-        wanted = [Path(sys.prefix), Path(sys.base_prefix), Path(genie_core.__file__).parent.parent]
+        wanted = [Path(sys.prefix), Path(sys.base_prefix), Path(__file__).resolve().parents[2]]  # genie_core's folder
         wanted += [Path(p) for p in sys.path if p and Path(p).is_dir()]
         found = [p.resolve() for p in wanted]
         return [p for p in dict.fromkeys(found) if _under(p, self.hidden)]
