@@ -427,15 +427,17 @@ def test_a_cell_reaches_neither_ray_nor_the_pool_nor_another_session(pool, clust
         alice.run("import os; os.environ['HF_TOKEN'] = 'alice-secret'; names = 41")
         gcs = int(cluster.address.rsplit(":", 1)[1])
         ports = {"gcs": gcs, "pool": pool.port, "alice": alice.placed["port"]}
+        registry = pool.registry.url.removeprefix("sqlite:///")
         seen = bob.run(
             textwrap.dedent(f"""
-            import socket, psutil, subprocess
+            import os, socket, psutil
             for what, port in {ports}.items():
                 try:
                     socket.create_connection(("127.0.0.1", port), timeout=3).close()
                     print(what, "reached")
                 except OSError as e:
                     print(what, type(e).__name__)
+            print("registry", "reached" if os.path.exists({registry!r}) else "hidden")
             procs = list(psutil.process_iter(["environ"]))
             print("processes", len(procs), "secret", any("alice-secret" in str(p.info["environ"]) for p in procs))
             import ray
