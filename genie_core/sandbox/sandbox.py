@@ -32,6 +32,24 @@ def _under(path: Path, dirs: list[Path]) -> bool:
     return any(path == d or d in path.parents for d in dirs)
 
 
+def _reachable(path: Path, depth: int = 2) -> tuple[list[Path], list[Path]]:
+    """How to bind `path` so that other uids can read it: itself, or, for a folder only its owner
+    may enter (a checkout in `mktemp -d`), a 0755 folder in its place with its entries bound
+    inside. Returns (folders to make, paths to bind)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return [], []
+    if mode & 0o005 == 0o005 or depth == 0 or not path.is_dir():
+        return [], [path]
+    folders, binds = [path], []
+    for child in sorted(path.iterdir()):
+        more, paths = _reachable(child, depth - 1)
+        folders += more
+        binds += paths
+    return folders, binds
+
+
 class Sandbox:
     """One per server. `dev` is where GPU device nodes are looked for (a test may point it at
     stand-ins: this machine has no GPU)."""
@@ -142,9 +160,13 @@ class SandboxedWorker:
         args += ["--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev"]
         for hidden in sandbox.hidden:
             args += ["--perms", "1777" if str(hidden) in ("/tmp", "/var/tmp") else "0755", "--tmpfs", str(hidden)]
-        binds = sandbox.readable_paths() + sandbox.exposed
-        for folder in sandbox.folders_for([*binds, self.home]):  # reachable by the session's uid
-            args += ["--perms", "0755", "--dir", str(folder)]
+        made, binds = [], []
+        for path in sandbox.readable_paths() + sandbox.exposed:
+            folders, paths = _reachable(path)
+            made += folders
+            binds += paths
+        for folder in dict.fromkeys(sandbox.folders_for([*binds, *made, self.home]) + made):
+            args += ["--perms", "0755", "--dir", str(folder)]  # reachable by the session's uid
         for path in binds:
             args += ["--ro-bind", str(path), str(path)]
         for path in sandbox.masked:
