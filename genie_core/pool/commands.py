@@ -93,14 +93,14 @@ def _up(args: argparse.Namespace) -> int:
         warm_sessions=args.warm_sessions,
         isolation={k: v for k, v in sandbox_settings(args).items() if v is not None},
     ).start()
-    if pool.protections:
-        print("sessions' sandbox:\n" + "\n".join(f"  {p.line()}" for p in pool.protections), flush=True)
     free = pool.status()
     print(
         f"genie pool at {pool.ip}:{pool.port}: {len([n for n in free['nodes'] if n['alive']])} node(s), "
         f"{free['total']} GPU(s), {len(pool.sessions)} running session(s); registry {pool.registry.kind}",
         flush=True,
     )
+    if pool.protections:
+        print("sessions' sandbox:\n" + "\n".join(f"  {p.line()}" for p in pool.protections), flush=True)
     seconds, how = node_loss_seconds()
     print(
         f"a node that dies is noticed in about {seconds:.0f} s ({how})"
