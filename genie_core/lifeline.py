@@ -41,7 +41,9 @@ def die_with_parent(fd: int) -> None:
     in a long C call, and it takes the user's own child processes along (those that did not
     start a session of their own).
     """
-    fcntl.fcntl(fd, fcntl.F_SETOWN, -os.getpgrp())
+    if os.getpgrp() == 0:  # a sandboxed worker: its group lies outside its PID namespace, and
+        return  # bubblewrap ends it with the server (--die-with-parent); owning the shared pipe as 0 would
+    fcntl.fcntl(fd, fcntl.F_SETOWN, -os.getpgrp())  # take SIGIO from every other worker
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_ASYNC | os.O_NONBLOCK)
     if parent_gone(fd):  # it ended before we were listening

@@ -424,7 +424,8 @@ def test_a_cell_reaches_neither_ray_nor_the_pool_nor_another_session(pool, clust
     _wait_free(pool, 4)
     alice, bob = Seat(pool, "alice"), Seat(pool, "bob")
     try:
-        alice.run("import os; os.environ['HF_TOKEN'] = 'alice-secret'; names = 41")
+        alice.run("names = 41")
+        alice_id = alice.run("import os; print(os.environ['GENIE_WORKER_ID'])")  # in her /proc/PID/environ
         gcs = int(cluster.address.rsplit(":", 1)[1])
         ports = {"gcs": gcs, "pool": pool.port, "alice": alice.placed["port"]}
         registry = pool.registry.url.removeprefix("sqlite:///")
@@ -439,7 +440,7 @@ def test_a_cell_reaches_neither_ray_nor_the_pool_nor_another_session(pool, clust
                     print(what, type(e).__name__)
             print("registry", "reached" if os.path.exists({registry!r}) else "hidden")
             procs = list(psutil.process_iter(["environ"]))
-            print("processes", len(procs), "secret", any("alice-secret" in str(p.info["environ"]) for p in procs))
+            print("processes", len(procs), "secret", any({alice_id!r} in str(p.info["environ"]) for p in procs))
             import ray
             try:
                 ray.init(address="auto")

@@ -46,6 +46,7 @@ def shared(tmp_path_factory):
     outside = Path(f"/var/cache/genie-test-{os.urandom(4).hex()}")
     (outside / "hidden").mkdir(parents=True)
     (outside / "hidden" / "admin-secret").write_text("s3cret")
+    (outside / "victim").mkdir()  # root's, 0755: a link a cell plants must not lead the server here
     tmp = tmp_path_factory.mktemp("sandbox")
     env = dict(
         os.environ,
@@ -59,6 +60,7 @@ def shared(tmp_path_factory):
         proc, info, line = start_server_process(*args, env=env, connection_file=outside / "server.json", stderr=log)
     srv = RunningServer(proc, info, outside / "server.json", line)
     srv.hidden = outside / "hidden"
+    srv.victim = outside / "victim"
     for path in (outside, outside / "hidden"):
         path.chmod(0o755)
     srv.connection_file.chmod(0o644)  # readable by any uid: only the sandbox's mask keeps the token from cells
@@ -84,13 +86,14 @@ def _alive(alice) -> None:
 def test_a_cell_sees_signals_and_reads_only_its_own_processes(shared):
     srv, alice, bob = shared
     host_pids = [c.pid for c in __import__("psutil").Process(srv.proc.pid).children(recursive=True)]
+    alice_id = cell(alice, "import os; print(os.environ['GENIE_WORKER_ID'])").strip()  # in her /proc/PID/environ
     seen = cell(
         bob,
         f"""
         import os, psutil, signal
         procs = list(psutil.process_iter(["pid", "cmdline", "environ"]))
         print("count", len(procs))
-        print("secret", any("alice-secret" in str(p.info["environ"]) for p in procs))
+        print("secret", any({alice_id!r} in str(p.info["environ"]) for p in procs))
         print("server-env", "SERVER_ONLY_SECRET" in os.environ or "GENIE_TOKEN" in os.environ)
         for pid in {host_pids}:
             try:
@@ -316,3 +319,45 @@ def test_a_pool_refuses_to_start_where_a_protection_is_missing_unless_allowed(mo
     assert not next(p for p in allowed if p.name == "processes and files").on
     monkeypatch.undo()
     assert all(p.on for p in refuse_unisolated({"sandbox": True}))  # this machine gives them all
+
+
+def test_a_link_a_cell_plants_does_not_lead_the_server_elsewhere(shared, tmp_path):
+    """%genie_sync writes a sandboxed session's directory as the session's uid: through a link a
+    cell planted there, root's folder stays untouched."""
+    srv, _alice, bob = shared
+    cell(bob, f"import os; os.symlink({str(srv.victim)!r}, 'planted')")
+    (tmp_path / "project" / "planted").mkdir(parents=True)
+    (tmp_path / "project" / "planted" / "evil.py").write_text("x = 1\n")
+    with pytest.raises(Exception, match="Permission denied"):
+        bob.sync(tmp_path / "project")
+    assert not (srv.victim / "evil.py").exists()
+    assert cell(bob, "print(open('own.txt', 'w').write('still mine'))").strip() == "10"
+
+
+def test_segments_that_are_links_are_refused_both_ways(tmp_path):
+    """A segment name is a rename on /dev/shm: a link in its place (planted by a cell in its own
+    /dev/shm, or by another local user in the host's) is refused, never followed by root."""
+    target = tmp_path / "root-only"
+    target.write_text("top secret")
+    target.chmod(0o600)
+    sandbox = Sandbox(SandboxPolicy(network="none"))
+    worker = SandboxedWorker(sandbox, f"link-{os.getpid()}", tmp_path / "home", UID_BASE + 7, None)
+    planted = Path("/dev/shm") / f"genie-c-{os.getpid()}-link"
+    try:
+        (worker.shm / "genie-w-2-planted").symlink_to(target)
+        assert worker.move_out("genie-w-2-planted", 12345) == ""
+        planted.symlink_to(target)
+        worker.move_in(planted.name)
+        assert not (worker.shm / planted.name).exists()
+        assert target.stat().st_uid == 0 and target.read_text() == "top secret"
+        real = Path("/dev/shm") / f"genie-c-{os.getpid()}-real"
+        real.write_bytes(b"data")
+        worker.move_in(real.name)
+        assert (worker.shm / real.name).stat().st_uid == UID_BASE + 7  # a plain segment goes in
+        out = worker.move_out(real.name, 12345)
+        assert out.startswith("genie-w-12345-") and (Path("/dev/shm") / out).stat().st_uid == 0
+        (Path("/dev/shm") / out).unlink()
+    finally:
+        planted.unlink(missing_ok=True)
+        worker.close()
+        sandbox.stop()

@@ -15,8 +15,10 @@ import hmac
 import json
 import logging
 import secrets
+import socket
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -387,7 +389,13 @@ class Pool:
         }
 
     def _node_addresses(self) -> list[str]:
-        return sorted({str(n["NodeManagerAddress"]) for n in self.nodes.values() if n.get("NodeManagerAddress")})
+        """The cluster's machines (as Ray has them now) and the registry's database server."""
+        found = {str(n["NodeManagerAddress"]) for n in self.nodes.values() if n.get("NodeManagerAddress")}
+        host = urllib.parse.urlsplit(self.registry.url).hostname if "://" in self.registry.url else None
+        if host and not self.registry.url.startswith("sqlite"):
+            with contextlib.suppress(OSError):
+                found |= {str(info[4][0]).split("%")[0] for info in socket.getaddrinfo(host, None)}
+        return sorted(found)
 
     def _start_warm(self, node_id: str, name: str, token: str) -> Any:
         """A warm session actor pinned to `node_id`, holding one GPU, nobody's yet."""

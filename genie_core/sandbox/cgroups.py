@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from pathlib import Path
 
 from .. import errors
@@ -55,6 +54,10 @@ def cgroup_support() -> tuple[bool, str]:
             (parents[""] / "cgroup.subtree_control").write_text("+memory +pids +cpu")
     except OSError as exc:
         return False, f"cannot make cgroups under {next(iter(parents.values())).parent}: {exc.strerror}"
+    if not _v2():  # made again by the first worker's cgroup: a probe leaves nothing behind
+        for parent in parents.values():
+            with contextlib.suppress(OSError):
+                parent.rmdir()
     kind = "v2" if _v2() else "v1 memory, pids and cpu"
     return True, f"memory, processes and CPU bounded per session (cgroup {kind})"
 
@@ -119,17 +122,18 @@ class WorkerCgroup:
             return f"went over its memory limit, {errors.size_text(self.memory)} (--session-memory)"
         return ""
 
-    def remove(self) -> None:
-        """Once its processes are gone (the PID namespace ends with the worker): bounded retries."""
+    def remove(self) -> bool:
+        """Once its processes are gone (the PID namespace ends with the worker); False while one
+        is still on its way out (never blocks: the caller tries again later)."""
+        done = True
         for path in self.dirs.values():
-            for _ in range(50):
-                try:
-                    path.rmdir()
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    time.sleep(0.02)
+            try:
+                path.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                done = False
+        return done
 
     @staticmethod
     def remove_parents() -> None:

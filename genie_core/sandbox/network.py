@@ -23,7 +23,11 @@ class OutboundFence:
             f"table inet {self.table} {{",
             "  chain output {",
             "    type filter hook output priority 0; policy accept;",
+            f"    {owner} udp dport 53 accept",  # name lookups, through the host's resolver too
+            f"    {owner} tcp dport 53 accept",
             f"    {owner} fib daddr type local reject",
+            f"    {owner} ip daddr 169.254.0.0/16 reject",  # link-local: a cloud's metadata service
+            f"    {owner} ip6 daddr fe80::/10 reject",
             f"    {owner} ip daddr 127.0.0.0/8 reject",
             f"    {owner} ip6 daddr ::1 reject",
         ]

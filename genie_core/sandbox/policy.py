@@ -76,7 +76,8 @@ def probe(policy: SandboxPolicy) -> list[Protection]:
         Protection(
             "processes and files",
             ns_ok,
-            "own PID, mount, IPC and user namespaces; read-only root; private /tmp and /dev/shm; no capabilities"
+            "own PID, mount, IPC and UTS namespaces (and a user namespace when the server is not root); "
+            "read-only root; private /tmp and /dev/shm; no capabilities"
             if ns_ok
             else ns_detail,
         ),
@@ -103,7 +104,7 @@ def probe(policy: SandboxPolicy) -> list[Protection]:
             )
         )
     else:
-        out.append(Protection("network", False, "host: cells reach whatever this host reaches (--session-network)"))
+        out.append(Protection("network", True, "host, the admin's choice: cells reach whatever this host reaches"))
     cg_ok, cg_detail = cgroup_support() if root else (False, "cgroups need the server to run as root")
     out.append(Protection("limits", cg_ok and ns_ok, cg_detail))
     return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,11 @@ log = logging.getLogger("genie.server")
 # Hidden from cells (an empty tmpfs over each): other users' and sessions' files, the server's
 # state and connection files, Ray's session folder, cgroups (they list other workers' pids).
 HIDDEN = ("/tmp", "/var/tmp", "/run", "/home", "/root", "/mnt", "/media", "/srv", "/sys/fs/cgroup")
-ENV_KEPT = ("PATH", "LANG", "LANGUAGE", "TZ", "TERM", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "MPLBACKEND", "GENIE_LOG_LEVEL")
-ENV_PREFIXES = ("LC_", "PYTHON", "CUDA_", "NVIDIA_", "GENIE_LIMIT_", "OMP_", "MKL_", "COVERAGE_")
+ENV_KEPT = (
+    *("PATH", "LANG", "LANGUAGE", "TZ", "TERM", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "MPLBACKEND", "GENIE_LOG_LEVEL"),
+    *("NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES"),
+)
+ENV_PREFIXES = ("LC_", "PYTHON", "CUDA_", "GENIE_LIMIT_", "OMP_", "MKL_", "COVERAGE_")
 GPU_SHARED_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
 # Puts the worker in its cgroups (as its own uid, before it becomes the sandbox), then starts it.
 JOIN_CGROUPS = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
@@ -62,6 +66,9 @@ class Sandbox:
         self.dev = dev
         self.hidden = [Path(p) for p in HIDDEN if Path(p).exists()]
         self.exposed: list[Path] = []  # read-only inside though under a hidden folder (the workers' socket)
+        resolver = Path("/etc/resolv.conf").resolve()  # systemd-resolved's lives in /run
+        if resolver != Path("/etc/resolv.conf") and _under(resolver, self.hidden) and resolver.exists():
+            self.exposed.append(resolver)
         self.masked: list[Path] = []  # files that read as empty inside (the connection file: it holds the token)
         self.empty = Path("/dev/null")
         self.fence = (
@@ -121,9 +128,17 @@ class Sandbox:
     def readable_paths(self) -> list[Path]:
         """What the worker's Python needs that lies under a hidden folder (a venv in /tmp or /home)."""
         wanted = [Path(sys.prefix), Path(sys.base_prefix), Path(__file__).resolve().parents[2]]  # genie_core's folder
-        wanted += [Path(p) for p in sys.path if p and Path(p).is_dir()]
+        cwd = Path.cwd().resolve()  # sys.path's "" (the server's folder, a home maybe): not for cells
+        wanted += [Path(p) for p in sys.path if p and Path(p).is_dir() and Path(p).resolve() != cwd]
         found = [p.resolve() for p in wanted]
-        return [p for p in dict.fromkeys(found) if _under(p, self.hidden)]
+        return [
+            p
+            for p in dict.fromkeys(found)
+            if _under(p, self.hidden)
+            and p not in self.hidden
+            and p.parent not in (Path("/home"), Path("/"))  # never a whole home
+            and not any(p in h.parents for h in self.hidden)  # nor what would uncover a hidden folder
+        ]
 
 
 class SandboxedWorker:
@@ -131,11 +146,11 @@ class SandboxedWorker:
 
     def __init__(self, sandbox: Sandbox, worker_id: str, home: Path, uid: int | None, gpu: dict[str, Any] | None):
         self.sandbox, self.home, self.uid, self.gpu = sandbox, home, uid, gpu
-        owner = os.getuid() if uid is None else uid
         self.shm = SHM_DIR / f"genie-sbx-{os.getpid()}-{worker_id}"
         for path in (home, self.shm):
             path.mkdir(mode=0o700, parents=True, exist_ok=True)
-            os.chown(path, owner, owner)
+            if uid is not None:
+                os.chown(path, uid, uid)
         policy = sandbox.policy
         self.cgroup = (
             WorkerCgroup(f"worker-{worker_id}", policy.memory_bytes, policy.processes, policy.cpus)
@@ -195,38 +210,52 @@ class SandboxedWorker:
         nodes = [f"nvidia{self.gpu.get('minor', self.gpu['index'])}", *GPU_SHARED_NODES]
         return [n for n in nodes if (self.sandbox.dev / n).exists()]
 
-    # -- shared memory: segments named on the wire live in the host's /dev/shm; the worker's is private
+    # Shared memory: segments named on the wire live in the host's /dev/shm; the worker's is its own.
     def move_in(self, name: str) -> None:
         """A segment a request names (made by the client or a data listener) goes into the worker's
-        /dev/shm under the same name: a rename on one tmpfs, no copy."""
+        /dev/shm under the same name: a rename on one tmpfs, no copy. Opened without following a
+        link and given to the session's uid while still out of the worker's reach."""
         if "/" in name or not name.startswith("genie-"):
             return
         try:
+            fd = os.open(SHM_DIR / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise OSError(f"{name} is not a regular file")
+                if self.uid is not None:
+                    os.fchown(fd, self.uid, self.uid)
+            finally:
+                os.close(fd)
             os.rename(SHM_DIR / name, self.shm / name)
-            if self.uid is not None:
-                os.chown(self.shm / name, self.uid, self.uid)
         except OSError as exc:  # the worker then says it cannot find it, in the request's reply
             log.warning("could not hand segment %s to a sandboxed worker: %s", name, exc)
 
     def move_out(self, name: str, host_pid: int) -> str:
         """A segment the worker staged goes to the host's /dev/shm, named as if the worker's host
-        pid made it (the data listeners and the sweeps go by that); returns the new name."""
+        pid made it (the data listeners and the sweeps go by that); returns the new name, or ""
+        when it is not a plain file the worker made (a link a cell planted to read the host's
+        files through the server, say: it is removed)."""
         if "/" in name or not name.startswith("genie-"):
-            return name
+            return ""
         fresh = segment_name("genie-w").replace(f"-{os.getpid()}-", f"-{host_pid}-", 1)
         try:
-            os.rename(self.shm / name, SHM_DIR / fresh)
-            os.chown(SHM_DIR / fresh, os.getuid(), os.getgid())
+            os.rename(self.shm / name, SHM_DIR / fresh)  # out of the cell's reach: checked after
+            st = os.lstat(SHM_DIR / fresh)
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                os.unlink(SHM_DIR / fresh)
+                log.warning("a sandboxed worker named %s as its segment, which is not a plain file", name)
+                return ""
+            os.chown(SHM_DIR / fresh, os.getuid(), os.getgid(), follow_symlinks=False)
         except OSError as exc:
             log.warning("could not take segment %s from a sandboxed worker: %s", name, exc)
-            return name
+            return ""
         return fresh
 
-    def close(self) -> None:
-        """After the worker is gone (its home stays: it is the session's directory)."""
+    def close(self) -> bool:
+        """After the worker is gone (its home stays: it is the session's directory). False while
+        its cgroup still holds a process on its way out: call again later."""
         shutil.rmtree(self.shm, ignore_errors=True)
-        if self.cgroup is not None:
-            self.cgroup.remove()
+        return self.cgroup is None or self.cgroup.remove()
 
     def why_ended(self) -> str:
         return self.cgroup.why_ended() if self.cgroup is not None else ""

@@ -102,6 +102,7 @@ class Server:
         self._loop = SocketLoop("server")
         self._thread: threading.Thread | None = None
         self._worker_dir = ""
+        self._homes_dir = ""
         self.sandbox: Sandbox | None = None
         self.sandbox_report = ""  # which protections the sandbox gives here (config.sandbox)
         self._seq = 0
@@ -132,6 +133,16 @@ class Server:
         return f"genie://{self.config.ip}:{self.port}"
 
     # -- lifecycle ------------------------------------------------------------------------
+    def _homes(self) -> Path | None:
+        """Where sandboxed sessions' directories go: a folder their uids may pass through (0711)
+        but not list, apart from the workers' folder (0700: its socket)."""
+        if self.sandbox is None:
+            return None
+        self._homes_dir = tempfile.mkdtemp(prefix="genie-homes-")
+        os.chmod(self._homes_dir, 0o711)
+        self.sandbox.hide(Path(self._homes_dir))
+        return Path(self._homes_dir)
+
     def _make_sandbox(self) -> Sandbox | None:
         """The sandbox sessions' workers start in (config.sandbox), or ConfigError naming each
         protection this machine cannot give, unless the admin allowed that (allow_unisolated)."""
@@ -143,7 +154,8 @@ class Server:
         if not sandbox.on["processes and files"]:
             return None  # allowed to run without it: workers start as without --sandbox (the report says so)
         extra = [Path(p.strip()) for p in (self.config.sandbox_hide or "").split(",") if p.strip()]
-        for path in (runtime_dir(), state_dir(self.node_id, self.config.state_dir), *extra):
+        state = state_dir(self.node_id, self.config.state_dir).parent  # every node's state, a pool's registry
+        for path in (runtime_dir(), state, *extra):
             sandbox.hide(path)
         return sandbox
 
@@ -178,6 +190,7 @@ class Server:
         self._worker_dir = tempfile.mkdtemp(prefix="genie-")  # 0700: only we can reach the workers
         worker_router = ctx.socket(zmq.ROUTER)
         worker_router.setsockopt(zmq.LINGER, 0)
+        worker_router.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)  # sandboxed cells can reach it
         endpoint = f"ipc://{self._worker_dir}/workers"
         worker_router.bind(endpoint)
         if self.sandbox is not None:
@@ -195,7 +208,7 @@ class Server:
             self._from_worker,
             self.address,
             self.sandbox,
-            Path(self._worker_dir),
+            self._homes(),
         )
         self.pool.sessions = self.sessions.live
         self._loop.add_socket(self.router, self._on_client_readable)
@@ -290,6 +303,8 @@ class Server:
         if self.connection_file is not None:
             self.connection_file.unlink(missing_ok=True)
         shutil.rmtree(self._worker_dir, ignore_errors=True)
+        if self._homes_dir:
+            shutil.rmtree(self._homes_dir, ignore_errors=True)
         self._lifeline.close()
 
     def _on_parent_gone(self, fd: int) -> None:
@@ -492,7 +507,7 @@ class Server:
     def _directory(self, session: Session) -> SessionDirectory:
         if session.directory is None:
             root = self.pool.home(session) or Path(self._worker_dir) / f"session-{session.id[:16]}"
-            session.directory = SessionDirectory(root)
+            session.directory = SessionDirectory(root, self.pool.owner(session))
         return session.directory
 
     def _on_sync(self, session: Session, msg: Message) -> None:

@@ -12,6 +12,8 @@ import threading
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from ..sandbox.uids import files_as
+
 MAX_FILES = 10_000
 
 
@@ -32,8 +34,9 @@ def _safe(relpath: str) -> PurePosixPath:
 class SessionDirectory:
     """The directory, and the hash of each file synced into it."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, owner: int | None = None) -> None:
         self.root = root
+        self.owner = owner  # a sandboxed session's uid: its files are written as it
         self.hashes: dict[str, str] = {}  # what is there now: relative path -> SHA-256
         self.generation = 0  # bumped at each change: workers re-import changed modules when it moves
         self._lock = threading.Lock()  # one sync at a time (each runs on a thread of its own)
@@ -41,7 +44,7 @@ class SessionDirectory:
     def apply(self, manifest: dict[str, Any], files: dict[str, bytes]) -> dict[str, Any]:
         """Make the directory hold `manifest` (path -> SHA-256): write `files` (their content),
         remove what the manifest no longer lists, and say which files are still missing."""
-        with self._lock:
+        with self._lock, files_as(self.owner):
             return self._apply(manifest, files)
 
     def _apply(self, manifest: dict[str, Any], files: dict[str, bytes]) -> dict[str, Any]:

@@ -7,6 +7,7 @@ own process group, and is told apart from other processes by its argv (for the s
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -117,6 +118,12 @@ def sweep_orphans() -> int:
     return ended
 
 
+def _free_home(home: tuple[Path, UidLease | None]) -> None:
+    shutil.rmtree(home[0], ignore_errors=True)
+    if home[1] is not None:
+        home[1].release()
+
+
 class WorkerProcess:
     def __init__(
         self,
@@ -213,7 +220,8 @@ class WorkerProcess:
         return False
 
     def info(self) -> dict[str, Any]:
-        return {"id": self.id, "pid": self.pid, "slot": self.slot, "ready": self.ready, "busy": self.busy()}
+        public = hashlib.sha256(self.id.encode()).hexdigest()[:16]  # the id itself opens its socket
+        return {"id": public, "pid": self.pid, "slot": self.slot, "ready": self.ready, "busy": self.busy()}
 
 
 Reply = Callable[[Session, Message], None]  # a worker's message, passed on to its session's client
@@ -240,6 +248,8 @@ class WorkerPool:
         self.sock, self.endpoint, self.lifeline, self.limits = sock, endpoint, lifeline, limits
         self.sandbox, self.home_root = sandbox, homes  # sandboxed sessions' directories go in home_root
         self.homes: dict[str, tuple[Path, UidLease | None]] = {}  # sandboxed session -> its directory and uid
+        self.retiring: list[tuple[tuple[Path, UidLease | None], list[WorkerProcess]]] = []  # ended sessions'
+        self.closing: list[SandboxedWorker] = []  # sandboxes whose cgroups were still busy
         self.gpus, self.spare_count, self.reply, self.address = gpus, spares, reply, address
         self.codec = Codec(key=None)  # a private Unix socket in a 0700 folder
         self.workers: dict[str, WorkerProcess] = {}
@@ -288,7 +298,14 @@ class WorkerPool:
             gpu = next((g for g in self.gpus if g["index"] == slot), None)
             uid = home[1].uid if home[1] is not None else None
             sandboxed = SandboxedWorker(self.sandbox, worker_id, home[0], uid, gpu)
-        worker = WorkerProcess(worker_id, slot, self.endpoint, self.lifeline, self.limits, sandboxed)
+        try:
+            worker = WorkerProcess(worker_id, slot, self.endpoint, self.lifeline, self.limits, sandboxed)
+        except BaseException:
+            if sandboxed is not None:
+                sandboxed.close()
+            if own is not None:
+                _free_home(own)
+            raise
         worker.own_home = own
         self.workers[worker.id] = worker
         return worker
@@ -309,6 +326,11 @@ class WorkerPool:
     def _adopt_home(self, worker: WorkerProcess, session: Session) -> None:
         if worker.own_home is not None:
             self.homes[session.id], worker.own_home = worker.own_home, None
+
+    def owner(self, session: Session) -> int | None:
+        """The uid a sandboxed session runs as (None: the server's own)."""
+        home = self.homes.get(session.id)
+        return home[1].uid if home is not None and home[1] is not None else None
 
     def home(self, session: Session) -> Path | None:
         """A sandboxed session's directory: its first worker's home (started now if need be)."""
@@ -344,15 +366,14 @@ class WorkerPool:
 
     def release(self, session: Session) -> None:
         """The session ended: its workers end (and so does what their cells started)."""
-        for worker in self.assigned.pop(session.id, {}).values():
+        ending = list(self.assigned.pop(session.id, {}).values())
+        for worker in ending:
             self.workers.pop(worker.id, None)
             worker.stop()
             self.dying.append(worker)
         home = self.homes.pop(session.id, None)
-        if home is not None:  # its workers are ending: their files go, and the uid is free again
-            shutil.rmtree(home[0], ignore_errors=True)
-            if home[1] is not None:
-                home[1].release()
+        if home is not None:  # its files go, and its uid is free again, once its workers are gone
+            self.retiring.append((home, ending))
 
     def stop_all(self, grace: float = 3.0) -> None:
         procs = list(self.workers.values()) + self.spares + self.dying
@@ -367,21 +388,20 @@ class WorkerPool:
                 w.proc.wait()
             w.reap()
             self._gone(w)
-        for home, lease in self.homes.values():
-            shutil.rmtree(home, ignore_errors=True)
-            if lease is not None:
-                lease.release()
+        for home in [*self.homes.values(), *(h for h, _ in self.retiring)]:
+            _free_home(home)
         self.homes.clear()
+        self.retiring.clear()
+        for sandboxed in self.closing:
+            sandboxed.close()
 
     def _gone(self, worker: WorkerProcess) -> None:
         """What a worker that has ended leaves behind: staged segments, its sandbox, a spare's home."""
         sweep_worker(worker.pid)
-        if worker.sandboxed is not None:
-            worker.sandboxed.close()
+        if worker.sandboxed is not None and not worker.sandboxed.close():
+            self.closing.append(worker.sandboxed)  # its cgroup empties a moment later
         if worker.own_home is not None:
-            shutil.rmtree(worker.own_home[0], ignore_errors=True)
-            if worker.own_home[1] is not None:
-                worker.own_home[1].release()
+            _free_home(worker.own_home)
             worker.own_home = None
 
     # -- requests -------------------------------------------------------------------------
@@ -494,5 +514,13 @@ class WorkerPool:
             else:
                 still.append(w)
         self.dying = still
+        self.closing = [sandboxed for sandboxed in self.closing if not sandboxed.close()]
+        retiring = []
+        for home, workers in self.retiring:
+            if any(w.proc.poll() is None for w in workers):
+                retiring.append((home, workers))
+            else:
+                _free_home(home)
+        self.retiring = retiring
         if self.spare_count and not any(w.alive() for w in self.spares):
             self.refill_spares()
