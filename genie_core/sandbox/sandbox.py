@@ -14,7 +14,7 @@ from typing import Any
 from ..dataplane.segment import SHM_DIR, segment_name
 from .cgroups import WorkerCgroup
 from .network import OutboundFence
-from .policy import Protection, SandboxPolicy, probe
+from .policy import SandboxPolicy, probe
 from .uids import UidLease, lease_uid
 
 log = logging.getLogger("genie.server")
@@ -71,6 +71,7 @@ class Sandbox:
             self.exposed.append(resolver)
         self.masked: list[Path] = []  # files that read as empty inside (the connection file: it holds the token)
         self.empty = Path("/dev/null")
+        self._view: list[str] | None = None  # see view()
         self.fence = (
             OutboundFence(policy, f"genie_sandbox_{os.getpid()}")
             if policy.network == "outbound" and self.on["network"]
@@ -82,18 +83,39 @@ class Sandbox:
         path = path.resolve()
         if path.is_dir() and path not in self.hidden:
             self.hidden.append(path)
+            self._view = None
 
     def expose(self, path: Path) -> None:
         self.exposed.append(path.resolve())
+        self._view = None
 
     def mask(self, path: Path, empty: Path) -> None:
         """`path` reads as the empty file `empty` inside (not /dev/null: a device on a nodev mount
         cannot be opened)."""
         self.masked.append(path.resolve())
         self.empty = empty
+        self._view = None
 
-    def missing(self) -> list[Protection]:
-        return [p for p in self.protections if not p.on]
+    def view(self) -> list[str]:
+        """bubblewrap's arguments for the file system every worker sees, worked out (stat, listing
+        a checkout) once, not at each worker's start."""
+        if self._view is None:
+            args = []
+            for hidden in self.hidden:
+                args += ["--perms", "1777" if str(hidden) in ("/tmp", "/var/tmp") else "0755", "--tmpfs", str(hidden)]
+            made, binds = [], []
+            for path in self.readable_paths() + self.exposed:
+                folders, paths = _reachable(path)
+                made += folders
+                binds += paths
+            for folder in dict.fromkeys(self.folders_for([*binds, *made]) + made):
+                args += ["--perms", "0755", "--dir", str(folder)]  # reachable by the session's uid
+            for path in binds:
+                args += ["--ro-bind", str(path), str(path)]
+            for path in self.masked:
+                args += ["--ro-bind", str(self.empty), str(path)]
+            self._view = args
+        return self._view
 
     def report(self) -> str:
         return "sandbox per session:\n" + "\n".join(f"  {p.line()}" for p in self.protections)
@@ -173,19 +195,9 @@ class SandboxedWorker:
         if sandbox.policy.network == "none":
             args.append("--unshare-net")
         args += ["--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev"]
-        for hidden in sandbox.hidden:
-            args += ["--perms", "1777" if str(hidden) in ("/tmp", "/var/tmp") else "0755", "--tmpfs", str(hidden)]
-        made, binds = [], []
-        for path in sandbox.readable_paths() + sandbox.exposed:
-            folders, paths = _reachable(path)
-            made += folders
-            binds += paths
-        for folder in dict.fromkeys(sandbox.folders_for([*binds, *made, self.home]) + made):
-            args += ["--perms", "0755", "--dir", str(folder)]  # reachable by the session's uid
-        for path in binds:
-            args += ["--ro-bind", str(path), str(path)]
-        for path in sandbox.masked:
-            args += ["--ro-bind", str(sandbox.empty), str(path)]
+        args += sandbox.view()
+        for folder in sandbox.folders_for([self.home]):
+            args += ["--perms", "0755", "--dir", str(folder)]  # the homes' folder, reachable by its uid
         args += ["--bind", str(self.home), str(self.home), "--bind", str(self.shm), "/dev/shm"]
         for node in self._gpu_nodes():
             args += ["--dev-bind", str(sandbox.dev / node), f"/dev/{node}"]
