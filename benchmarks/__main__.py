@@ -7,11 +7,15 @@ import datetime
 import importlib
 import json
 import platform
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import genie_core
+
+from . import _ipyparallel
 
 ALL = [
     "monitor_overhead",
@@ -27,6 +31,69 @@ ALL = [
     "sandbox",
     "soak",
 ]
+
+
+# Seconds each takes in a quick run, two at a time on the 2-core VM (2026-11-25; 2.5 if not named),
+# to balance lanes by; those that use the ipyparallel cluster (one per process) share a lane.
+QUICK_SECONDS = {
+    "pool": 22,
+    "bulk_transfer": 13,
+    "soak": 12,
+    "llm": 10,
+    "failure_detection": 6,
+    "sandbox": 6,
+    "monitor_overhead": 5,
+    "remote_tensors": 5,
+    "message_signing": 5,
+}
+IPYPARALLEL_USERS = {"bulk_transfer", "cell_roundtrip", "connect_time"}
+
+
+def lanes(names: list[str], jobs: int) -> list[list[str]]:
+    """`names` dealt to `jobs` lanes, longest first to the least loaded, each lane in run order."""
+    sharing = [n for n in names if n in IPYPARALLEL_USERS]
+    units = [sharing] * bool(sharing) + [[n] for n in names if n not in IPYPARALLEL_USERS]
+    load, dealt = [0.0] * jobs, [[] for _ in range(jobs)]  # type: list[float], list[list[str]]
+    for unit in sorted(units, key=lambda u: -sum(QUICK_SECONDS.get(n, 2.5) for n in u)):
+        lane = load.index(min(load))
+        dealt[lane] += unit
+        load[lane] += sum(QUICK_SECONDS.get(n, 2.5) for n in unit)
+    return [sorted(lane, key=names.index) for lane in dealt if lane]
+
+
+def run_all(names: list[str], quick: bool, minutes: float | None) -> list[dict]:
+    """Each benchmark in turn, in this process. Quick: the shared ipyparallel cluster is launched
+    first, so that its engine starts while the benchmarks before those that use it run."""
+    if quick and IPYPARALLEL_USERS.intersection(names):
+        _ipyparallel.launch()
+    out = []
+    for name in names:
+        extra = {"minutes": minutes} if name == "soak" and minutes else {}
+        start = time.perf_counter()
+        result = importlib.import_module(f"benchmarks.{name}").run(quick=quick, **extra)
+        result["benchmark_seconds"] = round(time.perf_counter() - start, 1)
+        out.append(result)
+        print(json.dumps(result, indent=1), file=sys.stderr)
+    return out
+
+
+def run_lanes(names: list[str], jobs: int, quick: bool, minutes: float | None) -> list[dict]:
+    """The benchmarks in `jobs` processes at once, each running its lane in turn (they compete for
+    the machine: figures for checking that the benchmarks run, not for comparing)."""
+    results: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="genie-bench-lanes-") as folder:
+        procs = []
+        for i, lane in enumerate(lanes(names, jobs)):
+            written = Path(folder) / f"{i}.json"
+            argv = [sys.executable, "-m", "benchmarks", "--lane", str(written), *lane]
+            argv += ["--quick"] * quick + (["--minutes", str(minutes)] if minutes else [])
+            procs.append((subprocess.Popen(argv), written))
+        failed = [" ".join(proc.args[4:]) for proc, _ in procs if proc.wait() != 0]
+        if failed:
+            raise SystemExit(f"benchmarks failed: {'; '.join(failed)} (their output is above)")
+        for _, written in procs:
+            results += json.loads(written.read_text())
+    return sorted(results, key=lambda r: names.index(r["name"]))
 
 
 def machine() -> dict:
@@ -54,25 +121,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="seconds, not minutes: checks the benchmarks still run")
     parser.add_argument("--minutes", type=float, default=None, help="how long the soak runs (default 2)")
     parser.add_argument(
+        "--jobs", type=int, default=None, help="how many run at once, in separate processes (default 1; 2 with --quick)"
+    )
+    parser.add_argument("--lane", help=argparse.SUPPRESS)  # run_lanes: write the results to this file
+    parser.add_argument(
         "--out", default=str(Path(__file__).parent / "results"), help="folder for results.json and results.md"
     )
     args = parser.parse_args(argv)
-    results = {"machine": machine(), "quick": args.quick, "benchmarks": []}
+    unknown = [name for name in args.names if name not in ALL]
+    if unknown:
+        parser.error(f"no benchmark named {', '.join(unknown)} (there are {', '.join(ALL)})")
+    if args.lane:
+        Path(args.lane).write_text(json.dumps(run_all(args.names, args.quick, args.minutes)))
+        return 0
+    jobs = args.jobs or (2 if args.quick else 1)
+    results = {"machine": machine(), "quick": args.quick, "jobs": jobs, "benchmarks": []}
     began = time.perf_counter()
-    for name in args.names:
-        extra = {"minutes": args.minutes} if name == "soak" and args.minutes else {}
-        start = time.perf_counter()
-        result = importlib.import_module(f"benchmarks.{name}").run(quick=args.quick, **extra)
-        result["benchmark_seconds"] = round(time.perf_counter() - start, 1)
-        results["benchmarks"].append(result)
-        print(json.dumps(result, indent=1), file=sys.stderr)
+    if jobs > 1:
+        results["benchmarks"] = run_lanes(args.names, jobs, args.quick, args.minutes)
+    else:
+        results["benchmarks"] = run_all(args.names, args.quick, args.minutes)
     took = ", ".join(f"{r['name']} {r['benchmark_seconds']:g} s" for r in results["benchmarks"])
-    print(f"{len(args.names)} benchmark(s) in {time.perf_counter() - began:.0f} s ({took})", file=sys.stderr)
+    at_once = f", {jobs} at a time" if jobs > 1 else ""
+    print(f"{len(args.names)} benchmark(s) in {time.perf_counter() - began:.0f} s{at_once} ({took})", file=sys.stderr)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     lines = [
-        f"# Benchmark results ({results['machine']['date']}{', quick mode' if args.quick else ''})",
+        f"# Benchmark results ({results['machine']['date']}{', quick mode' if args.quick else ''}{at_once})",
         "",
         "Machine: " + ", ".join(f"{k} {v}" for k, v in results["machine"].items() if k != "date"),
         "",

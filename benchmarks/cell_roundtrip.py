@@ -9,7 +9,7 @@ import time
 
 import genie_core
 
-from . import _servers
+from . import _ipyparallel, _servers
 
 
 def _p(samples: list[float], q: float) -> float:
@@ -26,17 +26,12 @@ def run(quick: bool = False) -> dict:
     n = 30 if quick else 400
     genie_cell, px_cell = "%%remote\nx = 1", "%%px\nx = 1"
     samples: dict[str, list[float]] = {"genie": [], "ipyparallel": []}
-    cluster = rc = None
     try:
         genie_core.init_sync(f"{info.ip}:{info.port}", token=info.token, timeout=30)
-        try:
-            import ipyparallel as ipp
-
-            cluster = ipp.Cluster(n=1, log_level=40)
-            rc = cluster.start_and_connect_sync()
-            rc.wait_for_engines(1, timeout=60)
+        rc = _ipyparallel.client()
+        if rc is not None:
             rc.activate()  # registers %%px in this shell
-        except ImportError:
+        else:
             samples.pop("ipyparallel")
         cells = {"genie": genie_cell, "ipyparallel": px_cell}
         for name in samples:  # warm both
@@ -51,9 +46,6 @@ def run(quick: bool = False) -> dict:
     finally:
         genie_core.shutdown_sync()
         _servers.stop(proc)
-        if rc is not None:
-            rc.close()
-            cluster.stop_cluster_sync()
     out: dict = {"name": "cell_roundtrip", "cells": n}
     for name, s in samples.items():
         out[f"{name}_ms_p50"] = round(1000 * statistics.median(s), 3)

@@ -3,7 +3,7 @@ pulls, remote-tensor work, interrupts and reconnects. The server's RSS, open fil
 threads and /dev/shm use are sampled throughout; after the warm-up they must stay flat, and no
 error may happen other than the KeyboardInterrupts the clients asked for.
 
-`python -m benchmarks soak --minutes N` (default 2; `--quick`: 5 seconds)."""
+`python -m benchmarks soak --minutes N` (default 2; `--quick`: 3 seconds, 2 clients)."""
 
 from __future__ import annotations
 
@@ -27,13 +27,22 @@ SAMPLE_EVERY = 2.0  # seconds
 WARM_UP = 0.25  # of the run: sessions, workers, allocator pools and caches settle
 
 
-def _client(address: str, token: str, seconds: float, seed: int, results: Any) -> None:
-    """One client process: random operations until the time is up; every failure is kept."""
+def _client(address: str, token: str, phases: tuple[float, float], seed: int, results: Any, go: Any) -> None:
+    """One client process: a warm-up, then (once the server's baseline is read, `go`) the soak.
+    Each phase opens a session, does random operations until its time is up and closes it; what
+    it did and every failure go on `results`."""
+    rng = random.Random(seed)
+    warm_up, soak = phases
+    results.put((seed, *_operate(address, token, warm_up, rng)))
+    go.wait()
+    results.put((seed, *_operate(address, token, soak, rng)))
+
+
+def _operate(address: str, token: str, seconds: float, rng: random.Random) -> tuple[dict[str, int], list[str]]:
     import torch
 
     import genie_core
 
-    rng = random.Random(seed)
     counts: dict[str, int] = {}
     errors: list[str] = []
     state = genie_core.init_sync(address, token=token, timeout=30)
@@ -76,7 +85,7 @@ def _client(address: str, token: str, seconds: float, seed: int, results: Any) -
         except Exception as exc:
             errors.append(f"{op}: {type(exc).__name__}: {exc}"[:300])
     genie_core.shutdown_sync()
-    results.put((seed, counts, errors))
+    return counts, errors
 
 
 def _shm_bytes(owners: set[int]) -> int:
@@ -109,16 +118,17 @@ def _sample(server: psutil.Process, owners: set[int]) -> dict[str, float]:
     }
 
 
-def _clients(ctx: Any, info: Any, n: int, seconds: float) -> tuple[list[Any], Any]:
-    """Start n client processes for `seconds`; they report on the returned queue."""
-    results = ctx.Queue()
+def _clients(ctx: Any, info: Any, n: int, phases: tuple[float, float]) -> tuple[list[Any], Any, Any]:
+    """Start n client processes (a warm-up and a soak each, see `_client`); they report on the
+    returned queue and start the soak when the returned event is set."""
+    results, go = ctx.Queue(), ctx.Event()
     procs = [
-        ctx.Process(target=_client, args=(f"{info.ip}:{info.port}", info.token, seconds, seed, results))
+        ctx.Process(target=_client, args=(f"{info.ip}:{info.port}", info.token, phases, seed, results, go))
         for seed in range(n)
     ]
     for p in procs:
         p.start()
-    return procs, results
+    return procs, results, go
 
 
 def _thread_names(pid: int) -> dict[str, int]:
@@ -142,7 +152,8 @@ def _pooled(names: dict[str, int]) -> dict[str, int]:
 
 
 def run(quick: bool = False, minutes: float | None = None) -> dict:
-    seconds = 5.0 if quick else 60.0 * (2.0 if minutes is None else minutes)
+    seconds = 3.0 if quick else 60.0 * (2.0 if minutes is None else minutes)
+    clients = 2 if quick else CLIENTS
     proc, info = _servers.start("--no-ucx")
     server = psutil.Process(proc.pid)
     owners = {server.pid}  # the server, its workers and the soak's clients
@@ -150,24 +161,21 @@ def run(quick: bool = False, minutes: float | None = None) -> dict:
     ctx = multiprocessing.get_context("spawn")
     samples: list[tuple[float, dict[str, float]]] = []
     try:
-        # Warm-up: as many clients as the soak do everything once or more, and leave; what the
-        # server keeps from then on (thread pools grown to their size under concurrent load,
-        # caches) is the baseline.
-        procs, results = _clients(ctx, info, CLIENTS, 2.0 if quick else 15.0)
+        # Warm-up: the soak's clients do everything once or more and close their sessions; what
+        # the server keeps from then on (thread pools grown to their size under concurrent load,
+        # caches) is the baseline. The same processes then soak (one start of each).
+        procs, results, go = _clients(ctx, info, clients, (1.0 if quick else 15.0, seconds))
         owners.update(p.pid for p in procs if p.pid)
         for _ in procs:
             results.get(timeout=120)
-        for p in procs:
-            p.join(30)
         time.sleep(1.0 if quick else 3.0)
         baseline = _sample(server, owners)
         threads_before = _thread_names(server.pid)
-        procs, results = _clients(ctx, info, CLIENTS, seconds)
-        owners.update(p.pid for p in procs if p.pid)
+        go.set()
         start = time.monotonic()
         while any(p.is_alive() for p in procs) and time.monotonic() - start < seconds + 120:
             samples.append((time.monotonic() - start, _sample(server, owners)))
-            time.sleep(SAMPLE_EVERY)
+            time.sleep(SAMPLE_EVERY / 4 if quick else SAMPLE_EVERY)
         reports = [results.get(timeout=30) for _ in procs]
         for _ in range(20):  # sessions closed by their clients: workers end, connections close, segments go
             time.sleep(0.5)
@@ -215,7 +223,7 @@ def run(quick: bool = False, minutes: float | None = None) -> dict:
     return {
         "name": "soak",
         "seconds": round(seconds),
-        "clients": CLIENTS,
+        "clients": clients,
         "operations": counts,
         "errors": len(errors),
         "error_examples": errors[:5],

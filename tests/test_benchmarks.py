@@ -7,10 +7,23 @@ import pytest
 from benchmarks.__main__ import ALL, main
 
 
-@pytest.mark.timeout(300)  # nine benchmarks, a small LLM among them, on two shared cores
+@pytest.mark.timeout(300)  # eleven benchmarks (two lanes at once), a small LLM among them, on two shared cores
 def test_benchmarks_run_in_quick_mode(tmp_path):
     names = [name for name in ALL if name != "soak"]  # tests/test_soak.py runs it for real
     assert main(["--quick", "--out", str(tmp_path), *names]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert [r["name"] for r in results["benchmarks"]] == names
     assert (tmp_path / "results.md").read_text().startswith("# Benchmark results")
+
+
+@pytest.mark.parametrize("jobs", [1, 2, 3])
+def test_a_quick_run_deals_every_benchmark_once_into_lanes(jobs):
+    """Lanes run at once, each in its own process: every benchmark in exactly one, in run order;
+    those sharing the ipyparallel cluster (started once per process) in the same one."""
+    from benchmarks.__main__ import IPYPARALLEL_USERS, lanes
+
+    dealt = lanes(ALL, jobs)
+    assert len(dealt) == jobs and sorted(n for lane in dealt for n in lane) == sorted(ALL)
+    assert all(lane == sorted(lane, key=ALL.index) for lane in dealt)
+    assert sum(set(lane) >= IPYPARALLEL_USERS for lane in dealt) == 1
+    assert lanes(["soak"], jobs) == [["soak"]]

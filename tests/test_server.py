@@ -385,6 +385,42 @@ def test_a_cell_stopped_by_the_end_of_its_session_is_reported_stopped_even_if_th
         srv.stop()
 
 
+@pytest.mark.parametrize("crossing", ["heartbeat", "server_exit"])
+def test_what_crosses_the_clients_own_close_is_no_lost_connection(tmp_path, caplog, crossing):
+    """The server ends the session at the client's close. Before the client has noted it, a
+    heartbeat is answered "unknown session", or the server exits (a pool session's server ends
+    with its session). Both are expected: nothing is logged as lost (under load each printed a
+    warning after a close)."""
+    import logging
+
+    from genie_core.protocol import MessageType
+
+    srv = start_server(tmp_path)
+    try:
+        c = srv.client()
+        noted, crossed = c.connection.session_closed, []
+
+        def cross_first() -> None:  # the race, made certain: it happens before the close is noted
+            if threading.current_thread() is not threading.main_thread():
+                return noted()
+            if crossing == "heartbeat":
+                with pytest.raises(ConnectionLost, match="unknown to the server"):
+                    c.connection.request(Message(MessageType.PING), heartbeat=True).wait(5)
+            else:
+                srv.stop()  # the client's socket monitor sees the disconnect within a moment
+                wait_until(lambda: any(r.name == "genie.client" for r in caplog.records), 1.5)
+            crossed.append(crossing)
+            noted()
+
+        c.connection.session_closed = cross_first
+        with caplog.at_level(logging.WARNING, logger="genie.client"):
+            c.close()
+        assert crossed, "the close never reached the point where it notes the session ended"
+        assert not [r for r in caplog.records if r.name == "genie.client"], caplog.text
+    finally:
+        srv.stop()
+
+
 def test_missing_gpu_is_a_clear_error(client):
     with pytest.raises(RemoteError, match="GPU 3 does not exist"):
         run(client, "1", gpu=3)

@@ -288,6 +288,7 @@ class Client:
         if self.connection.closed:
             return
         if notify and self.connected:
+            self.connection.closing = True
             try:
                 self.request(Message(T.CLOSE)).wait(timeout=1.0)
             except Exception:

@@ -145,6 +145,7 @@ class Connection:
         self.when_gone = "run %genie_init (or genie_core.init) again to start a new session"
         self.pooled = False  # a pool's session: when its server closes the connection, the session is gone
         self.session_gone = False  # the server said it no longer has our session
+        self.closing = False  # we asked the server to end the session: its going is no loss
         self.rtt: float | None = None
         self.closed = False
         self.pending: dict[str, Request] = {}
@@ -482,8 +483,9 @@ class Connection:
 
     def mark_lost(self, reason: str) -> None:
         """The server stopped answering: every request in flight fails now (the owner learns
-        which, to ask about them later); pings go on, and the first answer brings it back."""
-        if self.lost_reason is not None:
+        which, to ask about them later); pings go on, and the first answer brings it back. Not
+        while we close the session: its server may end as it answers (a pool session's does)."""
+        if self.lost_reason is not None or self.closing:
             return
         self.lost_reason = reason
         log.warning(reason)

@@ -449,12 +449,12 @@ class Pool:
         if not refs:
             return
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        for ref in ready:
+        for ref in ready:  # a session's end takes its audit refs too: one later in `ready` is gone
             if ref in self._placing:
                 self._on_up(self._placing.pop(ref), ref)
             elif ref in self._auditing:
                 self._on_cells(self._auditing.pop(ref), ref)
-            else:
+            elif ref in self._ending:
                 self._on_ended(self._ending.pop(ref), ref)
 
     def _ask_for_cells(self) -> None:
