@@ -60,12 +60,13 @@ def _inits(pool, token: str, n: int, warm: bool, uncounted: int = 1) -> tuple[li
 
 def _decisions(n: int) -> float:
     """Decisions a second by the endpoint's queue and capacity logic over 100 nodes of 8 GPUs."""
-    from genie_core.pool.endpoint import LiveSession, Pool
+    from genie_core.pool.endpoint import Pool
+    from genie_core.pool.live import LiveSession
     from genie_core.pool.queue import Ask
 
     pool = Pool.__new__(Pool)  # the decision logic only: no Ray, no socket, no registry
     Pool.__init__(pool, db=None)
-    pool.nodes = {f"n{i}": {"alive": True, "gpus": 8, "name": f"n{i}"} for i in range(100)}
+    pool.nodes.table = {f"n{i}": {"alive": True, "gpus": 8, "name": f"n{i}"} for i in range(100)}
     created: list[Ask] = []
 
     def create(ask: Ask) -> None:
@@ -75,7 +76,7 @@ def _decisions(n: int) -> float:
         )
 
     pool._create = create  # type: ignore[method-assign]
-    pool._answer = lambda ask, reply: None  # type: ignore[method-assign]
+    pool.intake.answer = lambda ask, reply: None  # type: ignore[method-assign]
     start = time.perf_counter()
     for i in range(n):
         pool.queue.add(Ask(f"s{i}", "u", "", 1, time.time() + 60, b"", "", b""))
@@ -142,7 +143,7 @@ def add_simulated_nodes(pool: Any, node_ids: list[str], seconds: float) -> Any:
 
     pool.node_poll = 1e9  # keep Ray's node table from replacing the simulated nodes
     for node_id in node_ids:
-        pool.nodes[node_id] = {
+        pool.nodes.table[node_id] = {
             "alive": True,
             "gpus": 8,
             "name": f"sim/{node_id[:6]}",
@@ -150,9 +151,9 @@ def add_simulated_nodes(pool: Any, node_ids: list[str], seconds: float) -> Any:
             "death": "",
             "simulated": True,  # readings only: neither a warm session nor a placement goes there
         }
-        pool.monitors[node_id] = None  # no monitor actor: the sender process plays them
+        pool.nodes.monitors[node_id] = None  # no monitor actor: the sender process plays them
     sender = multiprocessing.get_context("spawn").Process(
-        target=_send_readings, args=(pool.sink, pool._readings_key, node_ids, seconds)
+        target=_send_readings, args=(pool.sink, pool.nodes.key, node_ids, seconds)
     )
     sender.start()
     return sender
@@ -164,9 +165,8 @@ def remove_simulated_nodes(pool: Any, node_ids: list[str], sender: Any, node_pol
         sender.join(30)
     pool.node_poll = node_poll
     for node_id in node_ids:
-        pool.nodes.pop(node_id, None)
-        pool.readings.pop(node_id, None)
-        pool.monitors.pop(node_id, None)
+        pool.nodes.table.pop(node_id, None)
+        pool.nodes.forget(node_id)
 
 
 def _endpoint_cpu(pool, token: str, seconds: float) -> dict:
@@ -179,10 +179,10 @@ def _endpoint_cpu(pool, token: str, seconds: float) -> dict:
     fake = simulated_node_ids(100)
     sender = add_simulated_nodes(pool, fake, seconds + 10)
     deadline = time.monotonic() + 10  # the sender starts (an interpreter), then every node reports once
-    while not all(node in pool.readings for node in fake) and time.monotonic() < deadline:
+    while not all(node in pool.nodes.readings for node in fake) and time.monotonic() < deadline:
         time.sleep(0.05)
     thread = next(t for t in psutil.Process().threads() if t.id == pool.thread_id)
-    cpu0, t0, taken0 = thread.user_time + thread.system_time, time.monotonic(), pool.readings_taken
+    cpu0, t0, taken0 = thread.user_time + thread.system_time, time.monotonic(), pool.nodes.taken
     watcher = PoolClient("127.0.0.1", pool.port, token, timeout=30)
     # the pool dashboard of a notebook watching, two nodes opened (their GPUs' history is sent)
     from genie_jupyter.pool_feed import PoolFeed
@@ -200,7 +200,7 @@ def _endpoint_cpu(pool, token: str, seconds: float) -> dict:
         views += 1
         time.sleep(max(0.0, 1.0 - (time.monotonic() - tick)))
     thread = next(t for t in psutil.Process().threads() if t.id == pool.thread_id)
-    cpu1, t1, taken1 = thread.user_time + thread.system_time, time.monotonic(), pool.readings_taken
+    cpu1, t1, taken1 = thread.user_time + thread.system_time, time.monotonic(), pool.nodes.taken
     fed = {
         "dashboard_bytes_per_s_100x8": round((feed.bytes_sent - bytes0) / (t1 - t0)),
         "dashboard_updates_per_s": round((feed.updates - updates0) / (t1 - t0), 2),

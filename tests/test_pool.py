@@ -245,10 +245,10 @@ def test_cells_collected_as_their_session_ends_are_audited_as_their_users(pool, 
     import logging
     import threading
 
-    from genie_core.pool import endpoint
+    from genie_core.pool import audit
 
-    monkeypatch.setattr(endpoint, "AUDIT_EVERY", 3600.0)  # collections only when this test asks
-    held, release, collect = threading.Event(), threading.Event(), pool._collect
+    monkeypatch.setattr(audit, "AUDIT_EVERY", 3600.0)  # collections only when this test asks
+    held, release, collect = threading.Event(), threading.Event(), pool.actors.collect
 
     def gated_collect():
         if not release.is_set():
@@ -261,17 +261,17 @@ def test_cells_collected_as_their_session_ends_are_audited_as_their_users(pool, 
     code = f"audited = {time.time()!r}"
     try:
         alice.run(code)
-        monkeypatch.setattr(pool, "_collect", gated_collect)
+        monkeypatch.setattr(pool.actors, "collect", gated_collect)
         assert held.wait(5)  # the endpoint's loop waits in gated_collect: nothing is collected
-        before = set(pool._auditing)
-        pool._ask_for_cells()
-        asked = [ref for ref in pool._auditing if ref not in before]
+        before = set(pool.audit.pending)
+        pool.audit.ask(pool.sessions, skip=pool.actors.unreachable)
+        asked = [ref for ref in pool.audit.pending if ref not in before]
         assert asked and len(ray.wait(asked, num_returns=len(asked), timeout=10)[0]) == len(asked)
     finally:
         alice.close()
     try:
         deadline = time.monotonic() + 15
-        while not (ended := [ref for ref, s in pool._ending.items() if s == session]) and time.monotonic() < deadline:
+        while not (ended := [ref for ref, s in pool.actors.ending.items() if s == session]) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert ended and ray.wait(ended, timeout=15)[0]  # the session's end is ready too
     finally:
@@ -312,11 +312,11 @@ def test_each_node_reports_its_gpus_and_health_and_keeps_a_history(pool):
     push = ctx.socket(zmq.PUSH)
     push.connect(pool.sink)
     forged = json.dumps({"node_id": nodes[0]["id"], "time": time.time(), "gpus": [], "health": None}).encode()
-    taken = pool.readings_taken
+    taken = pool.nodes.taken
     for _ in range(20):
         push.send_multipart([forged, b"\0" * 32])
     time.sleep(1.5)
-    assert pool.readings_taken - taken <= 6  # only the monitors' own (2 nodes, 1 Hz)
+    assert pool.nodes.taken - taken <= 6  # only the monitors' own (2 nodes, 1 Hz)
     push.close(0)
     ctx.term()
     # the history, in the registry

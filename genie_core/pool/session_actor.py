@@ -65,7 +65,7 @@ class SessionActor:
         self.cells: list[dict[str, Any]] = []  # the audit trail, until the pool collects it
         self._cells_lock = threading.Lock()
         self.server = Server(config)
-        self.server.on_cell = self._on_cell
+        self.server.requests.on_cell = self._on_cell
         self.server.start().start_in_thread()
 
     def _on_cell(self, session: Any, msg: Any) -> None:

@@ -50,6 +50,7 @@ Reply = Callable[[bytes, Message, str, dict[str, Any]], None]
 class Admission:
     def __init__(
         self,
+        *,
         codec: Codec,
         sessions: dict[str, Session],
         ended: OrderedDict[str, Session],

@@ -27,7 +27,9 @@ class DataPlane:
     def host(self) -> DataHost:
         return self.side.host
 
-    def start(self) -> None:
+    def start(self, control_port: int) -> None:
+        """Offer every backend, beside the server's control port (bound by now)."""
+        self.side.control_port = control_port
         for backend in self.backends:
             if not backend.slow_start:
                 self._offer(backend)

@@ -33,6 +33,7 @@ class Telemetry:
         gpus: list[dict[str, Any]],
         gpu_reason: str,
         gpu_source: GPUSource | None = None,
+        owners: Callable[[], dict[int, dict[str, Any]]] = dict,
     ) -> None:
         self.config, self.node_id, self.gpus, self.gpu_reason = config, node_id, gpus, gpu_reason
         self.bus = EventBus()
@@ -40,8 +41,8 @@ class Telemetry:
         self.store: HistoryStore | None = None
         self.started = time.time()
         self._gpu_source = gpu_source
-        # pid -> the session it works for ({"session", "name", "user", "host"}); the server sets it
-        self.owners: Callable[[], dict[int, dict[str, Any]]] = dict
+        # pid -> the session it works for ({"session", "name", "user", "host"})
+        self.owners = owners
 
     def start(self, address: str, broadcast: Broadcast) -> None:
         """Poll the host and GPUs, and pass readings and events on through `broadcast`."""

@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -234,29 +235,62 @@ class WorkerPool:
 
     def __init__(
         self,
-        sock: zmq.Socket,
-        endpoint: str,
+        *,
         lifeline: int,
         limits: dict[str, Any],
         gpus: list[dict[str, Any]],
         spares: int,
         reply: Reply,
-        address: str,
+        sessions: dict[str, Session],
         sandbox: Sandbox | None = None,
-        homes: Path | None = None,
+        max_message_bytes: int = 0,
     ) -> None:
-        self.sock, self.endpoint, self.lifeline, self.limits = sock, endpoint, lifeline, limits
-        self.sandbox, self.home_root = sandbox, homes  # sandboxed sessions' directories go in home_root
+        self.lifeline, self.limits, self.sandbox = lifeline, limits, sandbox
+        self.gpus, self.spare_count, self.reply = gpus, spares, reply
+        self.sessions = sessions  # the live sessions (the session table's), to balance slots
+        self.max_message_bytes = max_message_bytes  # sandboxed cells can reach the workers' socket
+        self.sock: zmq.Socket | None = None  # bound by listen()
+        self.folder: Path | None = None  # 0700: the workers' socket, unsandboxed sessions' directories
+        self.endpoint, self.address = "", ""
+        self.home_root: Path | None = None  # sandboxed sessions' directories (0711)
         self.homes: dict[str, tuple[Path, UidLease | None]] = {}  # sandboxed session -> its directory and uid
         self.retiring: list[tuple[tuple[Path, UidLease | None], list[WorkerProcess]]] = []  # ended sessions'
         self.closing: list[SandboxedWorker] = []  # sandboxes whose cgroups were still busy
-        self.gpus, self.spare_count, self.reply, self.address = gpus, spares, reply, address
         self.codec = Codec(key=None)  # a private Unix socket in a 0700 folder
         self.workers: dict[str, WorkerProcess] = {}
         self.spares: list[WorkerProcess] = []
         self.dying: list[WorkerProcess] = []
         self.assigned: dict[str, dict[int, WorkerProcess]] = {}  # session id -> its workers by slot
-        self.sessions: dict[str, Session] = {}  # the live sessions, to balance slots (shared with the session table)
+
+    def listen(self, ctx: zmq.Context, address: str) -> zmq.Socket:
+        """Bind the workers' socket in a new 0700 folder; `address` is the server's, for messages.
+        Sandboxed: the folder is hidden from cells but its socket is theirs to reach, and sessions'
+        directories go in a folder of their own that their uids may pass through (0711) but not list."""
+        self.address = address
+        self.folder = Path(tempfile.mkdtemp(prefix="genie-"))
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes or -1)
+        self.endpoint = f"ipc://{self.folder}/workers"
+        self.sock.bind(self.endpoint)
+        if self.sandbox is not None:
+            self.sandbox.hide(self.folder)
+            self.sandbox.expose(self.folder / "workers")
+            os.chmod(self.folder / "workers", 0o666)  # sessions' uids; the folder stays 0700
+            self.home_root = Path(tempfile.mkdtemp(prefix="genie-homes-"))
+            os.chmod(self.home_root, 0o711)
+            self.sandbox.hide(self.home_root)
+        return self.sock
+
+    def session_root(self, session: Session) -> Path:
+        """Where the session's directory is: a sandboxed session's home, else one in our folder."""
+        assert self.folder is not None
+        return self.home(session) or self.folder / f"session-{session.id[:16]}"
+
+    def remove_folders(self) -> None:
+        for folder in (self.folder, self.home_root):
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
 
     # -- slots ----------------------------------------------------------------------------
     def next_slot(self) -> int:
@@ -444,6 +478,7 @@ class WorkerPool:
         if worker.sandboxed is not None and isinstance(ref, dict) and isinstance(ref.get("segment"), str):
             worker.sandboxed.move_in(ref["segment"])
         frames = self.codec.pack(Message(msg.type, msg.content, msg.buffers, id=msg.id))
+        assert self.sock is not None
         self.sock.send_multipart([worker.id.encode(), *frames], copy=False)
 
     def on_readable(self, sock: zmq.Socket) -> None:
