@@ -9,11 +9,12 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, ParamSpec, TypeVar
 
-from .client import Client
+from .client import Client, ConnectOptions
 from .client.pool import PoolClient, is_pool_token
 from .config import DEFAULT_PORT, ClusterConfig, ConnectionInfo, parse_address
 from .errors import ConfigError, NotInitializedError, add_note
@@ -21,6 +22,9 @@ from .events import EventBus
 from .local_server import LocalServer
 from .monitoring.health import HealthReport
 from .nodes import NodeInfo
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 log = logging.getLogger("genie")
 
@@ -106,21 +110,25 @@ def init_sync(
     node_id: str | None = None,
     node_role: str | None = None,
     timeout: float | None = None,
-    **kwargs: Any,
+    *,
+    connection_file: str | Path | None = None,
+    on_phase: Callable[[str, float], None] | None = None,
+    on_wait: Callable[[str], None] | None = None,
+    **settings: Any,
 ) -> ClusterState:
     """Connect to a genie server (or, with no address, start an embedded one) and return the state.
-    `on_phase(name, seconds)` is called as each phase completes (the init widget shows them);
-    `on_wait(text)` as a pool's queue moves, while this waits for GPUs.
+    `connection_file`: a server's (address, token, keys); `on_phase(name, seconds)` is called as
+    each phase completes (the init widget shows them); `on_wait(text)` as a pool's queue moves,
+    while this waits for GPUs; `settings`: any other `ClusterConfig` field (token, session_name,
+    pool_gpus, ...), of which a misspelt one is a ConfigError naming it.
 
     `master_port` defaults to 5555; every argument left out falls back to its `GENIE_*`
     environment variable. `node_role="server"` serves from this process instead.
     Calling it again replaces the previous connection once the new one is up; when the new one
     fails (or is cancelled), the previous one stays current and the error says so.
     """
-    phases: list[tuple[str, float]] = _Phases(kwargs.pop("on_phase", None))
-    on_wait = kwargs.pop("on_wait", None)
+    phases: list[tuple[str, float]] = _Phases(on_phase)
     t0 = time.perf_counter()
-    connection_file = kwargs.pop("connection_file", None)
     earlier = _state
     try:
         config = ClusterConfig.resolve(
@@ -131,7 +139,7 @@ def init_sync(
             node_role=node_role,
             timeout=timeout,
             connection_file=connection_file,
-            **kwargs,
+            **settings,
         )
         _setup_logging(config.log_level)
         phases.append(("configure", time.perf_counter() - t0))
@@ -218,18 +226,7 @@ def _init_client(
         host, port, token, curve = str(placed["host"]), int(placed["port"]), str(placed["token"]), None
         phases.append((f"placed on {placed['node']}", time.perf_counter() - t))
     t = time.perf_counter()
-    client = Client(
-        host,
-        port,
-        token,
-        timeout=config.timeout,
-        enable_heartbeat=config.enable_heartbeat,
-        heartbeat_interval=config.heartbeat_interval,
-        heartbeat_timeout=config.heartbeat_timeout,
-        data_port=config.data_port,
-        curve=curve,
-        session_name=config.session_name or "",
-    )
+    client = Client(host, port, token, options=ConnectOptions.of(config, curve))
     if pool is not None:
         pooled(client.connection, str(placed["node"]))
     try:
@@ -306,9 +303,21 @@ def resolve_server(config: ClusterConfig) -> tuple[str, int, str, dict[str, str]
     return host, port, token, known.curve if known else None
 
 
-async def init(*args: Any, **kwargs: Any) -> ClusterState:
-    """Awaitable `init_sync`: connects on a worker thread, so the event loop keeps running."""
-    return await asyncio.to_thread(init_sync, *args, **kwargs)
+def _awaitable(sync: Callable[P, R]) -> Callable[P, Coroutine[Any, Any, R]]:
+    """`sync` run on a worker thread, so the event loop keeps running; the same parameters."""
+
+    async def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        return await asyncio.to_thread(sync, *args, **kwargs)
+
+    run.__wrapped__ = sync  # type: ignore[attr-defined]  # help() and `init?` show its parameters
+    return run
+
+
+init = _awaitable(init_sync)
+init.__name__ = init.__qualname__ = "init"
+init.__doc__ = (
+    "Awaitable `init_sync` (the same parameters): connects on a worker thread, so the event loop keeps running."
+)
 
 
 async def shutdown() -> None:

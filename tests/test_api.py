@@ -89,6 +89,28 @@ def test_awaitable_init_and_shutdown(server):
     assert ticked > 0  # the loop ran while the session closed (closing waits for the server's answer)
 
 
+def test_init_and_client_say_what_they_take():
+    """`init` shows init_sync's parameters (help, `init?`); a misspelt setting or connect option
+    is an error naming it, not silently ignored."""
+    import inspect
+
+    from genie_core.client import ConnectOptions
+    from genie_core.config import ClusterConfig
+
+    taken = inspect.signature(genie_core.init).parameters
+    assert {"master_addr", "connection_file", "on_phase", "on_wait"} <= set(taken)
+    with pytest.raises(TypeError, match="unknown setting 'timout': did you mean 'timeout'"):
+        genie_core.init_sync("127.0.0.1:1", timout=3)
+    with pytest.raises(TypeError, match="heartbeat_timout"):
+        Client("127.0.0.1", 1, "t", heartbeat_timout=2.0)
+    config = ClusterConfig(timeout=7.0, heartbeat_timeout=3.0, session_name="nb", data_port=7001)
+    made = ConnectOptions.of(config, curve={"server": "k"})
+    assert (made.timeout, made.heartbeat_timeout, made.session_name, made.data_port) == (7.0, 3.0, "nb", 7001)
+    assert Client("127.0.0.1", 1, "t", options=made, timeout=2.0).options == ConnectOptions(
+        **{**made.__dict__, "timeout": 2.0}
+    )
+
+
 def test_embedded_local_server_starts_and_stops_with_us():
     state = genie_core.init_sync(timeout=30)
     assert state.embedded and state.connected and state.address.startswith("127.0.0.1:")

@@ -271,7 +271,8 @@ def test_cells_collected_as_their_session_ends_are_audited_as_their_users(pool, 
         alice.close()
     try:
         deadline = time.monotonic() + 15
-        while not (ended := [ref for ref, s in pool.actors.ending.items() if s == session]) and time.monotonic() < deadline:
+        ending = pool.actors.ending
+        while not (ended := [ref for ref, s in ending.items() if s == session]) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert ended and ray.wait(ended, timeout=15)[0]  # the session's end is ready too
     finally:

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,48 +19,36 @@ from .code_sync import CodeSync, SyncReport
 from .connection import Connection, Request
 from .files import FileResult, FileTransfers
 from .jobs import Job
+from .options import ConnectOptions
 from .recovery import LostRequest, Recovery
 from .transfers import Transfers
 
-__all__ = ["Client", "Job", "LostRequest", "Request"]
+__all__ = ["Client", "ConnectOptions", "Job", "LostRequest", "Request"]
 
 T = MessageType
 
 
 class Client:
+    """One session on one genie server. `Client(host, port, token, timeout=10).connect()`: the
+    keywords are `ConnectOptions` fields (or pass `options=`, and keywords to change some)."""
+
     def __init__(
         self,
         host: str,
         port: int,
         token: str,
         *,
-        timeout: float = 30.0,
-        enable_heartbeat: bool = True,
-        heartbeat_interval: float = 1.0,
-        heartbeat_timeout: float = 4.0,
+        options: ConnectOptions | None = None,
         events: EventBus | None = None,
-        purpose: str = "session",
-        data_port: int | None = None,
-        curve: dict[str, str] | None = None,
-        session_name: str = "",
+        **changes: Any,
     ) -> None:
-        self.connection = Connection(
-            host,
-            port,
-            token,
-            timeout=timeout,
-            enable_heartbeat=enable_heartbeat,
-            heartbeat_interval=heartbeat_interval,
-            heartbeat_timeout=heartbeat_timeout,
-            purpose=purpose,
-            curve=curve,
-            session_name=session_name,
-        )
+        self.options = replace(options or ConnectOptions(), **changes)  # a misspelt option: TypeError naming it
+        self.connection = Connection(host, port, token, self.options)
         self.events = events or EventBus()
         self.metrics: NodeInfo | None = None  # the newest snapshot the server pushed
         self.server_health: HealthReport | None = None
         self.recovery = Recovery(self.connection, self._event)
-        self.transfers = Transfers(self.connection, data_port)
+        self.transfers = Transfers(self.connection, self.options.data_port)
         self.files = FileTransfers(self.connection, self.transfers)
         self.connection.on_unsolicited = self._on_unsolicited
         self.server_versions: dict[str, str | None] = {}  # Genie, protocol, Python, torch, CUDA there

@@ -9,7 +9,6 @@ Callers block on the request they made, never on the socket.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import queue
@@ -22,32 +21,17 @@ from typing import Any, cast
 
 import zmq
 
-from ..dataplane.wire import GREETING as DATA_GREETING
-from ..errors import (
-    AuthenticationError,
-    ConnectionFailed,
-    ConnectionLost,
-    GenieError,
-    LimitExceeded,
-    ProtocolError,
-    VersionMismatch,
-    size_text,
-)
+from ..errors import ConnectionLost, GenieError, LimitExceeded, ProtocolError, VersionMismatch, size_text
 from ..loop import SocketLoop
 from ..protocol import TERMINAL, VERSIONS_TAG, Codec, Message, MessageType, Peer, derive_key, error_from, parse
 from ..protocol.errors import SESSION_NOT_FOUND
-from ..versions import compare, local_versions
+from ..versions import local_versions
+from . import handshake
+from .options import ConnectOptions
 
 log = logging.getLogger("genie.client")
 
 T = MessageType
-HANDSHAKE_FAILED = (
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-)
-# The start of a ZMTP 3 greeting (signature, major version): a ZMTP server answers it with its
-# whole 64-byte greeting, which names its security mechanism at bytes 12-31.
-ZMTP_SIGNATURE = b"\xff" + bytes(8) + b"\x7f\x03"
-GREETING_BYTES = 64
 ANSWERED_WHILE_LOST = (T.HELLO, T.PING, T.OUTCOME)  # what may still be sent while the server is not answering
 
 
@@ -112,29 +96,13 @@ class Connection:
     replies nobody waits for, events) goes to the owner through the `on_*` callbacks, which run
     on the loop thread."""
 
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        token: str,
-        *,
-        timeout: float = 30.0,
-        enable_heartbeat: bool = True,
-        heartbeat_interval: float = 1.0,
-        heartbeat_timeout: float = 4.0,
-        purpose: str = "session",
-        curve: dict[str, str] | None = None,
-        session_name: str = "",
-    ) -> None:
+    def __init__(self, host: str, port: int, token: str, options: ConnectOptions | None = None) -> None:
         self.host, self.port = host, port
-        self.session_name = session_name  # a named session outlives this client; a hello naming it attaches
+        self.options = options or ConnectOptions()
+        self.session_name = self.options.session_name
         self.address = f"{host}:{port}"
         self.codec = Codec(derive_key(token))
-        self.timeout = timeout
-        self.enable_heartbeat = enable_heartbeat
-        self.heartbeat_interval, self.heartbeat_timeout = heartbeat_interval, heartbeat_timeout
-        self.purpose = purpose  # "probe" for one-shot tools like `genie status`
-        self.curve = curve  # keys from the connection file of a server started with --encrypt
+        self.timeout = self.options.timeout
         self.session = ""
         self.node: dict[str, Any] = {}
         self.slot: int | None = None
@@ -164,7 +132,7 @@ class Connection:
     def connect(self) -> dict[str, Any]:
         """Handshake; returns the server's welcome."""
         start = time.monotonic()
-        self._probe_server()
+        handshake.probe_server(self.host, self.port, self.timeout, encrypted=bool(self.options.curve))
         ctx = zmq.Context()
         self._loop = SocketLoop("client", context=ctx)  # it closes the sockets and ends the context
         endpoint = f"tcp://[{self.host}]:{self.port}" if ":" in self.host else f"tcp://{self.host}:{self.port}"
@@ -175,9 +143,9 @@ class Connection:
         self._loop.add_socket(self.heartbeat, self._on_readable)
         # Monitors before connecting: a handshake can fail before a later monitor would see it.
         self._loop.add_socket(
-            self.main.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED), self._on_connection_event
+            self.main.get_monitor_socket(handshake.HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED), self._on_connection_event
         )
-        if self.enable_heartbeat:  # a crashed server closes its connections: notice at once
+        if self.options.enable_heartbeat:  # a crashed server closes its connections: notice at once
             self._loop.add_socket(self.heartbeat.get_monitor_socket(zmq.EVENT_DISCONNECTED), self._on_disconnect)
         self._loop.on_exit.append(self._disable_monitors)
         self.main.connect(endpoint)
@@ -190,7 +158,7 @@ class Connection:
                     "host": socket.gethostname(),
                     "pid": os.getpid(),
                     "user": os.environ.get("USER", ""),
-                    "purpose": self.purpose,
+                    "purpose": self.options.purpose,
                 },
                 # pings come, and events go, there only
                 "heartbeat": cast(bytes, self.heartbeat.getsockopt(zmq.ROUTING_ID)).hex(),
@@ -206,10 +174,7 @@ class Connection:
             welcome = request.wait(timeout=max(left, 0.1))
         except TimeoutError:
             self.close()
-            raise ConnectionFailed(
-                f"the server at {self.address} accepted a TCP connection but did not answer the Genie handshake "
-                f"within {self.timeout:g} s: is a genie server (protocol genie/2) listening there?"
-            ) from None
+            raise handshake.unanswered(self.address, self.timeout) from None
         except BaseException:
             self.close()
             raise
@@ -217,85 +182,19 @@ class Connection:
         self.node = welcome.content.get("node", {})
         self.slot = welcome.content.get("slot")
         self.last_heard = time.monotonic()
-        if self.enable_heartbeat:
-            self._loop.call_every(self.heartbeat_interval, self._heartbeat)
+        if self.options.enable_heartbeat:
+            self._loop.call_every(self.options.heartbeat_interval, self._heartbeat)
         return welcome.content
-
-    def _data_port(self) -> ConnectionFailed:
-        """Someone gave a server's data port (the tcp data plane's) where its control port goes."""
-        return ConnectionFailed(
-            f"{self.address} is a genie server's data port, not its control port: connect to the port on "
-            f"`genie serve`'s ready line (with a fixed --port the data port is the next one up, so "
-            f"{self.host}:{self.port - 1})"
-        )
-
-    def _probe_server(self) -> None:
-        """Fail fast, with the reason, when nothing listens, something other than ZMTP answers, or
-        the server's encryption differs from ours (zmq itself would retry silently). Sends only
-        the start of a greeting, and reads the server's, which names its security mechanism."""
-        where = f"a genie server at {self.address}"
-        deadline = time.monotonic() + self.timeout
-        connected = False
-        greeting = b""
-        try:
-            with socket.create_connection((self.host, self.port), timeout=self.timeout) as sock:
-                connected = True
-                sock.sendall(ZMTP_SIGNATURE)
-                while len(greeting) < GREETING_BYTES:
-                    sock.settimeout(max(deadline - time.monotonic(), 0.001))
-                    chunk = sock.recv(GREETING_BYTES - len(greeting))
-                    if not chunk:
-                        break
-                    greeting += chunk
-        except ConnectionRefusedError:
-            raise ConnectionFailed(
-                f"could not connect to {where}: connection refused (is `genie serve` running there?)"
-            ) from None
-        except socket.gaierror as exc:
-            raise ConnectionFailed(f"could not connect to {where}: unknown host ({exc.strerror})") from None
-        except TimeoutError:
-            raise ConnectionFailed(
-                f"could not connect to {where}: no answer within {self.timeout:g} s"
-                if not connected
-                else f"the server at {self.address} accepted a TCP connection but did not answer the Genie handshake "
-                f"within {self.timeout:g} s: is a genie server (protocol genie/2) listening there?"
-            ) from None
-        except OSError as exc:
-            if greeting.startswith(DATA_GREETING[: len(greeting)]) and greeting:
-                raise self._data_port() from None
-            raise ConnectionFailed(f"could not connect to {where}: {exc.strerror or exc}") from None
-        if greeting.startswith(DATA_GREETING[: len(greeting)]) and greeting:
-            raise self._data_port()
-        if len(greeting) < GREETING_BYTES:
-            raise ConnectionFailed(
-                f"the server at {self.address} closed the connection during the Genie handshake "
-                "(it stopped or crashed, or it is not a genie server)"
-            )
-        if greeting[0] != 0xFF or greeting[9] != 0x7F:
-            raise ConnectionFailed(
-                f"the server at {self.address} does not speak ZMTP: is a genie server listening there?"
-            )
-        mechanism = greeting[12:32].rstrip(b"\0")
-        if mechanism == b"CURVE" and not self.curve:
-            raise AuthenticationError(
-                f"the server at {self.address} requires encryption (genie serve --encrypt): connect with its "
-                "connection file (--connection-file), which holds the keys"
-            )
-        if mechanism == b"NULL" and self.curve:
-            raise ConnectionFailed(
-                f"the server at {self.address} does not encrypt (it was started without --encrypt), "
-                "but the connection file holds encryption keys: use its current connection file"
-            )
 
     def _dealer(self, ctx: zmq.Context) -> zmq.Socket:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.ROUTING_ID, os.urandom(16))
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IPV6, 1)  # harmless for IPv4 addresses
-        if self.curve:
+        if self.options.curve:
             from ..encryption import secure_client
 
-            secure_client(sock, self.curve)
+            secure_client(sock, self.options.curve)
         return sock
 
     def _on_connection_event(self, monitor: zmq.Socket) -> None:
@@ -313,28 +212,7 @@ class Connection:
                 continue
             if self._handshake_error is not None:
                 continue  # the first event says why; a disconnect follows every failed handshake
-            kind, value = event["event"], event["value"]
-            if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                error: GenieError = AuthenticationError(
-                    f"the server at {self.address} refused this client's encryption key: use the connection file "
-                    "the server wrote this time it started (`genie serve --encrypt` makes new keys at each start)"
-                )
-            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-                error = ConnectionFailed(
-                    f"the handshake with {self.address} broke the ZMTP protocol (error {value:#x}): "
-                    "is a genie server listening there?"
-                )
-            elif self.curve:  # the server drops a client whose key exchange it cannot read
-                error = ConnectionFailed(
-                    f"the encryption handshake with {self.address} failed: the server there does not hold "
-                    "the key in the connection file (a stale file, or someone in between), or it "
-                    "stopped during the handshake"
-                )
-            else:
-                error = ConnectionFailed(
-                    f"the server at {self.address} closed the connection during the Genie handshake "
-                    "(it stopped or crashed, or it is not a genie server)"
-                )
+            error = handshake.handshake_failed(event["event"], event["value"], self.address, bool(self.options.curve))
             self._handshake_error = error  # first, then the hello: connect() checks in the other order
             for request in [r for r in list(self.pending.values()) if r.type == T.HELLO]:
                 self.pending.pop(request.id, None)
@@ -427,26 +305,13 @@ class Connection:
             return
         request = self.pending.pop(msg.parent, None)
         if msg.type == T.AUTH_FAILED and request is not None and request.type == T.HELLO:
-            request.put(
-                Closed(
-                    AuthenticationError(
-                        f"authentication failed: the token does not match the server at {self.address} "
-                        "(see the `genie serve` output or its connection file)"
-                    )
-                )
-            )
+            request.put(Closed(handshake.wrong_token(self.address)))
         else:
             log.warning("dropped an unauthenticated message from %s: %s", self.address, exc)
 
     def _on_other_protocol(self, frame: Any) -> None:
         """The server speaks another protocol version and said which: fail the hello, naming both."""
-        try:
-            theirs = {str(k): str(v) for k, v in dict(json.loads(bytes(frame))).items()}
-            mine = local_versions()
-            # The answer names only the protocol and Genie: compare those alone.
-            problems = compare(mine, {**mine, **theirs}, self.address).errors
-        except (ValueError, TypeError):
-            problems = []
+        problems = handshake.version_problems(frame, self.address)
         if not problems:
             log.warning("dropped a malformed version answer from %s", self.address)
             return
@@ -471,10 +336,10 @@ class Connection:
 
     def _heartbeat(self) -> None:
         silent_for = time.monotonic() - self.last_heard
-        if self.lost_reason is None and silent_for > self.heartbeat_timeout:
+        if self.lost_reason is None and silent_for > self.options.heartbeat_timeout:
             self.mark_lost(f"connection to {self.serving} lost: no heartbeat for {silent_for:.1f} s")
         for rid, req in list(self.pending.items()):
-            if req.type == T.PING and time.monotonic() - req.sent > self.heartbeat_timeout:
+            if req.type == T.PING and time.monotonic() - req.sent > self.options.heartbeat_timeout:
                 self.pending.pop(rid, None)
         try:
             self.request(Message(T.PING), heartbeat=True)
