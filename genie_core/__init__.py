@@ -5,9 +5,21 @@ state.client.execute("print('hi')").wait()
 genie_core.shutdown_sync()
 """
 
-from .client import Client
-from .cluster import ClusterState, get_cluster_state, init, init_sync, is_initialized, shutdown, shutdown_sync
-from .config import ClusterConfig
+from typing import Any
+
+from .client import Client, ConnectOptions, Job, Request
+from .client.pool import render_pool
+from .cluster import (
+    ClusterState,
+    current_client,
+    get_cluster_state,
+    init,
+    init_sync,
+    is_initialized,
+    shutdown,
+    shutdown_sync,
+)
+from .config import ClusterConfig, parse_size
 from .dataplane import BackendReport, BackendUnavailable, Candidate
 from .errors import (
     AuthenticationError,
@@ -38,6 +50,11 @@ __all__ = [  # noqa: RUF022 - grouped by topic, in the order the docs present th
     "ClusterConfig",
     "ClusterState",
     "Client",
+    "ConnectOptions",
+    "current_client",
+    # what a session runs: a cell or request in flight, a background job
+    "Request",
+    "Job",
     # the data plane's choice
     "BackendReport",
     "BackendUnavailable",
@@ -63,4 +80,17 @@ __all__ = [  # noqa: RUF022 - grouped by topic, in the order the docs present th
     "RemoteError",
     "WorkerDied",
     "LimitExceeded",
+    # the text forms of `genie status`, `genie pool status` and `%genie_status --text`
+    "render_status",
+    "render_pool",
+    "parse_size",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """`render_status` on first use: it brings in rich, which importing genie_core does not."""
+    if name == "render_status":
+        from .terminal import render
+
+        return render
+    raise AttributeError(f"module 'genie_core' has no attribute {name!r}")

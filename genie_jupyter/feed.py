@@ -11,7 +11,7 @@ import time
 from collections import deque
 from typing import Any
 
-from genie_core.events import ClusterEvent, EventType
+from genie_core import ClusterEvent, EventType
 
 MAX_RATE = 4.0  # widget updates per second, at most
 HISTORY = 300  # points of history per metric: five minutes at the default one reading a second
@@ -62,6 +62,11 @@ class ClusterFeed:
             empty = not self.widgets
         if empty:
             self.stop()
+
+    @property
+    def stopped(self) -> bool:
+        """It stopped (its last widget closed, or its connection went): a new one is made."""
+        return self._stopped.is_set()
 
     def stop(self) -> None:
         self._stopped.set()

@@ -19,9 +19,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import clear_output, display, publish_display_data
 
 import genie_core
-from genie_core.client import Client, Job, Request
-from genie_core.cluster import current_client
-from genie_core.errors import RemoteError
+from genie_core import Client, Job, RemoteError, Request, current_client
 
 from . import autoremote
 from .feed import ClusterFeed
@@ -35,7 +33,7 @@ _feeds: dict[int, ClusterFeed] = {}
 def feed_for(state: genie_core.ClusterState) -> ClusterFeed:
     """One feed per connection, shared by every widget showing it."""
     feed = _feeds.get(id(state))
-    if feed is None or feed._stopped.is_set():
+    if feed is None or feed.stopped:
         _feeds.clear()
         feed = _feeds[id(state)] = ClusterFeed(state)
     return feed
@@ -47,7 +45,7 @@ _pool_feeds: dict[int, PoolFeed] = {}
 def pool_feed_for(state: genie_core.ClusterState) -> PoolFeed:
     """One pool feed per pool session, shared by every pool dashboard showing it."""
     feed = _pool_feeds.get(id(state))
-    if feed is None or feed._stopped.is_set():
+    if feed is None or feed.stopped:
         _pool_feeds.clear()
         watcher = state.pool.copy()  # the feed's own connection, asked once a second
         watcher.timeout = 5.0
@@ -170,9 +168,7 @@ def _remote_client(what: str) -> Client:
 
 
 def _size(text: str) -> int:
-    from genie_core.config import parse_size
-
-    return parse_size(text)
+    return genie_core.parse_size(text)
 
 
 def _names(text: str | None) -> list[str]:
@@ -261,13 +257,11 @@ class GenieMagics(Magics):
         if args.text or state.client is None:
             from rich.console import Console
 
-            from genie_core.terminal import render
-
             text = io.StringIO()
             # Plain text, never rich's Jupyter display (which wraps at 115 columns); lines are not
             # wrapped here: the notebook wraps them at the window's width, whatever that is.
             console = Console(file=text, width=200, color_system=None, force_jupyter=False, soft_wrap=True)
-            console.print(render(_client("%genie_status").info()))
+            console.print(genie_core.render_status(_client("%genie_status").info()))
             print(text.getvalue())
             _print_pool(state)
             return
@@ -482,9 +476,7 @@ def _print_pool(state: genie_core.ClusterState) -> None:
     """A session a pool placed: the pool too (nodes, who holds which GPU, the queue)."""
     if state.pool is None:
         return
-    from genie_core.client.pool import render_pool
-
-    print(f"the pool at {state.pool.address}:\n{render_pool(state.pool.status())}")
+    print(f"the pool at {state.pool.address}:\n{genie_core.render_pool(state.pool.status())}")
 
 
 def _gpu_count(text: str) -> int:

@@ -132,6 +132,11 @@ class PoolFeed:
             if not self.widgets:
                 self._stopped.set()
 
+    @property
+    def stopped(self) -> bool:
+        """It stopped (its last widget closed, or its connection went): a new one is made."""
+        return self._stopped.is_set()
+
     def stop(self) -> None:
         self._stopped.set()
 

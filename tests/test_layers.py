@@ -138,3 +138,24 @@ def test_each_layer_uses_only_the_ones_below_it():
             if target.startswith("genie_core.") and part(target) not in rules | {part(module)}:
                 broken.append(f"{module} imports {target}")
     assert not broken, "\n".join(sorted(broken))
+
+
+def test_genie_jupyter_uses_only_the_public_api():
+    """genie_jupyter is the first user of genie_core: it imports `genie_core` or names from its
+    `__all__`, and uses no attribute of it outside `__all__` (docs/ARCHITECTURE.md)."""
+    import genie_core
+
+    public = set(genie_core.__all__)
+    reaching = []
+    for path in sorted((ROOT / "genie_jupyter").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("genie_core"):
+                names = {a.name for a in node.names}
+                if node.module != "genie_core" or not names <= public:
+                    reaching.append(f"{where} from {node.module} import {', '.join(sorted(names))}")
+            elif isinstance(node, ast.Import):
+                reaching += [f"{where} import {a.name}" for a in node.names if a.name.startswith("genie_core.")]
+            elif isinstance(node, ast.Attribute) and ast.unparse(node.value) == "genie_core":
+                reaching += [f"{where} genie_core.{node.attr}"] * (node.attr not in public)
+    assert not reaching, "\n".join(reaching)
