@@ -8,6 +8,7 @@ import argparse
 import logging
 import sys
 from importlib.metadata import entry_points
+from typing import Any
 
 from .config import ClusterConfig
 from .errors import GenieError
@@ -180,7 +181,7 @@ def _serve(args: argparse.Namespace) -> int:
     return run_server(config, parent_lifeline=args.lifeline_fd)
 
 
-def _add_pool_commands(sub: argparse._SubParsersAction) -> None:
+def _add_pool_commands(sub: Any) -> None:
     pool = sub.add_parser("pool", help="a pool of GPU machines run by Ray, shared by several users")
     pool_sub = pool.add_subparsers(dest="pool_command", required=True)
     db_help = "the registry: sqlite:///PATH or postgresql://... (default: SQLite in the state directory)"

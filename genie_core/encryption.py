@@ -41,7 +41,7 @@ class Keys:
 class KeyGate:
     """The server's ZAP handler: admits the client keys it issued and counts the rest."""
 
-    def __init__(self, ctx: zmq.Context, allowed: set[str]) -> None:
+    def __init__(self, ctx: zmq.Context[Any], allowed: set[str]) -> None:
         from zmq.auth.thread import ThreadAuthenticator
 
         self.allowed = set(allowed)
@@ -62,7 +62,7 @@ class KeyGate:
         self._auth.stop()
 
 
-def secure_server(sock: zmq.Socket, keys: Keys) -> None:
+def secure_server(sock: zmq.Socket[Any], keys: Keys) -> None:
     """Make a listening socket a CURVE server whose clients pass the ZAP handler."""
     sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
     sock.curve_secretkey = keys.server_secret.encode()
@@ -70,7 +70,7 @@ def secure_server(sock: zmq.Socket, keys: Keys) -> None:
     sock.curve_server = True
 
 
-def secure_client(sock: zmq.Socket, curve: dict[str, Any]) -> None:
+def secure_client(sock: zmq.Socket[Any], curve: dict[str, Any]) -> None:
     """Make a connecting socket a CURVE client of the server named in `curve` (from a connection file)."""
     sock.curve_serverkey = str(curve["server_public"]).encode()
     sock.curve_publickey = str(curve["client_public"]).encode()

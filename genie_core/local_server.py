@@ -18,7 +18,7 @@ from .lifeline import Lifeline
 def start_server_process(
     *args: str,
     env: dict[str, str] | None = None,
-    connection_file: str | os.PathLike | None = None,
+    connection_file: str | os.PathLike[str] | None = None,
     stderr: Any = subprocess.PIPE,
     prefix: tuple[str, ...] = (),
 ) -> tuple[subprocess.Popen[str], ConnectionInfo, str]:

@@ -28,11 +28,11 @@ Watched = TypeVar("Watched", "zmq.Socket[Any]", int)  # a zmq socket, or a file 
 
 
 class SocketLoop:
-    def __init__(self, name: str, context: zmq.Context | None = None) -> None:
+    def __init__(self, name: str, context: zmq.Context[Any] | None = None) -> None:
         self.name = name
         self.context = context  # ended by the loop, after its sockets are closed
         self.on_exit: list[Callable[[], None]] = []
-        self._outbox: dict[zmq.Socket, deque[list[Any]]] = {}  # messages a socket could not take yet
+        self._outbox: dict[zmq.Socket[Any], deque[list[Any]]] = {}  # messages a socket could not take yet
         self.poller = zmq.Poller()
         self._handlers: dict[Any, Callable[[Any], None]] = {}
         self._calls: deque[Callable[[], None]] = deque()
@@ -55,7 +55,7 @@ class SocketLoop:
         if isinstance(sock, zmq.Socket):  # only sockets have an outbox
             self._outbox.pop(sock, None)
 
-    def send(self, sock: zmq.Socket, frames: list[Any]) -> None:
+    def send(self, sock: zmq.Socket[Any], frames: list[Any]) -> None:
         """Send on the loop thread without ever blocking it: what the socket cannot take now (no
         peer yet, or a full queue) waits here and goes as soon as the socket is writable."""
         waiting = self._outbox.get(sock)
@@ -68,7 +68,7 @@ class SocketLoop:
             self._outbox[sock] = deque([frames])
             self.poller.modify(sock, zmq.POLLIN | zmq.POLLOUT)
 
-    def _drain(self, sock: zmq.Socket) -> None:
+    def _drain(self, sock: zmq.Socket[Any]) -> None:
         waiting = self._outbox.get(sock)
         while waiting:
             try:

@@ -40,10 +40,10 @@ class _Outputs:
         self.folder = folder
         self.saved = 0
 
-    def text(self, output: dict, cell: int) -> str:
+    def text(self, output: dict[str, Any], cell: int) -> str:
         kind = output.get("output_type")
         if kind == "stream":
-            return output.get("text", "")
+            return str(output.get("text", ""))
         if kind == "error":
             return _ANSI.sub("", "\n".join(output.get("traceback", []))) + "\n"
         if kind not in ("display_data", "execute_result"):
@@ -59,7 +59,7 @@ class _Outputs:
             width, height = _png_size(png)
             return f"[a figure, {width}x{height}, saved to {path}]\n"
         if plain and not _DEFAULT_REPR.match(plain.strip()):
-            return plain + "\n"
+            return f"{plain}\n"
         if "text/html" in data:
             html = data["text/html"]
             rows = re.findall(r"<tr[^>]*>(.*?)</tr>", html, re.IGNORECASE | re.DOTALL)
@@ -68,7 +68,7 @@ class _Outputs:
                 return f"[an HTML table, {data_rows} row{'s' if data_rows != 1 else ''}]\n"
             return f"[HTML, {len(html):,} characters: open the notebook in Jupyter to see it]\n"
         if "text/markdown" in data:
-            return data["text/markdown"] + "\n"
+            return f"{data['text/markdown']}\n"
         return f"[{', '.join(sorted(data))}]\n"
 
 
@@ -87,7 +87,7 @@ def run_demo(name: str | None = None, timeout: float = 300.0, outputs: Path | No
     shown = _Outputs(outputs or Path(tempfile.mkdtemp(prefix="genie-demo-")))
     ran = {"code": 0}
 
-    def on_cell_executed(cell, cell_index, execute_reply) -> None:
+    def on_cell_executed(cell: Any, cell_index: int, execute_reply: dict[str, Any]) -> None:
         if cell.cell_type != "code":
             return
         ran["code"] += 1
@@ -100,7 +100,7 @@ def run_demo(name: str | None = None, timeout: float = 300.0, outputs: Path | No
             print(_indented(text))
         print(flush=True)
 
-    def on_cell_start(cell, cell_index) -> None:
+    def on_cell_start(cell: Any, cell_index: int) -> None:
         for markdown in _markdown_before(nb, cell_index):
             print(markdown.rstrip() + "\n", flush=True)
 

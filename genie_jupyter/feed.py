@@ -29,9 +29,9 @@ class ClusterFeed:
         self.widgets: list[Any] = []
         self._lock = threading.Lock()
         self._dirty = threading.Event()
-        self._history: dict[int, deque] = {}
-        self._times: deque = deque(maxlen=HISTORY)  # when each reading was taken
-        self._events: deque = deque(maxlen=MAX_EVENTS)
+        self._history: dict[int, deque[Any]] = {}
+        self._times: deque[float] = deque(maxlen=HISTORY)  # when each reading was taken
+        self._events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)
         self._values: dict[str, Any] = {"status": "live"}
         self._unsubscribe = None
         self._stopped = threading.Event()

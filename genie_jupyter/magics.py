@@ -447,7 +447,8 @@ class GenieMagics(Magics):
     @property
     def _user_ns(self) -> dict[str, Any]:
         assert self.shell is not None  # magics run in the shell that registered them
-        return self.shell.user_ns
+        namespace: dict[str, Any] = self.shell.user_ns
+        return namespace
 
 
 def _say_queued(client: Client) -> None:

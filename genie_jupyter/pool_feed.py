@@ -103,8 +103,8 @@ class PoolFeed:
         self.address = address
         self.interval = interval
         self.widgets: list[Any] = []
-        self._history: dict[tuple[str, int], deque] = {}
-        self._times: deque = deque(maxlen=HISTORY)
+        self._history: dict[tuple[str, int], deque[Any]] = {}
+        self._times: deque[float] = deque(maxlen=HISTORY)
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._view: dict[str, Any] | None = None

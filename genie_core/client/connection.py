@@ -186,8 +186,8 @@ class Connection:
             self._loop.call_every(self.options.heartbeat_interval, self._heartbeat)
         return welcome.content
 
-    def _dealer(self, ctx: zmq.Context) -> zmq.Socket:
-        sock = ctx.socket(zmq.DEALER)
+    def _dealer(self, ctx: zmq.Context[Any]) -> zmq.Socket[Any]:
+        sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.ROUTING_ID, os.urandom(16))
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IPV6, 1)  # harmless for IPv4 addresses
@@ -197,7 +197,7 @@ class Connection:
             secure_client(sock, self.options.curve)
         return sock
 
-    def _on_connection_event(self, monitor: zmq.Socket) -> None:
+    def _on_connection_event(self, monitor: zmq.Socket[Any]) -> None:
         """The control connection's events. During the handshake, a failure (CURVE keys,
         mechanism) or a closed connection is final: say why at once instead of waiting for the
         timeout. After it, a closed connection loses what was in flight on it (zmq reconnects by
@@ -260,7 +260,7 @@ class Connection:
         """Stop waiting for `request`: its replies, should they come, go to `on_orphan`."""
         self.pending.pop(request.id, None)
 
-    def _on_readable(self, sock: zmq.Socket) -> None:
+    def _on_readable(self, sock: zmq.Socket[Any]) -> None:
         for _ in range(256):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -320,7 +320,7 @@ class Connection:
             request.put(Closed(VersionMismatch("; ".join(problems))))
 
     # -- liveness -------------------------------------------------------------------------
-    def _on_disconnect(self, monitor: zmq.Socket) -> None:
+    def _on_disconnect(self, monitor: zmq.Socket[Any]) -> None:
         from zmq.utils.monitor import recv_monitor_message
 
         while monitor.poll(0):

@@ -203,7 +203,7 @@ def sweep_dead() -> int:
     return removed
 
 
-def pack_into(view: memoryview, buffers: list, progress: Any = None, chunk: int = 64 << 20) -> list[int]:
+def pack_into(view: memoryview, buffers: list[Any], progress: Any = None, chunk: int = 64 << 20) -> list[int]:
     """Copy buffers back to back into `view`; return their sizes."""
     sizes, offset = [], 0
     total = sum(memoryview(b).nbytes for b in buffers)

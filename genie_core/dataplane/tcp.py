@@ -99,12 +99,13 @@ class TcpChannel(Channel):
         self.spares = memory_spares()
 
     def put(self, buffers: list[Any], progress: wire.Progress = None) -> dict[str, Any]:
-        return drive(self.sock, stream.put(self.macs, buffers, progress))
+        done: dict[str, Any] = drive(self.sock, stream.put(self.macs, buffers, progress))
+        return done
 
     def get(self, ref: dict[str, Any], progress: wire.Progress = None) -> list[Any]:
         total = sum(int(n) for n in ref["sizes"])
         into = self.spares.take(total, refill=False)  # bytes land here directly
-        buffers = drive(self.sock, stream.get(self.macs, ref, into, progress))
+        buffers: list[Any] = drive(self.sock, stream.get(self.macs, ref, into, progress))
         self.spares.refill(total)
         return buffers
 

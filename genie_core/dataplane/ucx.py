@@ -144,12 +144,13 @@ class UcxChannel(Channel):
             raise ConnectionFailed(f"UCX endpoint {self.address} unusable: {exc}") from None
 
     def put(self, buffers: list[Any], progress: Any = None) -> dict[str, Any]:
-        return self.runner.run(drive(self.ep, stream.put(self.macs, buffers, progress)))
+        done: dict[str, Any] = self.runner.run(drive(self.ep, stream.put(self.macs, buffers, progress)))
+        return done
 
     def get(self, ref: dict[str, Any], progress: Any = None) -> list[Any]:
         total = sum(int(n) for n in ref["sizes"])
         into = self.spares.take(total, refill=False)
-        buffers = self.runner.run(drive(self.ep, stream.get(self.macs, ref, into, progress)))
+        buffers: list[Any] = self.runner.run(drive(self.ep, stream.get(self.macs, ref, into, progress)))
         self.spares.refill(total)
         return buffers
 

@@ -33,9 +33,9 @@ class Intake:
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
         self.replays = wire.Replays()
-        self.router: zmq.Socket | None = None
+        self.router: zmq.Socket[Any] | None = None
 
-    def bind(self, ctx: zmq.Context, ip: str, port: int) -> int:
+    def bind(self, ctx: zmq.Context[Any], ip: str, port: int) -> int:
         """The endpoint's ROUTER socket on `ip:port` (0: any free port); returns the port."""
         self.router = ctx.socket(zmq.ROUTER)
         self.router.linger = 0

@@ -60,7 +60,7 @@ class NodeMonitor:
         self._changed = threading.Event()
         self._lock = threading.Lock()
         self._ctx = zmq.Context()
-        self._sock: zmq.Socket | None = None
+        self._sock: zmq.Socket[Any] | None = None
         local = NodeInfo(self.node_id, socket.gethostname(), "server", ray.util.get_node_ip_address(), "tcp")
         source = SimulatedGPUSource(simulate_gpus) if simulate_gpus else NvmlSource()
         bus = EventBus()

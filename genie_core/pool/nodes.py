@@ -79,7 +79,7 @@ class Nodes:
         """The machines' addresses, as Ray has them."""
         return {str(n["ip"]) for n in list(self.table.values()) if n.get("ip")}
 
-    def drain(self, sock: zmq.Socket) -> None:
+    def drain(self, sock: zmq.Socket[Any]) -> None:
         """The readings waiting on the monitors' socket (at most 1,000 a call)."""
         for _ in range(1000):
             try:

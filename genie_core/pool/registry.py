@@ -190,7 +190,7 @@ class Registry:
             "AND (ended IS NULL OR ended > ?)",
             (user, since),
         )
-        return sum(gpus * (min(ended or now, now) - max(placed, since)) for gpus, placed, ended in rows) / 3600
+        return float(sum(gpus * (min(ended or now, now) - max(placed, since)) for gpus, placed, ended in rows) / 3600)
 
     # -- events: the audit log -----------------------------------------------------------
     def event(

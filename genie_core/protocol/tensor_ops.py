@@ -93,7 +93,7 @@ def torch_bytes(t: Any) -> Any:
     return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy()
 
 
-def _rebuild_host_tensor(dtype: str, shape: tuple, stride: tuple, raw: Any) -> Any:
+def _rebuild_host_tensor(dtype: str, shape: tuple[int, ...], stride: tuple[int, ...], raw: Any) -> Any:
     import warnings
 
     import torch

@@ -84,9 +84,8 @@ class RemoteTensor(torch.Tensor):
 
         raise SkipFrame("remote_accelerator tensors run eagerly under torch.compile")
 
-    # Tensor.__repr__'s own signature; mypy reports even an identical one as incompatible (it takes a
-    # dunder's parameters as positional-only, and this one is keyword-only)
-    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+    # Tensor.__repr__'s own signature (mypy's override check is off for this package: pyproject.toml)
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
         text = repr(self.detach().cpu())
         suffix = f", device='{self.device}'"
         if self.grad_fn is not None:

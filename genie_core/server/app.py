@@ -88,7 +88,7 @@ class Server:
             self.gpus = detected
         self.port = 0
         self.connection_file: Path | None = None
-        self._ctx: zmq.Context | None = None
+        self._ctx: zmq.Context[Any] | None = None
         self._loop = SocketLoop("server")
         self._thread: threading.Thread | None = None
         self._seq = 0
@@ -207,9 +207,9 @@ class Server:
         self.workers.refill_spares()
         return self
 
-    def _bind_clients(self, ctx: zmq.Context) -> zmq.Socket:
+    def _bind_clients(self, ctx: zmq.Context[Any]) -> zmq.Socket[Any]:
         """The clients' ROUTER socket on the configured address (port 0: any free one), or ConfigError."""
-        router = ctx.socket(zmq.ROUTER)
+        router: zmq.Socket[Any] = ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its routing id
         router.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
@@ -327,7 +327,7 @@ class Server:
         self._send(session.identity, Message(msg.type, msg.content, msg.buffers, parent=msg.parent, session=session.id))
 
     # -- client requests ------------------------------------------------------------------
-    def _on_client_readable(self, sock: zmq.Socket) -> None:
+    def _on_client_readable(self, sock: zmq.Socket[Any]) -> None:
         for _ in range(64):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)

@@ -249,7 +249,7 @@ class WorkerPool:
         self.gpus, self.spare_count, self.reply = gpus, spares, reply
         self.sessions = sessions  # the live sessions (the session table's), to balance slots
         self.max_message_bytes = max_message_bytes  # sandboxed cells can reach the workers' socket
-        self.sock: zmq.Socket | None = None  # bound by listen()
+        self.sock: zmq.Socket[Any] | None = None  # bound by listen()
         self.folder: Path | None = None  # 0700: the workers' socket, unsandboxed sessions' directories
         self.endpoint, self.address = "", ""
         self.home_root: Path | None = None  # sandboxed sessions' directories (0711)
@@ -262,7 +262,7 @@ class WorkerPool:
         self.dying: list[WorkerProcess] = []
         self.assigned: dict[str, dict[int, WorkerProcess]] = {}  # session id -> its workers by slot
 
-    def listen(self, ctx: zmq.Context, address: str) -> zmq.Socket:
+    def listen(self, ctx: zmq.Context[Any], address: str) -> zmq.Socket[Any]:
         """Bind the workers' socket in a new 0700 folder; `address` is the server's, for messages.
         Sandboxed: the folder is hidden from cells but its socket is theirs to reach, and sessions'
         directories go in a folder of their own that their uids may pass through (0711) but not list."""
@@ -301,7 +301,7 @@ class WorkerPool:
         for s in self.sessions.values():
             if s.slot in load:
                 load[s.slot] += 1
-        return min(load, key=lambda i: (load[i], i))
+        return int(min(load, key=lambda i: (load[i], i)))
 
     def slot_for(self, session: Session, gpu: Any) -> tuple[int, str]:
         """The slot a request asks for (None: the session's own), or why it cannot have it."""
@@ -481,7 +481,7 @@ class WorkerPool:
         assert self.sock is not None
         self.sock.send_multipart([worker.id.encode(), *frames], copy=False)
 
-    def on_readable(self, sock: zmq.Socket) -> None:
+    def on_readable(self, sock: zmq.Socket[Any]) -> None:
         """Workers' messages (loop thread): readiness, and outputs and replies for their clients."""
         for _ in range(256):
             try:

@@ -24,13 +24,13 @@ def clock(device: torch.device) -> Any:
 
 def elapsed_ms(start: Any, end: Any) -> float:
     if isinstance(start, float):
-        return (end - start) * 1000.0
+        return float((end - start) * 1000.0)
     end.synchronize()
     return float(start.elapsed_time(end))
 
 
 def answer(
-    question: str, args: tuple, device: torch.device, held_bytes: Callable[[], int], clocks: dict[int, Any]
+    question: str, args: tuple[Any, ...], device: torch.device, held_bytes: Callable[[], int], clocks: dict[int, Any]
 ) -> Any:
     """The answer, as JSON-able values under torch.cuda's names."""
     if question == "elapsed":

@@ -79,7 +79,7 @@ class Worker:
         )
 
     # -- I/O (loop thread) --------------------------------------------------------------
-    def _on_readable(self, sock: zmq.Socket) -> None:
+    def _on_readable(self, sock: zmq.Socket[Any]) -> None:
         for _ in range(64):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from IPython.core.displayhook import DisplayHook
 from IPython.core.displaypub import DisplayPublisher
@@ -32,7 +32,16 @@ class WorkerDisplayPublisher(DisplayPublisher):
 
     emit = AnyTrait()
 
-    def publish(self, data, metadata=None, source=None, *, transient=None, update=False, **kwargs) -> None:
+    def publish(
+        self,
+        data: dict[str, Any],
+        metadata: dict[str, Any] | None = None,
+        source: Any = None,
+        *,
+        transient: dict[str, Any] | None = None,
+        update: bool = False,
+        **kwargs: Any,
+    ) -> None:
         _flush_streams()
         kind = "update_display_data" if update else "display_data"
         self.emit(kind, {"data": data, "metadata": metadata or {}, "transient": transient or {}})
@@ -54,7 +63,7 @@ class WorkerDisplayHook(DisplayHook):
     def write_output_prompt(self) -> None:
         pass
 
-    def write_format_data(self, format_dict, md_dict=None) -> None:
+    def write_format_data(self, format_dict: dict[str, Any], md_dict: dict[str, Any] | None = None) -> None:
         self._data = format_dict
         self._metadata = md_dict or {}
 
@@ -73,23 +82,24 @@ class WorkerShell(InteractiveShell):
     emit = AnyTrait()
     on_user_code = AnyTrait()  # on_user_code(True) as user code starts, (False) as it stops
 
-    async def run_code(self, code_obj, result=None, *, async_=False):
+    async def run_code(self, code_obj: Any, result: Any = None, *, async_: bool = False) -> bool:
         """IPython runs the user's code here: only in here may an interrupt raise KeyboardInterrupt."""
         self.on_user_code(True)
         try:
-            return await super().run_code(code_obj, result, async_=async_)
+            ran: bool = await super().run_code(code_obj, result, async_=async_)
+            return ran
         finally:
             self.on_user_code(False)
 
     def init_displayhook(self) -> None:
         super().init_displayhook()
-        self.displayhook.emit = lambda kind, content: self.emit(kind, content)
+        cast(WorkerDisplayHook, self.displayhook).emit = lambda kind, content: self.emit(kind, content)
 
     def init_display_pub(self) -> None:
         super().init_display_pub()
-        self.display_pub.emit = lambda kind, content: self.emit(kind, content)
+        cast(WorkerDisplayPublisher, self.display_pub).emit = lambda kind, content: self.emit(kind, content)
 
-    def _showtraceback(self, etype, evalue, stb) -> None:
+    def _showtraceback(self, etype: Any, evalue: Any, stb: list[str]) -> None:
         _flush_streams()
         self.emit(
             "error",
@@ -99,6 +109,6 @@ class WorkerShell(InteractiveShell):
     def ask_exit(self) -> None:
         print("exit() is ignored in a remote cell: use %genie_shutdown in the notebook to end the session.")
 
-    def enable_gui(self, gui=None) -> None:
+    def enable_gui(self, gui: str | None = None) -> None:
         if gui not in (None, "inline"):
             raise NotImplementedError(f"GUI event loops ({gui}) cannot run in a remote worker; use inline output")
