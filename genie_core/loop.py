@@ -49,6 +49,22 @@ class SocketLoop:
         self.poller.register(sock, zmq.POLLIN)
         self._handlers[sock] = on_readable
 
+    def add_receiver(
+        self, sock: zmq.Socket[Any], on_message: Callable[[list[zmq.Frame]], None], batch: int = 64
+    ) -> None:
+        """Watch `sock` and hand each message (its frames) to `on_message`, at most `batch` a turn:
+        one busy socket cannot starve the others; what is left waits for the next turn."""
+
+        def receive(sock: zmq.Socket[Any]) -> None:
+            for _ in range(batch):
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    return
+                on_message(frames)
+
+        self.add_socket(sock, receive)
+
     def remove_socket(self, sock: zmq.Socket[Any] | int) -> None:
         self.poller.unregister(sock)
         self._handlers.pop(sock, None)

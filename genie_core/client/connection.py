@@ -139,8 +139,8 @@ class Connection:
         self.main = self._dealer(ctx)
         self.heartbeat = self._dealer(ctx)
         self._send_locks = {self.main: threading.Lock(), self.heartbeat: threading.Lock()}
-        self._loop.add_socket(self.main, self._on_readable)
-        self._loop.add_socket(self.heartbeat, self._on_readable)
+        self._loop.add_receiver(self.main, self._on_message, batch=256)
+        self._loop.add_receiver(self.heartbeat, self._on_message, batch=256)
         # Monitors before connecting: a handshake can fail before a later monitor would see it.
         self._loop.add_socket(
             self.main.get_monitor_socket(handshake.HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED), self._on_connection_event
@@ -260,39 +260,34 @@ class Connection:
         """Stop waiting for `request`: its replies, should they come, go to `on_orphan`."""
         self.pending.pop(request.id, None)
 
-    def _on_readable(self, sock: zmq.Socket[Any]) -> None:
-        for _ in range(256):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            try:
-                msg = self.codec.unpack(frames)
-            except ProtocolError as exc:
-                self._on_unauthenticated(frames, exc)
-                continue
-            if parse(msg.type, Peer.SERVER) is None:
-                log.warning("dropped a %r message from %s: servers do not send that", msg.type, self.address)
-                continue
-            self.last_heard = time.monotonic()
-            if msg.type == T.PONG:
-                self.rtt = time.monotonic() - getattr(self.pending.get(msg.parent), "sent", time.monotonic())
-            session_unknown = msg.type == T.ERROR_REPLY and msg.content.get("ename") == SESSION_NOT_FOUND
-            if self.lost_reason is not None and self.session and not self.session_gone and not session_unknown:
-                self.lost_reason = None
-                self.on_back()
-            if not msg.parent:
-                self.on_unsolicited(msg)
-                continue
-            request = self.pending.get(msg.parent)
-            if request is not None and msg.type in TERMINAL:
-                self.pending.pop(msg.parent, None)
-            if request is None:
-                self.on_orphan(msg)
-            if session_unknown:
-                self._session_ended(str(msg.content.get("evalue", "session not found")))
-            if request is not None:
-                request.put(msg)
+    def _on_message(self, frames: list[zmq.Frame]) -> None:
+        try:
+            msg = self.codec.unpack(frames)
+        except ProtocolError as exc:
+            self._on_unauthenticated(frames, exc)
+            return
+        if parse(msg.type, Peer.SERVER) is None:
+            log.warning("dropped a %r message from %s: servers do not send that", msg.type, self.address)
+            return
+        self.last_heard = time.monotonic()
+        if msg.type == T.PONG:
+            self.rtt = time.monotonic() - getattr(self.pending.get(msg.parent), "sent", time.monotonic())
+        session_unknown = msg.type == T.ERROR_REPLY and msg.content.get("ename") == SESSION_NOT_FOUND
+        if self.lost_reason is not None and self.session and not self.session_gone and not session_unknown:
+            self.lost_reason = None
+            self.on_back()
+        if not msg.parent:
+            self.on_unsolicited(msg)
+            return
+        request = self.pending.get(msg.parent)
+        if request is not None and msg.type in TERMINAL:
+            self.pending.pop(msg.parent, None)
+        if request is None:
+            self.on_orphan(msg)
+        if session_unknown:
+            self._session_ended(str(msg.content.get("evalue", "session not found")))
+        if request is not None:
+            request.put(msg)
 
     def _on_unauthenticated(self, frames: list[Any], exc: ProtocolError) -> None:
         if len(frames) == 2 and bytes(frames[0]) == VERSIONS_TAG:

@@ -180,8 +180,8 @@ class Server:
         worker_sock = self.workers.listen(ctx, self.address)
         if self.sandbox is not None:
             self.sandbox.start()
-        self._loop.add_socket(self.router, self._on_client_readable)
-        self._loop.add_socket(worker_sock, self.workers.on_readable)
+        self._loop.add_receiver(self.router, self.admission.on_frames)
+        self._loop.add_receiver(worker_sock, self.workers.on_message, batch=256)
         if self.parent_lifeline is not None:
             self._loop.add_socket(self.parent_lifeline, self._on_parent_gone)
         sweep_orphans()
@@ -327,14 +327,6 @@ class Server:
         self._send(session.identity, Message(msg.type, msg.content, msg.buffers, parent=msg.parent, session=session.id))
 
     # -- client requests ------------------------------------------------------------------
-    def _on_client_readable(self, sock: zmq.Socket[Any]) -> None:
-        for _ in range(64):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            self.admission.on_frames(frames)
-
     def _on_admitted(self, admitted: Admitted) -> None:
         """A message that passed admission: answer it, or hand it to its handler."""
         if admitted.session is None:

@@ -481,44 +481,39 @@ class WorkerPool:
         assert self.sock is not None
         self.sock.send_multipart([worker.id.encode(), *frames], copy=False)
 
-    def on_readable(self, sock: zmq.Socket[Any]) -> None:
-        """Workers' messages (loop thread): readiness, and outputs and replies for their clients."""
-        for _ in range(256):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            wid = frames[0].bytes.decode(errors="replace")
-            worker = self.workers.get(wid)
-            if worker is None:
-                continue
-            try:
-                msg = self.codec.unpack(frames[1:])
-            except Exception as exc:
-                log.error("worker %s sent a malformed message: %s", wid, exc)
-                continue
-            kind = parse(msg.type, Peer.WORKER)
-            if kind is None:
-                log.error("refused a %r message from worker %s, which may not send it", msg.type, wid)
-                continue
-            if kind is T.READY:
-                worker.ready = True
-                if worker.sandboxed is not None:
-                    worker.find_python()
-                for waiting in worker.waiting:
-                    self._forward(worker, waiting)
-                worker.waiting.clear()
-                continue
-            session = worker.session
-            if worker.inflight.get(msg.parent) is None or session is None or session.id not in self.sessions:
-                continue
-            ref = msg.content.get("data")
-            if worker.sandboxed is not None and isinstance(ref, dict) and isinstance(ref.get("segment"), str):
-                ref["segment"] = worker.sandboxed.move_out(ref["segment"], worker.pid)
-            if kind in TERMINAL:
-                worker.inflight.pop(msg.parent, None)
-                session.finished(msg.parent, msg.content)
-            self.reply(session, msg)
+    def on_message(self, frames: list[zmq.Frame]) -> None:
+        """A worker's message (loop thread): readiness, or an output or reply for its client."""
+        wid = frames[0].bytes.decode(errors="replace")
+        worker = self.workers.get(wid)
+        if worker is None:
+            return
+        try:
+            msg = self.codec.unpack(frames[1:])
+        except Exception as exc:
+            log.error("worker %s sent a malformed message: %s", wid, exc)
+            return
+        kind = parse(msg.type, Peer.WORKER)
+        if kind is None:
+            log.error("refused a %r message from worker %s, which may not send it", msg.type, wid)
+            return
+        if kind is T.READY:
+            worker.ready = True
+            if worker.sandboxed is not None:
+                worker.find_python()
+            for waiting in worker.waiting:
+                self._forward(worker, waiting)
+            worker.waiting.clear()
+            return
+        session = worker.session
+        if worker.inflight.get(msg.parent) is None or session is None or session.id not in self.sessions:
+            return
+        ref = msg.content.get("data")
+        if worker.sandboxed is not None and isinstance(ref, dict) and isinstance(ref.get("segment"), str):
+            ref["segment"] = worker.sandboxed.move_out(ref["segment"], worker.pid)
+        if kind in TERMINAL:
+            worker.inflight.pop(msg.parent, None)
+            session.finished(msg.parent, msg.content)
+        self.reply(session, msg)
 
     def housekeeping(self) -> None:
         """Notice workers that died (failing what they ran, saying why) and reap ending ones."""

@@ -56,7 +56,7 @@ class Worker:
         self.sock.connect(endpoint)
         self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self.loop = SocketLoop("worker")
-        self.loop.add_socket(self.sock, self._on_readable)
+        self.loop.add_receiver(self.sock, self._on_message)
         self.parent = os.getppid()  # the server; in a sandbox, the sandbox's init (pid 1)
         self.loop.call_every(1.0, self._check_parent)
         self.current: str = ""  # id of the request being served
@@ -79,17 +79,12 @@ class Worker:
         )
 
     # -- I/O (loop thread) --------------------------------------------------------------
-    def _on_readable(self, sock: zmq.Socket[Any]) -> None:
-        for _ in range(64):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            msg = self.codec.unpack(frames)
-            if msg.type == T.INTERRUPT:  # handled here, at once: the main thread may be busy for hours
-                self._interrupt(msg.content.get("request"))
-            else:
-                self.inbox.put(msg)
+    def _on_message(self, frames: list[zmq.Frame]) -> None:
+        msg = self.codec.unpack(frames)
+        if msg.type == T.INTERRUPT:  # handled here, at once: the main thread may be busy for hours
+            self._interrupt(msg.content.get("request"))
+        else:
+            self.inbox.put(msg)
 
     def _check_parent(self) -> None:
         """A fallback for the lifeline, should user code catch or ignore SIGIO."""
