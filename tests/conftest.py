@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -143,6 +146,26 @@ def client(server: RunningServer):
     c = server.client()
     yield c
     c.close()
+
+
+@contextlib.contextmanager
+def session_on(srv: RunningServer, timeout: float = 20.0, **settings: Any) -> Iterator[RunningServer]:
+    """genie_core's session on `srv` (`init_sync`, as a notebook's); then shut down, the server stopped."""
+    import genie_core
+
+    try:
+        genie_core.init_sync(f"127.0.0.1:{srv.info.port}", token=srv.info.token, timeout=timeout, **settings)
+        yield srv
+    finally:
+        genie_core.shutdown_sync()
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def remote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """A module's session on a CPU server (even on a GPU machine), for remote_accelerator tests."""
+    with session_on(start_server(tmp_path_factory.mktemp("remote"), "--gpus", "")) as srv:
+        yield srv
 
 
 def run(client: Client, code: str, timeout: float = 30.0, **kwargs) -> list:

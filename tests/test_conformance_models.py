@@ -15,25 +15,16 @@ import warnings
 import pytest
 import torch
 
-import genie_core
-
 transformers = pytest.importorskip("transformers")
 
 DEV = "remote_accelerator:0"
 VOCAB = 96
 
 
-@pytest.fixture(scope="module")
-def remote(tmp_path_factory):
-    from conftest import start_server
-
+@pytest.fixture(scope="module", autouse=True)
+def quiet_transformers():
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore", module="transformers")
-    srv = start_server(tmp_path_factory.mktemp("models-server"), "--gpus", "")  # a CPU server, even on a GPU machine
-    genie_core.init_sync(f"127.0.0.1:{srv.info.port}", token=srv.info.token, timeout=20)
-    yield srv
-    genie_core.shutdown_sync()
-    srv.stop()
 
 
 def _tokens(**extra):

@@ -100,7 +100,7 @@ def test_each_connect_failure_is_its_own_error_within_the_timeout_50_times(serve
             finally:
                 relay.close()
         else:
-            Client("127.0.0.1", port, token, timeout=0.3).connect()
+            Client("127.0.0.1", port, token, timeout=0.1).connect()  # each attempt waits out its timeout
 
     def rounds(n: int) -> list[float]:
         """n attempts; each must raise `error` (matching) within the timeout."""

@@ -16,20 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-import genie_core
-
 DEV = "remote_accelerator:0"
-
-
-@pytest.fixture(scope="module")
-def remote(tmp_path_factory):
-    from conftest import start_server
-
-    srv = start_server(tmp_path_factory.mktemp("device-module"), "--gpus", "")  # a CPU server, even on a GPU machine
-    genie_core.init_sync(f"127.0.0.1:{srv.info.port}", token=srv.info.token, timeout=20)
-    yield srv
-    genie_core.shutdown_sync()
-    srv.stop()
 
 
 # -- random numbers ---------------------------------------------------------------------------

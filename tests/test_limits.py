@@ -8,7 +8,7 @@ import gc
 
 import pytest
 import torch
-from conftest import run, start_server, stdout_of
+from conftest import run, session_on, start_server, stdout_of
 from reliability import record
 
 import genie_core
@@ -23,10 +23,8 @@ MiB = 1 << 20
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory):
     srv = start_server(tmp_path_factory.mktemp("limits"), "--max-session-tensors", "40", "--max-session-bytes", "64MiB")
-    genie_core.init_sync(f"127.0.0.1:{srv.info.port}", token=srv.info.token, timeout=20)
-    yield srv
-    genie_core.shutdown_sync()
-    srv.stop()
+    with session_on(srv):
+        yield srv
 
 
 def test_too_many_remote_tensors(limited):

@@ -17,17 +17,6 @@ from genie_core.errors import ConnectionLost, NotInitializedError, RemoteError
 DEV = "remote_accelerator:0"
 
 
-@pytest.fixture(scope="module")
-def remote(tmp_path_factory):
-    from conftest import start_server
-
-    srv = start_server(tmp_path_factory.mktemp("tensor-server"), "--gpus", "")  # a CPU server, even on a GPU machine
-    genie_core.init_sync(f"127.0.0.1:{srv.info.port}", token=srv.info.token, timeout=20)
-    yield srv
-    genie_core.shutdown_sync()
-    srv.stop()
-
-
 def trips() -> int:
     return torch.remote_accelerator.stats()["0"]["round_trips"]
 

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import start_server, wait_until
+from conftest import session_on, start_server, wait_until
 
 import genie_core
 from genie_core.events import ClusterEvent, EventType, Severity
@@ -20,11 +20,8 @@ from genie_jupyter.widgets import Dashboard, InitProgress
 
 @pytest.fixture
 def state(tmp_path):
-    srv = start_server(tmp_path, "--simulate-gpus", "2", "--poll-interval", "0.2")
-    st = genie_core.init_sync(f"127.0.0.1:{srv.info.port}", token=srv.info.token, timeout=20)
-    yield st
-    genie_core.shutdown_sync()
-    srv.stop()
+    with session_on(start_server(tmp_path, "--simulate-gpus", "2", "--poll-interval", "0.2")):
+        yield genie_core.get_cluster_state()
 
 
 def test_gauges_follow_the_servers_readings(state):
