@@ -67,13 +67,16 @@ def run_all(names: list[str], quick: bool, minutes: float | None) -> list[dict]:
     if quick and IPYPARALLEL_USERS.intersection(names):
         _ipyparallel.launch()
     out = []
-    for name in names:
+    last_user = max((i for i, name in enumerate(names) if name in IPYPARALLEL_USERS), default=-1)
+    for i, name in enumerate(names):
         extra = {"minutes": minutes} if name == "soak" and minutes else {}
         start = time.perf_counter()
         result = importlib.import_module(f"benchmarks.{name}").run(quick=quick, **extra)
         result["benchmark_seconds"] = round(time.perf_counter() - start, 1)
         out.append(result)
         print(json.dumps(result, indent=1), file=sys.stderr)
+        if i == last_user:
+            _ipyparallel.stop()  # not idle beside the benchmarks after it
     return out
 
 
@@ -87,11 +90,11 @@ def run_lanes(names: list[str], jobs: int, quick: bool, minutes: float | None) -
             written = Path(folder) / f"{i}.json"
             argv = [sys.executable, "-m", "benchmarks", "--lane", str(written), *lane]
             argv += ["--quick"] * quick + (["--minutes", str(minutes)] if minutes else [])
-            procs.append((subprocess.Popen(argv), written))
-        failed = [" ".join(proc.args[4:]) for proc, _ in procs if proc.wait() != 0]
+            procs.append((subprocess.Popen(argv), written, lane))
+        failed = [" ".join(lane) for proc, _, lane in procs if proc.wait() != 0]
         if failed:
             raise SystemExit(f"benchmarks failed: {'; '.join(failed)} (their output is above)")
-        for _, written in procs:
+        for _, written, _ in procs:
             results += json.loads(written.read_text())
     return sorted(results, key=lambda r: names.index(r["name"]))
 

@@ -5,26 +5,22 @@ engine's own start), too long to pay in every benchmark that compares against it
 from __future__ import annotations
 
 import atexit
-import time
 from typing import Any
 
 _cluster: Any = None
 _client: Any = None
-_launched_at = 0.0
-start_seconds: float | None = None  # launch to a ready engine, once the shared cluster is up
 
 
 def launch() -> None:
     """Start the controller and engine processes, without waiting for them (a quick run does this
     first, so that the engine starts while other benchmarks run). Nothing when not installed."""
-    global _cluster, _launched_at
+    global _cluster
     try:
         import ipyparallel as ipp
     except ImportError:
         return
     if _cluster is None:
         _cluster = ipp.Cluster(n=1, log_level=40)
-        _launched_at = time.perf_counter()
         _cluster.start_controller_sync()
         _cluster.start_engines_sync()
         atexit.register(stop)
@@ -33,12 +29,11 @@ def launch() -> None:
 def client() -> Any:
     """The shared cluster's client (an `ipyparallel.Client`), launched if it was not; None when
     ipyparallel is not installed."""
-    global _client, start_seconds
+    global _client
     launch()
     if _cluster is not None and _client is None:
         _client = _cluster.connect_client_sync()
         _client.wait_for_engines(1, timeout=60)
-        start_seconds = time.perf_counter() - _launched_at
     return _client
 
 

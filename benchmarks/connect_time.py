@@ -9,7 +9,7 @@ import time
 
 import genie_core
 
-from . import _ipyparallel, _servers
+from . import _servers
 
 
 def run(quick: bool = False) -> dict:
@@ -26,20 +26,19 @@ def run(quick: bool = False) -> dict:
             genie_core.init_sync(timeout=30)
             embedded.append(time.perf_counter() - start)
             genie_core.shutdown_sync()
-            if _ipyparallel.client() is None:
+            if quick or len(ipp_times) >= 3:  # each start takes seconds (6.6 s here)
                 continue
-            if not ipp_times:  # the shared cluster's start counts once (a start in this run)
-                ipp_times.append(_ipyparallel.start_seconds)
-            if len(ipp_times) < (1 if quick else 3):  # each takes seconds
+            try:
                 import ipyparallel as ipp
-
-                cluster = ipp.Cluster(n=1, log_level=40)
-                start = time.perf_counter()
-                rc = cluster.start_and_connect_sync()
-                rc.wait_for_engines(1, timeout=60)
-                ipp_times.append(time.perf_counter() - start)
-                rc.close()
-                cluster.stop_cluster_sync()
+            except ImportError:
+                continue
+            cluster = ipp.Cluster(n=1, log_level=40)
+            start = time.perf_counter()
+            rc = cluster.start_and_connect_sync()
+            rc.wait_for_engines(1, timeout=60)
+            ipp_times.append(time.perf_counter() - start)
+            rc.close()
+            cluster.stop_cluster_sync()
     finally:
         _servers.stop(proc)
     out = {
@@ -54,5 +53,7 @@ def run(quick: bool = False) -> dict:
     }
     if ipp_times:
         out["ipyparallel_cluster_n1_s_p50"] = round(statistics.median(ipp_times), 3)
+    elif quick:
+        out["ipyparallel_cluster_n1_s_p50"] = "not measured in a quick run"
     out["met"] = statistics.median(running) <= 0.3 and statistics.median(embedded) <= 2.0
     return out

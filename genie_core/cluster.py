@@ -120,7 +120,7 @@ def init_sync(
     `connection_file`: a server's (address, token, keys); `on_phase(name, seconds)` is called as
     each phase completes (the init widget shows them); `on_wait(text)` as a pool's queue moves,
     while this waits for GPUs; `settings`: any other `ClusterConfig` field (token, session_name,
-    pool_gpus, ...), of which a misspelt one is a ConfigError naming it.
+    pool_gpus, ...), of which a misspelt one is a TypeError naming the closest.
 
     `master_port` defaults to 5555; every argument left out falls back to its `GENIE_*`
     environment variable. `node_role="server"` serves from this process instead.

@@ -35,19 +35,32 @@ def ask(gpus: int = 1, accelerator: str = "") -> Ask:
 
 
 def test_the_node_table_names_its_machines_addresses_and_who_died():
-    """The addresses are what the sandbox blocks cells from reaching (Ray's nodes)."""
-    nodes = Nodes(history_every=30.0)
-    assert nodes.update([ray_node("a" * 56, "10.0.0.1"), ray_node("b" * 56, "10.0.0.2", gpus=0)]) == []
-    assert nodes.addresses() == {"10.0.0.1", "10.0.0.2"}
+    """The addresses are what the sandbox blocks cells from reaching (Ray's nodes). A death is
+    told once; if its handling fails, the next update tells it again."""
+    nodes, died = Nodes(history_every=30.0), []
+
+    def told(node_id: str, node: dict) -> None:
+        died.append((node_id, node["gpus"]))
+
+    nodes.update([ray_node("a" * 56, "10.0.0.1"), ray_node("b" * 56, "10.0.0.2", gpus=0)], told)
+    assert nodes.addresses() == {"10.0.0.1", "10.0.0.2"} and died == []
     assert [nid for nid, _ in nodes.unwatched()] == ["a" * 56]  # a node without GPUs gets no monitor
-    died = nodes.update([ray_node("a" * 56, "10.0.0.1", gpus=0, alive=False), ray_node("b" * 56, "10.0.0.2", gpus=0)])
-    assert [(nid, n["gpus"]) for nid, n in died] == [("a" * 56, 2)]  # a dead node keeps the GPUs it had
-    assert nodes.update([ray_node("a" * 56, "10.0.0.1", alive=False)]) == []  # told once
+    dead = [ray_node("a" * 56, "10.0.0.1", gpus=0, alive=False), ray_node("b" * 56, "10.0.0.2", gpus=0)]
+
+    def fails(node_id: str, node: dict) -> None:
+        raise OSError("the registry is away")
+
+    with pytest.raises(OSError):
+        nodes.update(dead, fails)
+    nodes.update(dead, told)
+    assert died == [("a" * 56, 2)]  # told after the failed try; a dead node keeps the GPUs it had
+    nodes.update(dead, told)
+    assert died == [("a" * 56, 2)]  # told once
 
 
 def test_a_reading_is_kept_only_signed_and_from_a_known_node_and_sampled_for_history():
     nodes = Nodes(history_every=30.0)
-    nodes.update([ray_node("n1", "10.0.0.1")])
+    nodes.update([ray_node("n1", "10.0.0.1")], on_death=lambda node_id, node: None)
     gpu = {"index": 0, "utilization": 50.0, "memory_used": 1, "temperature": 60.0}
 
     def reading(node: str, at: float) -> bytes:

@@ -421,6 +421,25 @@ def test_what_crosses_the_clients_own_close_is_no_lost_connection(tmp_path, capl
         srv.stop()
 
 
+def test_a_close_interrupted_while_it_waits_leaves_losses_told(server, monkeypatch):
+    """Ctrl-C during close's wait for the server: the client is still open, so a lost connection
+    must still be told (not taken for the close's own doing)."""
+    c = server.client()
+    sent = c.connection.request
+
+    def interrupted(msg, **kw):
+        request = sent(msg, **kw)
+        monkeypatch.setattr(request, "wait", lambda timeout=None: (_ for _ in ()).throw(KeyboardInterrupt()))
+        return request
+
+    monkeypatch.setattr(c.connection, "request", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        c.close()
+    assert not c.connection.closing and not c.connection.closed
+    monkeypatch.undo()
+    c.close()
+
+
 def test_missing_gpu_is_a_clear_error(client):
     with pytest.raises(RemoteError, match="GPU 3 does not exist"):
         run(client, "1", gpu=3)

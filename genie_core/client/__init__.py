@@ -282,6 +282,9 @@ class Client:
                 self.request(Message(T.CLOSE)).wait(timeout=1.0)
             except Exception:
                 pass  # the server reaps the session after its lease anyway
+            except BaseException:  # interrupted while waiting: still open, so a loss is told again
+                self.connection.closing = False
+                raise
         for job in self._jobs.values():
             job.stop_following("this client closed its session" if notify else "this client detached")
         self.connection.session_closed()

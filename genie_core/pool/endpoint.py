@@ -7,8 +7,9 @@ tensors then go straight to that server. The endpoint watches Ray's node table a
 actor: a node that dies has its sessions reported lost to their clients. A warm session per node
 (warm.py) lets a one-GPU session skip the seconds Ray takes to start an actor.
 
-Its parts: intake.py (requests in, answers out), placement.py (where an ask fits), nodes.py (the
-node table and readings), audit.py (who ran what), status.py, recovery.py (after a restart).
+Its parts: intake.py (requests in, answers out), placement.py (where an ask fits), actors.py (each
+session's actor, from creation to end; live.py is the session), nodes.py (the node table and
+readings), audit.py (who ran what), status.py, recovery.py (after a restart).
 """
 
 from __future__ import annotations
@@ -348,8 +349,7 @@ class Pool:
         import ray
 
         self._nodes_read = time.monotonic()
-        for node_id, node in self.nodes.update(ray.nodes()):
-            self._node_died(node_id, node)
+        self.nodes.update(ray.nodes(), on_death=self._node_died)
         for node_id, node in self.nodes.unwatched():
             self._watch_node(node_id, node)
 

@@ -1,5 +1,5 @@
 """The pool's machines as it knows them: Ray's node table, each node's newest signed reading, and
-the readings sampled for history. Bookkeeping only: the endpoint asks Ray and reads the socket."""
+the readings sampled for history. Bookkeeping only: the endpoint asks Ray for the table."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 import secrets
 import socket
 import urllib.parse
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -45,19 +46,19 @@ class Nodes:
         self.history: list[History] = []  # taken since the last flush
         self.taken = 0  # readings taken, all told
 
-    def update(self, entries: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
-        """Ray's node table now; returns the nodes that were alive and are dead (a dead node keeps
-        the GPUs it had, so that its sessions' GPUs are still accounted for)."""
+    def update(self, entries: list[dict[str, Any]], on_death: Callable[[str, dict[str, Any]], None]) -> None:
+        """Ray's node table now. `on_death(node_id, node)` for each node that was alive and is dead,
+        before the table is replaced: should it fail, the next update tells the death again. A dead
+        node keeps the GPUs it had, so that its sessions' GPUs are still accounted for."""
         seen = {str(entry["NodeID"]): node_from_ray(entry) for entry in entries}
-        died = []
         for node_id, node in seen.items():
             before = self.table.get(node_id)
             if before is not None and not node["alive"]:
                 node["gpus"] = before["gpus"]
                 if before["alive"]:
-                    died.append((node_id, node))
+                    on_death(node_id, node)
+                    self.table[node_id] = node  # told: a failure later in this update does not tell it again
         self.table = seen
-        return died
 
     def forget(self, node_id: str) -> None:
         """A dead node's monitor and reading go."""

@@ -32,7 +32,7 @@ from ..loop import SocketLoop
 from ..monitoring import GPUSource
 from ..protocol import PROTOCOL_VERSION, Codec, Message, MessageType, derive_key
 from ..sandbox import Sandbox, policy_of, require
-from .admission import Admission, Admitted
+from .admission import Admission
 from .data import DataPlane
 from .requests import ClientRequests
 from .sessions import Session, SessionTable
@@ -41,8 +41,6 @@ from .upkeep import Upkeep
 from .workers import WorkerPool, sweep_orphans
 
 log = logging.getLogger("genie.server")
-
-T = MessageType
 
 
 class Server:
@@ -140,7 +138,7 @@ class Server:
             sessions=self.sessions.live,
             ended=self.sessions.ended,
             call_soon=self._loop.call_soon,
-            admit=self._on_admitted,
+            admit=self.requests.on_admitted,
             reply=self._reply,
             send_raw=self._send_raw,
         )
@@ -325,16 +323,6 @@ class Server:
     def _from_worker(self, session: Session, msg: Message) -> None:
         session.jobs.record(msg)
         self._send(session.identity, Message(msg.type, msg.content, msg.buffers, parent=msg.parent, session=session.id))
-
-    # -- client requests ------------------------------------------------------------------
-    def _on_admitted(self, admitted: Admitted) -> None:
-        """A message that passed admission: answer it, or hand it to its handler."""
-        if admitted.session is None:
-            self.requests.on_hello(admitted.identity, admitted.msg)
-        elif admitted.type is T.PING:
-            self.requests.on_ping(admitted.identity, admitted.msg)
-        else:
-            self.requests.handlers[admitted.type](admitted.session, admitted.msg)
 
 
 def run_server(config: ClusterConfig, parent_lifeline: int | None = None) -> int:

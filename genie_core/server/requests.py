@@ -14,7 +14,7 @@ from ..events import EventType, Severity
 from ..protocol import Message, MessageType, Peer, accepted_from, error_content
 from ..threads import name_os_thread
 from ..versions import compare, local_versions
-from .admission import Reply
+from .admission import Admitted, Reply
 from .data import DataPlane
 from .session_dir import SessionDirectory, SyncError
 from .sessions import Session, SessionTable, outcomes
@@ -71,6 +71,15 @@ class ClientRequests:
         assert not unhandled, f"client requests without a handler: {sorted(unhandled)}"
         return handlers
 
+    def on_admitted(self, admitted: Admitted) -> None:
+        """A message that passed admission: answer it, or hand it to its handler."""
+        if admitted.session is None:
+            self.on_hello(admitted.identity, admitted.msg)
+        elif admitted.type is T.PING:  # on whichever connection it came (the heartbeat one, mostly)
+            self.reply(admitted.identity, admitted.msg, T.PONG, {"time": time.time()})
+        else:
+            self.handlers[admitted.type](admitted.session, admitted.msg)
+
     def on_hello(self, identity: bytes, msg: Message) -> None:
         """Open a session, or attach to the named one, unless the client's versions cannot work with
         ours (refused before anything is opened or attached: a running named session is left alone)."""
@@ -103,10 +112,6 @@ class ClientRequests:
             self.upkeep.event(
                 session, EventType.SESSION_ATTACHED, Severity.INFO, f"session {session.name!r} attached by a client"
             )
-
-    def on_ping(self, identity: bytes, msg: Message) -> None:
-        """On whichever connection it came (the heartbeat one, mostly)."""
-        self.reply(identity, msg, T.PONG, {"time": time.time()})
 
     def _on_execute(self, session: Session, msg: Message) -> None:
         """A cell; one sent with `job` runs as a background job, whose output the session keeps."""
