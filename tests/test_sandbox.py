@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
-from conftest import RunningServer, run, start_server, stdout_of
+from conftest import RunningServer, run, start_server, stdout_of, wait_until, worker_pid
 
 import genie_core
 from genie_core.errors import ConfigError, WorkerDied
@@ -361,3 +363,25 @@ def test_segments_that_are_links_are_refused_both_ways(tmp_path):
         planted.unlink(missing_ok=True)
         worker.close()
         sandbox.stop()
+
+
+def test_a_sandboxed_worker_ends_with_its_killed_server(tmp_path):
+    """SIGKILL to the server (Ray kills a session actor's process so): its sandboxed workers end
+    too, with their cells' children, and hold no GPU or memory (bubblewrap's own
+    --die-with-parent does not survive the worker's change of uid)."""
+    srv = start_server(tmp_path, "--sandbox", "--no-ucx")
+    try:
+        c = srv.client(timeout=30)
+        child = int(cell(c, "import subprocess; print(subprocess.Popen(['sleep', '600']).pid)"))
+        pid = worker_pid(c)
+        host_children = [p.pid for p in psutil.Process(pid).children(recursive=True)]
+        assert host_children, f"no child of the worker on the host (its sleep was pid {child} inside)"
+        srv.proc.send_signal(signal.SIGKILL)
+        srv.proc.wait(10)
+        for p in [pid, *host_children]:
+            assert wait_until(lambda p=p: not psutil.pid_exists(p) or psutil.Process(p).status() == "zombie", 10), (
+                f"process {p} outlived its killed server"
+            )
+        c.close(notify=False)
+    finally:
+        srv.stop()
