@@ -76,7 +76,7 @@ class Client:
     @property
     def session_name(self) -> str:
         """The name of a named session ("" for one that ends with this client)."""
-        return self.connection.session_name
+        return self.options.session_name
 
     @property
     def node(self) -> dict[str, Any]:
@@ -218,7 +218,7 @@ class Client:
 
     def _send_sync(self, manifest: dict[str, str], names: list[str], contents: list[bytes]) -> dict[str, Any]:
         msg = Message(T.SYNC, {"manifest": manifest, "files": names}, list(contents))
-        return self.request(msg).wait(self.connection.timeout + sum(map(len, contents)) / (10 << 20)).content
+        return self.request(msg).wait(self.options.timeout + sum(map(len, contents)) / (10 << 20)).content
 
     def running_jobs(self) -> list[Job]:
         """The jobs this client knows to be running (no round trip)."""

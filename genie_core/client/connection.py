@@ -99,10 +99,8 @@ class Connection:
     def __init__(self, host: str, port: int, token: str, options: ConnectOptions | None = None) -> None:
         self.host, self.port = host, port
         self.options = options or ConnectOptions()
-        self.session_name = self.options.session_name
         self.address = f"{host}:{port}"
         self.codec = Codec(derive_key(token))
-        self.timeout = self.options.timeout
         self.session = ""
         self.node: dict[str, Any] = {}
         self.slot: int | None = None
@@ -132,7 +130,7 @@ class Connection:
     def connect(self) -> dict[str, Any]:
         """Handshake; returns the server's welcome."""
         start = time.monotonic()
-        handshake.probe_server(self.host, self.port, self.timeout, encrypted=bool(self.options.curve))
+        handshake.probe_server(self.host, self.port, self.options.timeout, encrypted=bool(self.options.curve))
         ctx = zmq.Context()
         self._loop = SocketLoop("client", context=ctx)  # it closes the sockets and ends the context
         endpoint = f"tcp://[{self.host}]:{self.port}" if ":" in self.host else f"tcp://{self.host}:{self.port}"
@@ -163,10 +161,10 @@ class Connection:
                 # pings come, and events go, there only
                 "heartbeat": cast(bytes, self.heartbeat.getsockopt(zmq.ROUTING_ID)).hex(),
                 "versions": local_versions(),
-                "name": self.session_name,
+                "name": self.options.session_name,
             },
         )
-        left = self.timeout - (time.monotonic() - start)
+        left = self.options.timeout - (time.monotonic() - start)
         try:
             request = self.request(hello)
             if self._handshake_error is not None and self.pending.pop(request.id, None) is not None:
@@ -174,7 +172,7 @@ class Connection:
             welcome = request.wait(timeout=max(left, 0.1))
         except TimeoutError:
             self.close()
-            raise handshake.unanswered(self.address, self.timeout) from None
+            raise handshake.unanswered(self.address, self.options.timeout) from None
         except BaseException:
             self.close()
             raise
