@@ -114,6 +114,12 @@ def _attention(
     scale: Any = None,
     enable_gqa: bool = False,
 ) -> Any:
+    from .tensor import RemoteTensor
+
+    if type(query) is not RemoteTensor:  # a fake tensor of the device, while torch.compile traces
+        return torch.ops.aten.scaled_dot_product_attention.default.decompose(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+        )
     return _ServerAttention.apply(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 

@@ -120,13 +120,14 @@ def register() -> None:
         from . import serialization
 
         serialization.register()
-        from . import attention, autocast, lazy, pinned, whole_ops
+        from . import attention, autocast, compiler, lazy, pinned, whole_ops
 
         lazy.register()
         autocast.register()
         attention.register()
         whole_ops.register()
         pinned.register()
+        compiler.register()
         _registered = True
 
 

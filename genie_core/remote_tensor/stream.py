@@ -54,6 +54,7 @@ class OpStream:
         self.wait_seconds = 0.0  # time spent here waiting for the last batch of each flush
         self.device_kind = "cuda" if (getattr(client, "node", None) or {}).get("gpus") else "cpu"
         self.imported: set[str] = set()  # modules defining custom ops, imported on the server
+        self.graphs: set[str] = set()  # compiled graphs the server holds, by content hash (compiler.py)
         # On a small machine the server and this kernel share the cores: overlapping them costs more
         # than it saves (benchmarks/llm.py measures both).
         from ..config import is_loopback

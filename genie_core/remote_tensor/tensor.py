@@ -75,14 +75,23 @@ class RemoteTensor(torch.Tensor):
     # parameter's contents in place (torch.utils.swap_tensors) instead of making new Parameter
     # objects, so tied weights stay tied and optimizers made before .to() keep working, as on CUDA.
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
-        return [], None
+        return [], (self.dtype, self.device)
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, ctx: Any, outer_size: Any, outer_stride: Any) -> Any:
-        """Only torch.compile asks: the frame then runs eagerly (every op recorded as usual)."""
-        from torch._dynamo.exc import SkipFrame
+        """torch.compile's view of a remote tensor: a fake tensor of the device (compiler.py)."""
+        from torch._guards import detect_fake_mode
 
-        raise SkipFrame("remote_accelerator tensors run eagerly under torch.compile")
+        mode = detect_fake_mode()
+        if mode is None:
+            raise RuntimeError(f"a {DEVICE_TYPE} tensor can be rebuilt from its parts only as a fake tensor")
+        dtype, device = ctx
+        with mode:
+            fake = torch.empty_strided(outer_size, outer_stride, dtype=dtype, device=device)
+        # Fake-ifying a view asks the rebuilt base for its (no) inner tensors; the fake itself stays
+        # a plain tensor to Dynamo (no __tensor_unflatten__, so not a wrapper subclass)
+        fake.__tensor_flatten__ = _no_inner_tensors  # type: ignore[attr-defined]
+        return fake
 
     # Tensor.__repr__'s own signature (mypy's override check is off for this package: pyproject.toml)
     def __repr__(self, *, tensor_contents: Any = None) -> str:
@@ -160,6 +169,10 @@ class RemoteTensor(torch.Tensor):
             return dispatch(func, args, kwargs or {})
         except Exception as exc:  # inside backward: see _failed_in_backward
             return _failed_in_backward(func, args, kwargs or {}, exc)
+
+
+def _no_inner_tensors() -> tuple[list[str], None]:
+    return [], None
 
 
 def _failed_in_backward(func, args: tuple, kwargs: dict, exc: Exception) -> Any:
@@ -456,15 +469,19 @@ def _encoder(stream: OpStream, uploads: list[int]) -> Any:
     return encode
 
 
-def record_call(name: str, args: tuple, kwargs: dict, expected: list[Any]) -> tuple[list[Any], OpStream]:
+def record_call(
+    name: str, args: tuple, kwargs: dict, expected: list[Any], *, stream: OpStream | None = None, encoded: bool = False
+) -> tuple[list[Any], OpStream]:
     """Record a call of one of the server's own functions (see attention.py); its outputs are
-    remote tensors laid out like `expected` (meta tensors, or None where there is no output)."""
-    stream = _streams_of(_leaves(args, kwargs))
+    remote tensors laid out like `expected` (meta tensors, or None where there is no output).
+    `encoded`: the arguments are already as the worker reads them (compiler.py)."""
+    if stream is None:
+        stream = _streams_of(_leaves(args, kwargs))
     uploads: list[int] = []
     outs: list[Any] = []
     for m in expected:
         outs.append(None if m is None else RemoteTensor(m.shape, m.stride(), m.storage_offset(), m.dtype, stream))
-    enc_args, enc_kwargs = _map(_encoder(stream, uploads), args, kwargs)
+    enc_args, enc_kwargs = (args, kwargs) if encoded else _map(_encoder(stream, uploads), args, kwargs)
     stream.record(
         ("call", name, enc_args, enc_kwargs, [None if r is None else r._rid for r in outs], _expectations(expected))
     )

@@ -16,6 +16,7 @@ from ..errors import LimitExceeded, size_text
 from ..protocol.tensor_ops import MemoryFormat, Ref, RemoteDevice, StorageOf
 from ..serialize import serialize_namespace
 from . import device_answers
+from .compiled import CompiledGraphs
 
 
 class _Failed:
@@ -149,6 +150,7 @@ class TensorExecutor:
         self.ops_run = 0
         self.clocks: dict[int, Any] = {}  # Event(enable_timing=True) readings, by id (device_answers.py)
         self._ops: dict[str, Any] = {}
+        self.graphs = CompiledGraphs(self.device, self.store)
         gc.freeze()  # what this worker imported lives as long as it does: keep it out of every collection
 
     @property
@@ -283,6 +285,8 @@ class TensorExecutor:
                         torch.cuda.set_rng_state(record[1], self.device)
                     else:
                         torch.set_rng_state(record[1])
+                elif kind == "graph":  # a graph torch.compile captured on the client, by content hash
+                    self.graphs.define(record[1], record[2], record[3])
                 elif kind == "import":  # the module that defines a custom op used here (torch.library)
                     importlib.import_module(record[1])
                 elif kind == "clock":
@@ -373,7 +377,10 @@ class TensorExecutor:
     def _run_call(self, record: tuple) -> None:
         _, name, args, kwargs, out_ids, expect = record
         args, kwargs = self._resolve_all(args), self._resolve_all(kwargs)
-        outs = run_call(name, args, kwargs, self.store)
+        if name == "graph":
+            outs = self.graphs.run(kwargs["key"], args, kwargs["graph"], kwargs["needs"])
+        else:
+            outs = run_call(name, args, kwargs, self.store)
         for i, (rid, value) in enumerate(zip(out_ids, outs, strict=True)):
             if rid is not None:
                 self.store[rid] = _agree(name, value, expect[i], (args, kwargs))

@@ -1,0 +1,86 @@
+"""The worker side of `torch.compile` on remote tensors: the graphs a client traced, compiled with
+this device's compiler (genie_core/remote_tensor/compiler.py is the client side).
+
+A graph arrives once per session, by content hash, and is compiled at its first call, as
+torch.compile would compile it on this device: Inductor (on a GPU with its CUDA graphs for
+`mode="reduce-overhead"`, the inputs that were parameters or buffers marked static), or the graph
+as it is ("eager"). Dynamo runs here too, over the graph, so a call with other input shapes or
+requires-grad flags recompiles here as it would locally."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..protocol import fx_graph
+from ..protocol.tensor_ops import HostTensor, Ref
+
+
+class _Graph:
+    __slots__ = ("compiled", "how", "module")
+
+    def __init__(self, module: Any, how: dict[str, Any]) -> None:
+        self.module, self.how = module, how
+        self.compiled: Any = None
+
+    def function(self) -> Any:
+        if self.compiled is None:
+            if self.how["compiler"] == "eager":
+                self.compiled = self.module
+            else:
+                self.compiled = torch.compile(
+                    self.module, backend="inductor", options=self.how["options"] or None, dynamic=self.how["dynamic"]
+                )
+        return self.compiled
+
+
+class CompiledGraphs:
+    """The session's compiled graphs, by the content hash the client named them with."""
+
+    def __init__(self, device: torch.device, store: Any) -> None:
+        self.device = device
+        self.store = store
+        self._graphs: dict[str, _Graph] = {}
+
+    def define(self, key: str, nodes: list[fx_graph.Node], how: dict[str, Any]) -> None:
+        if key not in self._graphs:
+            self._graphs[key] = _Graph(fx_graph.decode(nodes, self.device, self._constant), how)
+
+    def _constant(self, value: Any) -> Any:
+        if type(value) is Ref:
+            return self.store[value.id]
+        if type(value) is HostTensor:
+            return value.tensor
+        return value
+
+    def run(self, key: str, args: list[Any], graph: int | None, needs: list[bool] | None) -> list[Any]:
+        """The graph's tensor outputs for these inputs; with `graph`, its autograd graph is kept
+        under that id for the backward (`aten_backward`), inputs needing a gradient as its leaves."""
+        entry = self._graphs.get(key)
+        if entry is None:
+            raise RuntimeError(f"compiled graph {key} is not on the server (sent to another session?)")
+        for i in entry.how["static"] if entry.how["compiler"] != "eager" else ():
+            if isinstance(args[i], torch.Tensor) and not hasattr(args[i], "_dynamo_static_input_type"):
+                torch._dynamo.mark_static_address(args[i], guard=False)
+        function = entry.function()
+        if graph is None:
+            with torch.no_grad():
+                out = function(*args)
+            return [o for o in _flat(out) if isinstance(o, torch.Tensor)]
+        tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        inputs: list[Any] = []
+        args = list(args)
+        for i, need in zip(tensors, needs or [], strict=True):
+            if need:
+                args[i] = args[i].detach().requires_grad_(True)
+            inputs.append(args[i] if need else None)
+        with torch.enable_grad():
+            out = function(*args)
+        outs = [o for o in _flat(out) if isinstance(o, torch.Tensor)]
+        self.store[graph] = (outs, inputs)
+        return [o.detach() for o in outs]
+
+
+def _flat(out: Any) -> list[Any]:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
