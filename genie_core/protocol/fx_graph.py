@@ -54,6 +54,35 @@ class Op:
         return found
 
 
+class Named:
+    """A function by its qualified name (`torch.nn.functional.max_pool2d`), found again by importing
+    its module: some of PyTorch's (boolean_dispatch's) cannot be pickled by reference."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Named, (self.name,))
+
+    def resolve(self) -> Any:
+        import importlib
+
+        parts = self.name.split(".")
+        for cut in range(len(parts) - 1, 0, -1):
+            try:
+                found: Any = importlib.import_module(".".join(parts[:cut]))
+            except ImportError:
+                continue
+            for part in parts[cut:]:
+                found = getattr(found, part)
+            return found
+        import builtins
+
+        return getattr(builtins, self.name)
+
+
 class DeviceType:
     """The string `"remote_accelerator"` (autocast's device type): the worker's device type."""
 
@@ -82,7 +111,15 @@ def _target(target: Any) -> Any:
         return Op(str(target))
     if isinstance(target, torch._ops.HigherOrderOperator):
         return Op(f"higher_order.{target.name()}")  # type: ignore[no-untyped-call]  # (untyped in torch)
-    return target  # a function, builtin or method: pickled by its qualified name
+    from torch.fx.node import _get_qualified_name
+
+    try:
+        named = Named(_get_qualified_name(target))
+        if named.resolve() is target:
+            return named
+    except (AttributeError, ImportError, RuntimeError):
+        pass
+    return target  # pickled as it is (by reference, for what pickle can find)
 
 
 def _value(value: Any, constant: Callable[[Any], Any]) -> Any:
@@ -176,7 +213,7 @@ def decode(nodes: list[Node], device: Any, constant: Callable[[Any], Any]) -> An
         elif op == "output":
             made = graph.output(value(args[0]))
         else:
-            resolved = target.resolve() if type(target) is Op else target
+            resolved = target.resolve() if type(target) in (Op, Named) else target
             made = graph.create_node(op, resolved, value(args), value(kwargs), name=name)
         env[name] = made
     graph.lint()

@@ -24,6 +24,7 @@ import torch
 
 from ..protocol import fx_graph
 from ..protocol.tensor_ops import HostTensor
+from .after_import import after_import
 from .connection import DEVICE_TYPE, stream_for
 
 COMPILERS = ("inductor", "eager")
@@ -137,6 +138,12 @@ class CompiledGraph:
         self.how = {"compiler": compiler, "options": options, "dynamic": dynamic, "static": self.static}
         self.key = fx_graph.digest(self.nodes, self.how)
         self.differentiable = any(o.differentiable for o in self.outputs)
+        self.custom_ops = {  # ops of torch.library: their modules are imported on the server first
+            n.target
+            for n in gm.graph.nodes
+            if isinstance(n.target, torch._ops.OpOverload | torch._ops.OpOverloadPacket)
+            and str(n.target).split(".")[0] not in ("aten", "prims")
+        }
         self.index = _device_index(examples)
         stats["graphs"] += 1
 
@@ -163,6 +170,10 @@ class CompiledGraph:
         if stream is None:
             stream = stream_for(self.index)
         if self.key not in stream.graphs:
+            from .tensor import _import_on_server
+
+            for op in self.custom_ops:
+                _import_on_server(op, stream)
             stream.record(("graph", self.key, self.nodes, self.how))
             stream.graphs.add(self.key)
         expected, numbers = self._expected(args)
@@ -323,4 +334,14 @@ def register() -> None:
         return inductor_call(self, model_, inputs_, config_patches=config_patches)
 
     wrapper.__call__ = call  # type: ignore[method-assign]
+    after_import("torch._dynamo", _leave_alone)
     _registered = True
+
+
+def _leave_alone() -> None:
+    """Dynamo compiles every Python frame that runs while a compiled function's eager parts do (after a
+    graph break), and this package's frames run there: inside PyTorch's dispatch of remote tensors.
+    Listed as skipped, they run as plain Python, as PyTorch's own do."""
+    import torch._dynamo
+
+    torch._dynamo.trace_rules.add("genie_core")

@@ -4,18 +4,24 @@ needs."""
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
+from .after_import import after_import
 from .connection import DEVICE_TYPE, set_client, stream_for
 from .device_module import _DeviceModule
 
 _registered = False
 _lock = threading.Lock()
+
+
+def _fake_mode() -> Any:
+    """The fake tensor mode torch.compile traces under, if one is active. Tensors made on the device
+    there (below the mode, as `torch.tensor(data, device=...)` makes them) are fake, never remote."""
+    import torch
+
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
 
 
 def _factory_kernels(lib: Any) -> None:
@@ -31,9 +37,12 @@ def _factory_kernels(lib: Any) -> None:
 
         def kernel(*args: Any, **kwargs: Any) -> Any:
             device = kwargs.get("device")
-            stream = stream_for(device.index if device is not None else None)
             meta_kwargs = dict(kwargs, device=torch.device("meta"))
             out = op(*args, **meta_kwargs)
+            fake = _fake_mode()
+            if fake is not None:  # torch.compile tracing (torch.tensor(data, device=...) gets here)
+                return fake.fake_tensor_converter.from_meta_and_device(fake, out, device or torch.device(DEVICE_TYPE))
+            stream = stream_for(device.index if device is not None else None)
             r = RemoteTensor(out.shape, out.stride(), out.storage_offset(), out.dtype, stream)
             enc_kwargs = {k: encode_value(v) for k, v in kwargs.items()}
             enc_kwargs["device"] = RemoteDevice()
@@ -48,6 +57,8 @@ def _factory_kernels(lib: Any) -> None:
         (`torch.tensor(data, device=...)` and `.to()` make an empty remote tensor, then copy)."""
         from .tensor import dispatch
 
+        if _fake_mode() is not None and not isinstance(dst, RemoteTensor):
+            return dst  # a fake tensor made above: it has no values to copy into
         return dispatch(torch.ops.aten.copy_.default, (dst, src), {"non_blocking": non_blocking})
 
     def copy_from_and_resize(src: Any, dst: Any) -> Any:
@@ -134,32 +145,8 @@ def register() -> None:
 _lib: Any = None
 
 
-class _AfterTorchImport(importlib.abc.MetaPathFinder):
-    """Registers the device right after `import torch`, so connecting never imports torch."""
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != "torch":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        original = loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            original(module)
-            register()
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
-
-
 def enable(current_client: Callable[[], Any]) -> None:
     """Make the device available (now if torch is imported, else right after it is), served by
     whichever client `current_client()` returns (genie_core's connection, or None)."""
     set_client(current_client)
-    if "torch" in sys.modules:
-        register()
-    elif not any(isinstance(f, _AfterTorchImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterTorchImport())
+    after_import("torch", register)

@@ -612,7 +612,7 @@ def _import_on_server(func, stream: OpStream) -> None:
     """A custom op (torch.library.custom_op) exists on the server once its module is imported there."""
     from torch._library.custom_ops import OPDEFS
 
-    opdef = OPDEFS.get(func._schema.name)
+    opdef = OPDEFS.get(func._qualified_op_name if isinstance(func, torch._ops.OpOverloadPacket) else func._schema.name)
     module = getattr(getattr(opdef, "_init_fn", None), "__module__", None)
     if module and module != "__main__" and module not in stream.imported:
         stream.imported.add(module)

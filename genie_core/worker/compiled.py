@@ -15,6 +15,7 @@ import torch
 
 from ..protocol import fx_graph
 from ..protocol.tensor_ops import HostTensor, Ref
+from .cpu_shims import shim_graph
 
 
 class _Graph:
@@ -45,7 +46,10 @@ class CompiledGraphs:
 
     def define(self, key: str, nodes: list[fx_graph.Node], how: dict[str, Any]) -> None:
         if key not in self._graphs:
-            self._graphs[key] = _Graph(fx_graph.decode(nodes, self.device, self._constant), how)
+            module = fx_graph.decode(nodes, self.device, self._constant)
+            if self.device.type == "cpu":
+                shim_graph(module)
+            self._graphs[key] = _Graph(module, how)
 
     def _constant(self, value: Any) -> Any:
         if type(value) is Ref:

@@ -17,6 +17,7 @@ from ..protocol.tensor_ops import MemoryFormat, Ref, RemoteDevice, StorageOf
 from ..serialize import serialize_namespace
 from . import device_answers
 from .compiled import CompiledGraphs
+from .cpu_shims import CPU_SHIMS
 
 
 class _Failed:
@@ -72,18 +73,6 @@ def _agree(name: str, value: torch.Tensor, want: tuple, inputs: Any) -> torch.Te
         f"on the server where its meta kernel promised {str(dtype).removeprefix('torch.')} {shape} (strides {stride}): "
         "this op is not supported on remote_accelerator for these arguments"
     )
-
-
-def _histc(x: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0) -> torch.Tensor:
-    """CUDA counts integer tensors, the CPU kernel refuses them (model code written for "not CPU"
-    relies on it): counted in float64, exact below 2**53, returned in the input's dtype."""
-    if x.is_floating_point():
-        return torch.ops.aten.histc.default(x, bins, min, max)
-    return torch.ops.aten.histc.default(x.double(), bins, min, max).to(x.dtype)
-
-
-# Ops a CUDA device runs that a CPU server's kernels refuse, done there the way CUDA would.
-_CPU_SHIMS = {"aten.histc.default": _histc}
 
 
 class HeldTensors(dict):
@@ -348,7 +337,7 @@ class TensorExecutor:
             namespace, op, overload = name.split(".")
             func = getattr(getattr(getattr(torch.ops, namespace), op), overload)
             if self.device.type == "cpu":
-                func = _CPU_SHIMS.get(name, func)
+                func = CPU_SHIMS.get(name, func)
             self._ops[name] = func
         args = self._resolve_all(args)
         out = func(*args, **self._resolve_all(kwargs)) if kwargs else func(*args)

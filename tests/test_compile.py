@@ -1,0 +1,241 @@
+"""`torch.compile` on remote_accelerator against a real CPU server: Dynamo traces here, the graph
+goes to the server once and runs there, one recorded op a call. Results are compared bit for bit
+with the same code run eagerly on the CPU (the server runs the captured graph as it is, with
+`options={"compiler": "eager"}`, unless a test says otherwise)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from genie_core.remote_tensor import compiler
+
+DEV = "remote_accelerator:0"
+EAGER = {"backend": "remote_accelerator", "options": {"compiler": "eager"}}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def stats() -> dict:
+    return torch.remote_accelerator.stats()["0"]
+
+
+class Recorded:
+    """The records a stream sends, by kind, while in the block."""
+
+    def __init__(self) -> None:
+        from genie_core.remote_tensor.connection import stream_for
+
+        self.stream = stream_for(0)
+        self.kinds: list[str] = []
+
+    def __enter__(self) -> Recorded:
+        original = self.stream.record
+
+        def record(entry: tuple) -> None:
+            self.kinds.append(entry[0] if entry[0] != "call" else f"call:{entry[1]}")
+            original(entry)
+
+        self.stream.record = record
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.stream.record
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def twins(build, seed: int = 0):
+    torch.manual_seed(seed)
+    local = build()
+    return local, copy.deepcopy(local).to(DEV)
+
+
+def test_a_compiled_call_is_one_recorded_op_and_the_graph_goes_once(remote):
+    local, model = twins(MLP)
+    compiled = torch.compile(model, **EAGER)
+    x = torch.randn(8, 16)
+    xr = x.to(DEV)
+    with torch.no_grad(), Recorded() as sent:
+        first = compiled(xr)
+        second = compiled(xr)
+        before = stats()["round_trips"]
+        assert torch.equal(second.cpu(), local(x))
+        assert stats()["round_trips"] == before + 1  # both calls and the value: one round trip
+        assert torch.equal(first.cpu(), local(x))
+    assert sent.kinds.count("graph") == 1  # the graph itself, once
+    assert sent.kinds.count("call:graph") == 2  # each call: one op
+    assert not [k for k in sent.kinds if k == "op"]  # nothing recorded op by op
+
+
+def test_the_default_backend_compiles_on_the_server_with_inductor(remote):
+    """`torch.compile(f)` with no backend: the graph goes to the server, whose Inductor compiles it
+    (Dynamo's graph count in the session's worker goes up; the eager compiler leaves it)."""
+    from conftest import run, stdout_of
+
+    import genie_core
+
+    client = genie_core.get_cluster_state().client
+    count = "from torch._dynamo.utils import counters; print(counters['stats']['unique_graphs'])"
+    x = torch.arange(4.0).to(DEV)
+    assert torch.equal(torch.compile(lambda t: t * 3, **EAGER)(x).cpu(), torch.arange(4.0) * 3)
+    before = int(stdout_of(run(client, count)))
+    graphs = compiler.stats["graphs"]
+    assert torch.equal(torch.compile(lambda t: t * 2 + 1)(x).cpu(), torch.arange(4.0) * 2 + 1)
+    assert compiler.stats["graphs"] == graphs + 1
+    assert int(stdout_of(run(client, count, timeout=120))) == before + 1
+
+
+class Block(nn.Module):
+    """nanoGPT's block, as people write it."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.c_attn, self.c_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, c = x.size()
+        q, k, v = self.c_attn(self.ln_1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+        return x + self.proj(F.gelu(self.fc(self.ln_2(x))))
+
+
+class GPT(nn.Module):
+    """nanoGPT's model: positions made in forward on the input's device, tied embeddings."""
+
+    def __init__(self, vocab: int = 50, block: int = 16, d: int = 32, heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(block, d)
+        self.h = nn.ModuleList([Block(d, heads) for _ in range(layers)])
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.wte.weight = self.lm_head.weight
+
+    def forward(self, idx, targets=None):
+        _, t = idx.size()
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def test_nanogpt_compiled_forward_and_training_steps_equal_the_cpu(remote):
+    local, model = twins(GPT)
+    compiled = torch.compile(model, **EAGER)
+    g = torch.Generator().manual_seed(3)
+    idx, targets = torch.randint(0, 50, (2, 12), generator=g), torch.randint(0, 50, (2, 12), generator=g)
+    with torch.no_grad():
+        assert torch.equal(compiled(idx.to(DEV))[0].cpu(), local(idx)[0])
+    opt_local = torch.optim.AdamW(local.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        loss_local = local(idx, targets)[1]
+        loss = compiled(idx.to(DEV), targets.to(DEV))[1]
+        loss_local.backward(), loss.backward()
+        assert torch.equal(loss.cpu(), loss_local.detach())
+        for p, q in zip(local.parameters(), model.parameters(), strict=True):
+            assert torch.equal(q.grad.cpu(), p.grad)
+        opt_local.step(), opt.step()
+        opt_local.zero_grad(), opt.zero_grad()
+    for p, q in zip(local.parameters(), model.parameters(), strict=True):
+        assert torch.equal(q.cpu(), p.detach())
+
+
+class Branchy(nn.Module):
+    """A print and a branch on a value: Dynamo breaks the graph at both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.a(x)
+        print("between the layers")
+        if y.sum() > 0:
+            return self.b(y) * 2
+        return self.b(y) - 1
+
+
+def test_graph_breaks_run_the_rest_eagerly_and_stay_correct(remote, capsys):
+    local, model = twins(Branchy, seed=1)
+    compiled = torch.compile(model, **EAGER)
+    graphs = compiler.stats["graphs"]
+    for sign in (1.0, -1.0):
+        x = sign * torch.rand(3, 4) * 10
+        with torch.no_grad():
+            assert torch.equal(compiled(x.to(DEV)).cpu(), local(x))
+    assert compiler.stats["graphs"] > graphs + 1  # a graph on each side of the break, and each branch
+    assert capsys.readouterr().out.count("between the layers") == 4  # printed here, as eager code is
+
+
+def test_a_new_shape_recompiles_and_dynamic_shapes_keep_one_graph(remote):
+    f = torch.compile(lambda x: (x * 2).sum(0) + x[0], dynamic=False, **EAGER)
+    graphs = compiler.stats["graphs"]
+    for n in (3, 5):
+        x = torch.randn(n, 4)
+        assert torch.equal(f(x.to(DEV)).cpu(), (x * 2).sum(0) + x[0])
+    assert compiler.stats["graphs"] == graphs + 2  # one per shape, as on CUDA
+
+    g = torch.compile(lambda x: (x * 2).reshape(-1)[: x.shape[0] + 1].cumsum(0), dynamic=True, **EAGER)
+    graphs = compiler.stats["graphs"]
+    for n in (3, 5, 9):
+        x = torch.randn(n, 4)
+        out = g(x.to(DEV))
+        assert out.shape == (n + 1,)  # the output's size, from the symbolic one, before any round trip
+        assert torch.equal(out.cpu(), (x * 2).reshape(-1)[: n + 1].cumsum(0))
+    assert compiler.stats["graphs"] == graphs + 1
+
+
+def test_cpu_inputs_and_outputs_of_a_graph(remote):
+    def f(x, scale):
+        y = x * scale.to(x.device)  # a CPU tensor moved inside the graph
+        return y.sum(), y.cpu()  # and one that comes back
+
+    compiled = torch.compile(f, **EAGER)
+    x, scale = torch.randn(3, 3), torch.tensor(2.5)
+    total, back = compiled(x.to(DEV), scale)
+    assert total.device == torch.device(DEV) and back.device == torch.device("cpu")
+    assert torch.equal(back, x * scale) and torch.equal(total.cpu(), (x * scale).sum())
+
+
+def test_an_error_only_the_server_sees_is_raised_at_the_next_value(remote):
+    def f(x, index):
+        return x[index] + 1
+
+    compiled = torch.compile(f, **EAGER)
+    x = torch.zeros(4).to(DEV)
+    out = compiled(x, torch.tensor([7]).to(DEV))  # out of range: only the server can tell
+    with pytest.raises(Exception, match=r"remote op graph .*index 7 is out of bounds"):
+        out.cpu()
+    assert torch.equal(compiled(x, torch.tensor([2]).to(DEV)).cpu(), torch.ones(1))  # the session goes on
+
+
+def test_a_compiler_the_server_does_not_have_is_refused_at_compile(remote):
+    f = torch.compile(lambda x: x + 1, backend="remote_accelerator", options={"compiler": "tvm"})
+    with pytest.raises(Exception, match="options\\['compiler'\\] is 'tvm'; the server compiles with one of"):
+        f(torch.zeros(2).to(DEV))
