@@ -82,10 +82,10 @@ class OpStream:
             self._submit()
 
     def free(self, rid: int) -> None:
-        """Called when a remote tensor is garbage-collected here (any thread)."""
-        if self.alive:
-            with self._lock:
-                self._records.append(("free", rid))
+        """Called when a remote tensor is garbage-collected here (any thread). (A stream whose session
+        ended keeps what it is told until it is dropped: no check on the hot path.)"""
+        with self._lock:
+            self._records.append(("free", rid))
 
     def pending(self) -> int:
         return len(self._records)

@@ -13,7 +13,7 @@ from torch.utils._mode_utils import no_dispatch
 
 from ..protocol.tensor_ops import HostTensor, Ref, RemoteDevice, StorageOf, encode_value
 from . import serialization
-from .stream import OpStream, new_id, new_ids
+from .stream import OpStream, _ids, new_id, new_ids
 
 aten = torch.ops.aten
 DEVICE_TYPE = "remote_accelerator"
@@ -28,6 +28,30 @@ _meta_cache: dict[Any, Any] = {}
 _alias_cache: dict[Any, dict[int, Any]] = {}  # op -> {output position: the argument it writes}
 # A remote tensor's (placeholder) storage, by the storage's address: `x.set_(y.untyped_storage())`.
 _storage_owners: dict[int, Any] = {}
+
+
+class Layout:
+    """A remote tensor's dtype, shape, strides and offset, interned: equal layouts are one object,
+    which the meta-shape cache hashes and compares by identity (reading them off a tensor costs
+    four calls into PyTorch per argument per op)."""
+
+    __slots__ = ("dtype", "offset", "shape", "stride")
+
+    def __init__(self, dtype: Any, shape: tuple, stride: tuple, offset: int) -> None:
+        self.dtype, self.shape, self.stride, self.offset = dtype, shape, stride, offset
+
+
+_layouts: dict[tuple, Layout] = {}
+
+
+def layout_of(dtype: Any, shape: Any, stride: Any, offset: int) -> Layout:
+    key = (dtype, tuple(shape), tuple(stride), offset)
+    found = _layouts.get(key)
+    if found is None:
+        if len(_layouts) > 200_000:  # (tensors keep theirs; equal new ones then miss the cache once)
+            _layouts.clear()
+        found = _layouts[key] = Layout(*key)
+    return found
 
 
 class _Handle:
@@ -48,6 +72,7 @@ class RemoteTensor(torch.Tensor):
     _ref: Ref
     _stream: OpStream
     _handle: _Handle
+    _layout: Layout
 
     @staticmethod
     def __new__(
@@ -66,7 +91,29 @@ class RemoteTensor(torch.Tensor):
         r._ref = Ref(rid)  # how ops name it (one object, so a batch pickles it once)
         r._stream = stream
         r._handle = _Handle(stream, rid)
+        r._layout = layout_of(dtype, shape, stride, offset)
         return r
+
+    @property
+    def data(self) -> Any:
+        return torch.Tensor.data.__get__(self)  # type: ignore[attr-defined]
+
+    @data.setter
+    def data(self, value: Any) -> None:
+        """`x.data = y`: x now names y's values on the server (as on CUDA, where it shares y's
+        storage), with y's shape; its own server tensor is freed."""
+        if type(value) is not RemoteTensor:
+            raise RuntimeError(
+                f"x.data = value: value must be a {DEVICE_TYPE} tensor of x's session (it is on {value.device}); "
+                f"use x.data = value.to(x.device)"
+            )
+        if value._stream is not self._stream:
+            _streams_of([self, value])  # raises, saying which devices or sessions
+        torch.Tensor.data.__set__(self, value)  # type: ignore[attr-defined]  # the shape, strides and offset
+        rid = new_id()
+        self._stream.record(("op", "aten.alias.default", (value._ref,), {}, [rid]))
+        self._rid, self._ref, self._handle = rid, Ref(rid), _Handle(self._stream, rid)
+        self._layout = value._layout
 
     # PyTorch's own idiom for a subclass without __torch_function__ (typed unlike Tensor's classmethod)
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
@@ -163,12 +210,12 @@ class RemoteTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if torch._C._current_graph_task_id() < 0:
-            return dispatch(func, args, kwargs or {})
         try:
             return dispatch(func, args, kwargs or {})
-        except Exception as exc:  # inside backward: see _failed_in_backward
-            return _failed_in_backward(func, args, kwargs or {}, exc)
+        except Exception as exc:
+            if torch._C._current_graph_task_id() < 0:
+                raise
+            return _failed_in_backward(func, args, kwargs or {}, exc)  # inside backward: see there
 
 
 def _no_inner_tensors() -> tuple[list[str], None]:
@@ -264,6 +311,8 @@ def set_metadata(t: torch.Tensor, size: Any, stride: Any, offset: int) -> None:
             )
         finally:
             torch._C._set_meta_in_tls_dispatch_include(was)
+    if type(t) is RemoteTensor or isinstance(t, RemoteTensor):
+        t._layout = layout_of(t.dtype, size, stride, offset)
 
 
 class _OpInfo:
@@ -288,37 +337,55 @@ def _sig(a: Any) -> Any:
     return a
 
 
-def _scan(args: tuple, kwargs: dict) -> tuple[OpStream | None, list[Any], bool]:
-    """One pass over the arguments: their stream, their meta-cache signature, and whether any is a
-    local tensor or storage (to be uploaded, or refused)."""
+# Arguments that are their own meta-cache key and their own encoding
+_PLAIN = frozenset({int, float, bool, str, type(None), torch.dtype, torch.layout})
+
+
+def _scan(args: tuple, kwargs: dict) -> tuple[OpStream | None, list[Any], bool, list[Any]]:
+    """One pass over the arguments: their stream, their meta-cache signature, whether any is a
+    local tensor or storage (to be uploaded, or refused), and, when none is, the arguments as the
+    worker reads them (remote tensors by reference), args then kwargs' values."""
     stream = None
     sig: list[Any] = []
+    enc: list[Any] = []
     local = False
-    for a in (*args, *kwargs.values()):
+    for a in (*args, *kwargs.values()) if kwargs else args:
         kind = type(a)
         if kind is RemoteTensor:
             if stream is None:
                 stream = a._stream
             elif a._stream is not stream:
                 _streams_of(_leaves(args, kwargs))  # raises, saying which devices or sessions
-            sig.append((a.dtype, a.shape, a.stride(), a.storage_offset(), True))
+            sig.append(a._layout)
+            enc.append(a._ref)
+        elif kind in _PLAIN:
+            sig.append(a)
+            enc.append(a)
         elif kind is list or kind is tuple:
-            inner = []
+            inner, inner_enc = [], []
             for x in a:
                 if type(x) is RemoteTensor:
                     if stream is None:
                         stream = x._stream
                     elif x._stream is not stream:
                         _streams_of(_leaves(args, kwargs))
-                elif isinstance(x, torch.Tensor):
+                    inner.append(x._layout)
+                    inner_enc.append(x._ref)
+                    continue
+                if isinstance(x, torch.Tensor):
                     local = True
                 inner.append(_sig(x))
+                if not local:
+                    inner_enc.append(x if type(x) in _PLAIN else _encode_other(x))
             sig.append((kind, *inner))
+            enc.append(kind(inner_enc))
         else:
             if isinstance(a, (torch.Tensor, torch.UntypedStorage)):
                 local = True
             sig.append(_sig(a))
-    return stream, sig, local
+            if not local:
+                enc.append(_encode_other(a))
+    return stream, sig, local, enc
 
 
 _Uninitialized = torch.nn.parameter.UninitializedTensorMixin  # type: ignore[attr-defined]
@@ -331,7 +398,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         info = func._genie = _OpInfo(func)
     if info.special and func is _COPY and isinstance(args[1], _Uninitialized) and uninitialized_copy is not None:
         return uninitialized_copy(args[0], args[1])  # `.to()` of a lazy module's parameter: no values yet
-    stream, sig, local = _scan(args, kwargs)
+    stream, sig, local, enc = _scan(args, kwargs)
     if stream is None:
         raise RuntimeError("no remote tensor among the arguments")
 
@@ -350,13 +417,32 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
 
     if info.foreign:
         _import_on_server(func, stream)
-    outputs = _output_specs(func, sig, args, kwargs, stream, info)
+    outputs = None
+    if not info.learn:
+        try:
+            outputs = _meta_cache.get((info, *sig, *kwargs) if kwargs else (info, *sig))
+        except TypeError:  # something unhashable in the arguments (_output_specs: no caching)
+            pass
+        if outputs is not None and outputs[4] is not None and not local:  # one fresh tensor out: the common case
+            r = _remote(stream, outputs[4])
+            if kwargs:
+                enc_kwargs = dict(zip(kwargs, enc[len(args) :], strict=True))
+                stream.record(("op", info.name, tuple(enc[: len(args)]), enc_kwargs, [r._rid], outputs[2]))
+            else:
+                stream.record(("op", info.name, tuple(enc), kwargs, [r._rid], outputs[2]))
+            return r
+    if outputs is None:
+        outputs = _output_specs(func, sig, args, kwargs, stream, info)
     uploads: list[int] = []
     if outputs is None or type(outputs) is _Learn:
         return _run_eagerly(func, stream, args, kwargs, _encoder(stream, uploads), uploads, outputs)
-    out_meta, aliases, expect, plain = outputs
-    if plain:  # fresh outputs only, no conjugate or negative views: the common case, kept short
-        if type(out_meta) in (tuple, list):
+    out_meta, aliases, expect, plain, made = outputs
+    out_ids: list[int | None]
+    if plain:  # fresh outputs only, no conjugate or negative views
+        if made is not None:  # one tensor out
+            r = _remote(stream, made)
+            results, out_ids = [r], [r._rid]
+        elif type(out_meta) in (tuple, list):
             results = [
                 RemoteTensor(m.shape, m.stride(), m.storage_offset(), m.dtype, stream)
                 if isinstance(m, torch.Tensor)
@@ -364,11 +450,6 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
                 for m in out_meta
             ]
             out_ids = [r._rid if type(r) is RemoteTensor else None for r in results]
-        elif isinstance(out_meta, torch.Tensor):
-            results = [
-                RemoteTensor(out_meta.shape, out_meta.stride(), out_meta.storage_offset(), out_meta.dtype, stream)
-            ]
-            out_ids = [results[0]._rid]
         else:  # no tensor out (a check, like _linalg_check_errors)
             results, out_ids = [out_meta], [None]
         reshaped: list[tuple[Any, Any]] = []
@@ -377,9 +458,10 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     if local:
         encode = _encoder(stream, uploads)
         enc_args, enc_kwargs = _map(encode, args, kwargs)
+    elif kwargs:
+        enc_args, enc_kwargs = tuple(enc[: len(args)]), dict(zip(kwargs, enc[len(args) :], strict=True))
     else:
-        enc_args = tuple([_encode_remote(a) for a in args])
-        enc_kwargs = {k: _encode_remote(v) for k, v in kwargs.items()} if kwargs else kwargs
+        enc_args, enc_kwargs = tuple(enc), kwargs
     stream.record(("op", info.name, enc_args, enc_kwargs, out_ids, expect))
     for rid in uploads:
         stream.record(("free", rid))
@@ -388,16 +470,6 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     if type(out_meta) not in (tuple, list):
         return results[0]
     return type(out_meta)(results)
-
-
-def _encode_remote(a: Any) -> Any:
-    """An argument when no local tensor is among them: remote tensors by reference."""
-    kind = type(a)
-    if kind is RemoteTensor:
-        return a._ref
-    if kind is list or kind is tuple:
-        return kind([x._ref if type(x) is RemoteTensor else _encode_other(x) for x in a])
-    return _encode_other(a)
 
 
 def _encode_other(a: Any) -> Any:
@@ -554,6 +626,31 @@ def _plain(out: Any, func: Any) -> bool:
     return not _aliases(func) and not any(isinstance(m, torch.Tensor) and (m.is_conj() or m.is_neg()) for m in outs)
 
 
+def _entry(out: Any, func: Any) -> tuple:
+    """A meta-cache entry: the outputs' metadata (meta tensors), which are written-to arguments,
+    what the server must find, whether all are fresh, and, for one fresh tensor out, what makes it."""
+    made = None
+    if isinstance(out, torch.Tensor) and _plain(out, func):
+        shape, stride, offset = tuple(out.shape), tuple(out.stride()), int(out.storage_offset())
+        made = (shape, stride, offset, out.dtype, layout_of(out.dtype, shape, stride, offset))
+    return (out, _aliases(func), _expectations(out), _plain(out, func), made)
+
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+
+
+def _remote(stream: OpStream, made: tuple) -> RemoteTensor:
+    """RemoteTensor(...) from a meta-cache entry's precomputed layout: the hot path of every op."""
+    shape, stride, offset, dtype, layout = made
+    r = _make_wrapper(RemoteTensor, shape, strides=stride, storage_offset=offset, dtype=dtype, device=stream.device)
+    r._rid = rid = next(_ids)
+    r._ref = Ref(rid)
+    r._stream = stream
+    r._handle = _Handle(stream, rid)
+    r._layout = layout
+    return r
+
+
 def _expectations(out: Any) -> tuple:
     """What the server must find in each output (shape, strides, offset, dtype): a meta kernel that
     disagrees with the device's kernel then fails the op instead of giving a wrong result."""
@@ -648,7 +745,7 @@ def _output_specs(func, sig: list[Any], args: tuple, kwargs: dict, stream: OpStr
             raise NotImplementedError(
                 f"{func}: sparse and other non-strided layouts are not supported on remote_accelerator"
             )
-        cached = (out, _aliases(func), _expectations(out), _plain(out, func))
+        cached = _entry(out, func)
         if key is not None:
             if len(_meta_cache) > 50_000:
                 _meta_cache.clear()
@@ -695,7 +792,7 @@ def _run_eagerly(
             for r in results
         ]
         out = (metas if is_list else tuple(metas)) if described["tuple"] else metas[0]
-        _meta_cache[learn] = (out, aliases, _expectations(out), _plain(out, func))
+        _meta_cache[learn] = _entry(out, func)
     if described["tuple"]:
         return results if is_list else tuple(results)
     return results[0]
