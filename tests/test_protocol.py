@@ -201,6 +201,24 @@ def test_the_message_table_says_who_sends_what():
     assert for_worker("info") is None and for_worker("close") is None and for_worker("nope") is None
 
 
+def test_every_message_type_has_a_content_shape():
+    """genie_core/protocol/contents.py gives each type in the table the shape of its content."""
+    from genie_core.protocol import MessageType
+    from genie_core.protocol.contents import CONTENT
+
+    assert set(CONTENT) == set(MessageType)
+
+
+def test_a_cell_interrupted_before_it_started_answers_an_error_and_a_reply():
+    """The one constructor the server and the worker use: the same content either way."""
+    from genie_core.protocol.contents import interrupted_before_start
+
+    error, reply = interrupted_before_start()
+    evalue = "interrupted before it started: the cell did not run"
+    assert error == {"ename": "KeyboardInterrupt", "evalue": evalue, "traceback": [f"KeyboardInterrupt: {evalue}"]}
+    assert reply == {"status": "error", "ename": "KeyboardInterrupt", "evalue": evalue, "ran": False}
+
+
 def test_a_session_remembers_its_newest_requests_and_what_ending_it_stopped():
     """The record behind "did it run?": bounded, oldest forgotten first; ending the session
     marks what was still running as stopped and leaves what finished alone."""
