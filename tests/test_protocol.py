@@ -219,6 +219,19 @@ def test_a_cell_interrupted_before_it_started_answers_an_error_and_a_reply():
     assert reply == {"status": "error", "ename": "KeyboardInterrupt", "evalue": evalue, "ran": False}
 
 
+def test_a_gpu_is_described_in_the_welcome_with_the_keys_clients_read():
+    """`GPUInfo` is the one description of a GPU; the welcome carries index, name, uuid and total
+    memory, leaving out what is unknown (a GPU asked for by index but not found)."""
+    from genie_core.nodes import GPUInfo
+
+    gpu = GPUInfo(0, uuid="GPU-x", name="Fake GPU (test)", memory_total=80 << 30, utilization=5.0)
+    assert gpu.description() == {"index": 0, "name": "Fake GPU (test)", "uuid": "GPU-x", "memory_total": 80 << 30}
+    assert GPUInfo(3, name="unknown").description() == {"index": 3, "name": "unknown"}
+    assert GPUInfo.from_dict(gpu.description()) == GPUInfo(
+        0, uuid="GPU-x", name="Fake GPU (test)", memory_total=80 << 30
+    )
+
+
 def test_a_session_remembers_its_newest_requests_and_what_ending_it_stopped():
     """The record behind "did it run?": bounded, oldest forgotten first; ending the session
     marks what was still running as stopped and leaves what finished alone."""

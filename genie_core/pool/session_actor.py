@@ -117,7 +117,8 @@ class SessionActor:
             "port": self.server.port,
             "node_id": self.node_id,
             "gpu_ids": self.gpu_ids,
-            "gpus": [g.get("name", "GPU") for g in self.server.gpus] or ["simulated GPU"] * len(self.gpu_ids),
+            "gpus": [g.name if g.name is not None else "GPU" for g in self.server.gpus]
+            or ["simulated GPU"] * len(self.gpu_ids),
             "started": self.started,
             "pid": os.getpid(),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),  # as Ray set it for this actor

@@ -30,6 +30,7 @@ from ..gpus import list_gpus
 from ..lifeline import Lifeline, parent_gone
 from ..loop import SocketLoop
 from ..monitoring import GPUSource
+from ..nodes import GPUInfo
 from ..protocol import PROTOCOL_VERSION, Codec, Message, MessageType, derive_key
 from ..sandbox import Sandbox, policy_of, require
 from .admission import Admission
@@ -80,8 +81,8 @@ class Server:
         self.parent_lifeline = parent_lifeline  # a pipe from whoever embeds us: we stop when it closes
         detected, gpu_reason = list_gpus()
         if self.config.gpus is not None:
-            by_index = {g["index"]: g for g in detected}
-            self.gpus = [by_index.get(i, {"index": i, "name": "unknown"}) for i in self.config.gpus]
+            by_index = {g.index: g for g in detected}
+            self.gpus = [by_index.get(i, GPUInfo(i, name="unknown")) for i in self.config.gpus]
         else:
             self.gpus = detected
         self.port = 0

@@ -16,7 +16,7 @@ from ..config import ClusterConfig, state_dir
 from ..events import ClusterEvent, EventBus, EventType
 from ..monitoring import GPUSource, NvmlSource, SimulatedGPUSource, create_resource_monitor
 from ..monitoring.history_store import HistoryStore
-from ..nodes import NodeInfo
+from ..nodes import GPUInfo, NodeInfo
 from ..protocol import PROTOCOL_VERSION, MessageType
 from ..version import __version__
 
@@ -30,7 +30,7 @@ class Telemetry:
         self,
         config: ClusterConfig,
         node_id: str,
-        gpus: list[dict[str, Any]],
+        gpus: list[GPUInfo],
         gpu_reason: str,
         gpu_source: GPUSource | None = None,
         owners: Callable[[], dict[int, dict[str, Any]]] = dict,
@@ -101,7 +101,7 @@ class Telemetry:
             "protocol": PROTOCOL_VERSION,
             "python": platform.python_version(),
             "platform": platform.platform(),
-            "gpus": self.gpus,
+            "gpus": [g.description() for g in self.gpus],
             "gpu_reason": self.gpu_reason,
             "simulated_gpus": self.config.simulate_gpus or 0,  # fake readings (--simulate-gpus), labelled so
             "transport": transport,

@@ -25,6 +25,7 @@ import zmq
 
 from ..config import runtime_dir_for
 from ..dataplane.segment import sweep_worker
+from ..nodes import GPUInfo
 from ..protocol import TERMINAL, Codec, Message, MessageType, Peer, error_content, parse
 from ..sandbox import Sandbox, SandboxedWorker
 from ..sandbox.uids import UidLease
@@ -238,7 +239,7 @@ class WorkerPool:
         *,
         lifeline: int,
         limits: dict[str, Any],
-        gpus: list[dict[str, Any]],
+        gpus: list[GPUInfo],
         spares: int,
         reply: Reply,
         sessions: dict[str, Session],
@@ -297,7 +298,7 @@ class WorkerPool:
         """The GPU with the fewest sessions (the CPU on a server without GPUs)."""
         if not self.gpus:
             return CPU
-        load = {g["index"]: 0 for g in self.gpus}
+        load = {g.index: 0 for g in self.gpus}
         for s in self.sessions.values():
             if s.slot in load:
                 load[s.slot] += 1
@@ -315,7 +316,7 @@ class WorkerPool:
             if index == 0:
                 return CPU, ""
             return CPU, f"GPU {index} does not exist: the server at {self.address} has no GPU (use --gpu 0, its CPU)"
-        indices = [g["index"] for g in self.gpus]
+        indices = [g.index for g in self.gpus]
         if index not in indices:
             return CPU, f"GPU {index} does not exist on {self.address}: it has GPUs {', '.join(map(str, indices))}"
         return index, ""
@@ -329,7 +330,7 @@ class WorkerPool:
             home = self.homes.get(session.id) if session is not None else None
             if home is None:  # a spare: its home and uid become those of the session that takes it
                 own = home = (self.home_root / f"home-{worker_id}", self.sandbox.lease())
-            gpu = next((g for g in self.gpus if g["index"] == slot), None)
+            gpu = next((g for g in self.gpus if g.index == slot), None)
             uid = home[1].uid if home[1] is not None else None
             sandboxed = SandboxedWorker(self.sandbox, worker_id, home[0], uid, gpu)
         try:
