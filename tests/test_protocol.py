@@ -232,6 +232,20 @@ def test_a_gpu_is_described_in_the_welcome_with_the_keys_clients_read():
     )
 
 
+def test_errors_come_back_through_the_one_map():
+    """Genie's own error names become their classes; a user's code's error stays a RemoteError
+    whatever its name (a cell's own ProtocolError is not Genie's)."""
+    from genie_core.errors import LimitExceeded, RemoteError
+    from genie_core.protocol import error_from, remote_error
+
+    limit = error_from({"ename": "LimitExceeded", "evalue": "too big"}, "remote op x failed: ")
+    assert isinstance(limit, LimitExceeded) and str(limit) == "too big"
+    op = error_from({"ename": "ValueError", "evalue": "bad"}, "remote op x failed: ")
+    assert isinstance(op, RemoteError) and op.evalue == "remote op x failed: bad"
+    cell = remote_error({"ename": "ProtocolError", "evalue": "urllib3's", "traceback": ["tb"]})
+    assert type(cell) is RemoteError and cell.traceback == ["tb"]
+
+
 def test_a_session_remembers_its_newest_requests_and_what_ending_it_stopped():
     """The record behind "did it run?": bounded, oldest forgotten first; ending the session
     marks what was still running as stopped and leaves what finished alone."""

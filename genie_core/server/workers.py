@@ -19,14 +19,14 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
 from ..config import runtime_dir_for
 from ..dataplane.segment import sweep_worker
 from ..nodes import GPUInfo
-from ..protocol import TERMINAL, Codec, Message, MessageType, Peer, error_content, parse
+from ..protocol import TERMINAL, Codec, Message, MessageType, Peer, contents, error_content, parse
 from ..sandbox import Sandbox, SandboxedWorker
 from ..sandbox.uids import UidLease
 from .sessions import Session
@@ -133,7 +133,7 @@ class WorkerProcess:
         slot: int,
         endpoint: str,
         lifeline: int,
-        limits: dict[str, Any] | None = None,
+        limits: contents.Limits | None = None,
         sandboxed: SandboxedWorker | None = None,
     ) -> None:
         self.id = worker_id
@@ -221,7 +221,7 @@ class WorkerProcess:
             self.kill()
         return False
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> contents.WorkerInfo:
         public = hashlib.sha256(self.id.encode()).hexdigest()[:16]  # the id itself opens its socket
         return {"id": public, "pid": self.pid, "slot": self.slot, "ready": self.ready, "busy": self.busy()}
 
@@ -238,7 +238,7 @@ class WorkerPool:
         self,
         *,
         lifeline: int,
-        limits: dict[str, Any],
+        limits: contents.Limits,
         gpus: list[GPUInfo],
         spares: int,
         reply: Reply,
@@ -442,7 +442,7 @@ class WorkerPool:
     # -- requests -------------------------------------------------------------------------
     def route(self, session: Session, msg: Message) -> str:
         """Hand a request to the session's worker of its slot; "" or why it cannot go."""
-        slot, problem = self.slot_for(session, msg.content.get("gpu"))
+        slot, problem = self.slot_for(session, cast(contents.ToWorker, msg.content).get("gpu"))
         if problem:
             return problem
         workers = self.assigned.setdefault(session.id, {})
@@ -470,12 +470,12 @@ class WorkerPool:
                 worker.inflight.pop(waiting.id, None)
                 cancelled.append(waiting)
             if worker.ready:
-                self._forward(worker, Message(T.INTERRUPT, {"request": target}))
+                self._forward(worker, Message(T.INTERRUPT, contents.Interrupt(request=target)))
                 forwarded += 1
         return cancelled, forwarded
 
     def _forward(self, worker: WorkerProcess, msg: Message) -> None:
-        ref = msg.content.get("data")
+        ref = cast(contents.ToWorker, msg.content).get("data")
         if worker.sandboxed is not None and isinstance(ref, dict) and isinstance(ref.get("segment"), str):
             worker.sandboxed.move_in(ref["segment"])
         frames = self.codec.pack(Message(msg.type, msg.content, msg.buffers, id=msg.id))
@@ -508,12 +508,12 @@ class WorkerPool:
         session = worker.session
         if worker.inflight.get(msg.parent) is None or session is None or session.id not in self.sessions:
             return
-        ref = msg.content.get("data")
+        ref = cast(contents.Staged, msg.content).get("data")  # a pull's or a download's bytes, staged
         if worker.sandboxed is not None and isinstance(ref, dict) and isinstance(ref.get("segment"), str):
             ref["segment"] = worker.sandboxed.move_out(ref["segment"], worker.pid)
         if kind in TERMINAL:
             worker.inflight.pop(msg.parent, None)
-            session.finished(msg.parent, msg.content)
+            session.finished(msg.parent, cast(contents.Failure, msg.content))  # a reply, or an error reply
         self.reply(session, msg)
 
     def housekeeping(self) -> None:
