@@ -36,6 +36,7 @@ from .errors import (
 from .events import ClusterEvent, EventBus, EventType, Severity
 from .monitoring.health import Grade, HealthCheck, HealthReport
 from .nodes import GPUInfo, NodeInfo
+from .protocol import contents, remote_error
 from .version import __version__
 
 __all__ = [  # noqa: RUF022 - grouped by topic, in the order the docs present them
@@ -80,6 +81,10 @@ __all__ = [  # noqa: RUF022 - grouped by topic, in the order the docs present th
     "RemoteError",
     "WorkerDied",
     "LimitExceeded",
+    # what each message contains (a cell's outputs, as %%remote renders them), and the exception
+    # a user's code raised on the server, from its error content
+    "contents",
+    "remote_error",
     # the text forms of `genie status`, `genie pool status` and `%genie_status --text`
     "render_status",
     "render_pool",

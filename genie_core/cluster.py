@@ -22,6 +22,7 @@ from .events import EventBus
 from .local_server import LocalServer
 from .monitoring.health import HealthReport
 from .nodes import NodeInfo
+from .protocol.contents import NodeDescription
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -39,7 +40,7 @@ class ClusterState:
     config: ClusterConfig
     role: str
     address: str
-    node: dict[str, Any] = field(default_factory=dict)
+    node: NodeDescription = field(default_factory=NodeDescription)  # the server's, as its welcome says
     backend: str = "zmq"
     backend_report: Any = None  # dataplane.BackendReport: candidates, measurements, choice
     phases: list[tuple[str, float]] = field(default_factory=list)

@@ -12,7 +12,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .protocol.contents import Event
 
 log = logging.getLogger("genie.events")
 
@@ -59,7 +62,8 @@ class ClusterEvent:
     def message(self) -> str:
         return str(self.data.get("message", self.type.value))
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> Event:
+        """The content of an `event` message."""
         return {
             "type": self.type.value,
             "node": self.node,
@@ -69,7 +73,7 @@ class ClusterEvent:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ClusterEvent:
+    def from_dict(cls, d: Event) -> ClusterEvent:
         return cls(
             EventType(d["type"]), d["node"], Severity(d["severity"]), dict(d.get("data") or {}), float(d["time"])
         )

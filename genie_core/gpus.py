@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from .nodes import GPUInfo
 
 
-def list_gpus() -> tuple[list[dict[str, Any]], str]:
-    """([{index, name, uuid, memory_total}], reason when there are none)."""
+def list_gpus() -> tuple[list[GPUInfo], str]:
+    """(each GPU's index, name, uuid and total memory, reason when there are none)."""
     try:
         import pynvml
     except ImportError:
@@ -22,12 +22,12 @@ def list_gpus() -> tuple[list[dict[str, Any]], str]:
             name = pynvml.nvmlDeviceGetName(handle)
             uuid = pynvml.nvmlDeviceGetUUID(handle)
             gpus.append(
-                {
-                    "index": i,
-                    "name": name.decode() if isinstance(name, bytes) else name,
-                    "uuid": uuid.decode() if isinstance(uuid, bytes) else uuid,
-                    "memory_total": int(pynvml.nvmlDeviceGetMemoryInfo(handle).total),
-                }
+                GPUInfo(
+                    index=i,
+                    name=name.decode() if isinstance(name, bytes) else name,
+                    uuid=uuid.decode() if isinstance(uuid, bytes) else uuid,
+                    memory_total=int(pynvml.nvmlDeviceGetMemoryInfo(handle).total),
+                )
             )
         return gpus, "" if gpus else "NVML reports no GPUs"
     finally:

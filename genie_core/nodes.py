@@ -1,11 +1,16 @@
 """What a node and its GPUs look like at one moment. `None` means "unknown" (NVML gave no
-reading), never a guess."""
+reading), never a guess. `GPUInfo` is the one description of a GPU: a server's welcome carries
+the part that does not change (`description()`), its readings carry all of it."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .protocol.contents import GPUDescription
 
 
 @dataclass
@@ -54,8 +59,20 @@ class GPUInfo:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def description(self) -> GPUDescription:
+        """The GPU as a server's welcome describes it: what does not change, less what is unknown."""
+        described: GPUDescription = {"index": self.index}
+        if self.name is not None:
+            described["name"] = self.name
+        if self.uuid is not None:
+            described["uuid"] = self.uuid
+        if self.memory_total is not None:
+            described["memory_total"] = self.memory_total
+        return described
+
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> GPUInfo:
+    def from_dict(cls, d: Mapping[str, Any]) -> GPUInfo:
+        """From `to_dict()` or `description()` (what is not in it stays unknown)."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 

@@ -16,6 +16,7 @@ from .client import Client
 from .config import ClusterConfig, ConnectionInfo, runtime_dir
 from .errors import ConfigError
 from .events import EventType
+from .protocol.contents import InfoReply
 
 GIB = 1024**3
 GRADE_STYLE = {
@@ -74,7 +75,7 @@ def gpu_processes(gpus: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def render(info: dict[str, Any]) -> Group:
+def render(info: InfoReply) -> Group:
     node, metrics, health = info["node"], info.get("metrics") or {}, info.get("health")
     history = info.get("history") or {}
     up = time.time() - node.get("started", time.time())
@@ -162,11 +163,10 @@ def render(info: dict[str, Any]) -> Group:
         f"{k}: {v['reason']}" for k, v in (transport.get("detect") or {}).items() if isinstance(v, dict)
     )
     parts.append(Text(f"data plane offers {', '.join(offered)}" + (f"  ({hardware})" if hardware else "")))
-    limits = node.get("limits") or {}
-    per_session = (
-        f"{limits['session_tensors']:,} remote tensors" if limits.get("session_tensors") else "no tensor limit"
-    )
-    per_session += f", {limits['session_bytes'] / GIB:.1f} GiB" if limits.get("session_bytes") else ", no byte limit"
+    limits = node.get("limits")
+    tensors, held = (limits.get("session_tensors"), limits.get("session_bytes")) if limits else (None, None)
+    per_session = f"{tensors:,} remote tensors" if tensors else "no tensor limit"
+    per_session += f", {held / GIB:.1f} GiB" if held else ", no byte limit"
     parts.append(
         Text(
             f"security  {'encrypted (CurveZMQ) and signed' if node.get('encrypted') else 'signed, not encrypted'}"

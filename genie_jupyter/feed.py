@@ -9,6 +9,7 @@ import struct
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
 from genie_core import ClusterEvent, EventType
@@ -31,7 +32,7 @@ class ClusterFeed:
         self._dirty = threading.Event()
         self._history: dict[int, deque[Any]] = {}
         self._times: deque[float] = deque(maxlen=HISTORY)  # when each reading was taken
-        self._events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)
+        self._events: deque[Mapping[str, Any]] = deque(maxlen=MAX_EVENTS)
         self._values: dict[str, Any] = {"status": "live"}
         self._unsubscribe = None
         self._stopped = threading.Event()

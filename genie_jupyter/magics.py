@@ -10,8 +10,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any, NoReturn
+from collections.abc import Iterator, Mapping
+from typing import Any, NoReturn, cast
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
@@ -19,7 +19,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import clear_output, display, publish_display_data
 
 import genie_core
-from genie_core import Client, Job, RemoteError, Request, current_client
+from genie_core import Client, Job, Request, contents, current_client, remote_error
 
 from . import autoremote
 from .feed import ClusterFeed
@@ -56,21 +56,23 @@ def pool_feed_for(state: genie_core.ClusterState) -> PoolFeed:
 INTERRUPT_GRACE = 5.0  # seconds to wait for the remote side after an interrupt
 
 
-def render(msg_type: str, content: dict[str, Any]) -> None:
+def render(msg_type: str, content: Mapping[str, Any]) -> None:
     """Show one remote output in this kernel, as if the local cell had produced it."""
     if msg_type == "stream":
-        stream = sys.stderr if content.get("name") == "stderr" else sys.stdout
-        stream.write(content.get("text", ""))
+        text = cast(contents.Stream, content)
+        stream = sys.stderr if text.get("name") == "stderr" else sys.stdout
+        stream.write(text.get("text", ""))
         stream.flush()
     elif msg_type in ("display_data", "execute_result", "update_display_data"):
+        shown = cast(contents.DisplayData, content)  # an execute_result is one with its execution count
         publish_display_data(
-            content.get("data", {}),
-            content.get("metadata") or {},
-            transient=content.get("transient") or None,
+            shown.get("data", {}),
+            shown.get("metadata") or {},
+            transient=shown.get("transient") or None,
             **({"update": True} if msg_type == "update_display_data" else {}),
         )
     elif msg_type == "clear_output":
-        clear_output(wait=bool(content.get("wait")))
+        clear_output(wait=bool(cast(contents.ClearOutput, content).get("wait")))
 
 
 @contextlib.contextmanager
@@ -95,13 +97,15 @@ def _interrupt(client: Client, request: Request) -> float:
     return time.monotonic()
 
 
-def run_remote(client: Client, code: str, *, gpu: int | None = None, timeout: float | None = None) -> dict[str, Any]:
+def run_remote(
+    client: Client, code: str, *, gpu: int | None = None, timeout: float | None = None
+) -> contents.ExecuteReply:
     """Run `code` remotely, rendering its output live; the notebook's interrupt interrupts it
     (each press sends one more interrupt, for code that swallowed the first). Presses are held for
     the whole cell and acted on between replies, so none can drop a reply taken from its queue."""
     with _interrupts_held() as pressed:
         request = client.execute(code, gpu=gpu)
-        error: dict[str, Any] | None = None
+        error: contents.Error | None = None
         deadline = None if timeout is None else time.monotonic() + timeout
         interrupted_at = None
         while True:
@@ -116,13 +120,14 @@ def run_remote(client: Client, code: str, *, gpu: int | None = None, timeout: fl
                 elif interrupted_at is not None and now - interrupted_at > INTERRUPT_GRACE:
                     break
             elif msg.type == "error":
-                error = msg.content
+                error = cast(contents.Error, msg.content)
             elif msg.type == "execute_reply":
+                reply = cast(contents.ExecuteReply, msg.content)
                 if error is not None:
-                    raise RemoteError(error["ename"], error["evalue"], error.get("traceback"))
-                if msg.content.get("status") != "ok":
-                    raise RemoteError(msg.content.get("ename", "Error"), msg.content.get("evalue", ""))
-                return msg.content
+                    raise remote_error(error)
+                if reply.get("status") != "ok":
+                    raise remote_error(reply)
+                return reply
             else:
                 render(msg.type, msg.content)
     _give_up(deadline)

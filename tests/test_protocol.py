@@ -201,6 +201,51 @@ def test_the_message_table_says_who_sends_what():
     assert for_worker("info") is None and for_worker("close") is None and for_worker("nope") is None
 
 
+def test_every_message_type_has_a_content_shape():
+    """genie_core/protocol/contents.py gives each type in the table the shape of its content."""
+    from genie_core.protocol import MessageType
+    from genie_core.protocol.contents import CONTENT
+
+    assert set(CONTENT) == set(MessageType)
+
+
+def test_a_cell_interrupted_before_it_started_answers_an_error_and_a_reply():
+    """The one constructor the server and the worker use: the same content either way."""
+    from genie_core.protocol.contents import interrupted_before_start
+
+    error, reply = interrupted_before_start()
+    evalue = "interrupted before it started: the cell did not run"
+    assert error == {"ename": "KeyboardInterrupt", "evalue": evalue, "traceback": [f"KeyboardInterrupt: {evalue}"]}
+    assert reply == {"status": "error", "ename": "KeyboardInterrupt", "evalue": evalue, "ran": False}
+
+
+def test_a_gpu_is_described_in_the_welcome_with_the_keys_clients_read():
+    """`GPUInfo` is the one description of a GPU; the welcome carries index, name, uuid and total
+    memory, leaving out what is unknown (a GPU asked for by index but not found)."""
+    from genie_core.nodes import GPUInfo
+
+    gpu = GPUInfo(0, uuid="GPU-x", name="Fake GPU (test)", memory_total=80 << 30, utilization=5.0)
+    assert gpu.description() == {"index": 0, "name": "Fake GPU (test)", "uuid": "GPU-x", "memory_total": 80 << 30}
+    assert GPUInfo(3, name="unknown").description() == {"index": 3, "name": "unknown"}
+    assert GPUInfo.from_dict(gpu.description()) == GPUInfo(
+        0, uuid="GPU-x", name="Fake GPU (test)", memory_total=80 << 30
+    )
+
+
+def test_errors_come_back_through_the_one_map():
+    """Genie's own error names become their classes; a user's code's error stays a RemoteError
+    whatever its name (a cell's own ProtocolError is not Genie's)."""
+    from genie_core.errors import LimitExceeded, RemoteError
+    from genie_core.protocol import error_from, remote_error
+
+    limit = error_from({"ename": "LimitExceeded", "evalue": "too big"}, "remote op x failed: ")
+    assert isinstance(limit, LimitExceeded) and str(limit) == "too big"
+    op = error_from({"ename": "ValueError", "evalue": "bad"}, "remote op x failed: ")
+    assert isinstance(op, RemoteError) and op.evalue == "remote op x failed: bad"
+    cell = remote_error({"ename": "ProtocolError", "evalue": "urllib3's", "traceback": ["tb"]})
+    assert type(cell) is RemoteError and cell.traceback == ["tb"]
+
+
 def test_a_session_remembers_its_newest_requests_and_what_ending_it_stopped():
     """The record behind "did it run?": bounded, oldest forgotten first; ending the session
     marks what was still running as stopped and leaves what finished alone."""

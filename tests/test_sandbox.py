@@ -22,6 +22,7 @@ from conftest import RunningServer, run, start_server, stdout_of, wait_until, wo
 import genie_core
 from genie_core.errors import ConfigError, WorkerDied
 from genie_core.local_server import start_server_process
+from genie_core.nodes import GPUInfo
 from genie_core.sandbox import Sandbox, SandboxedWorker, SandboxPolicy, refuse_unisolated
 from genie_core.sandbox.policy import UID_BASE
 
@@ -284,7 +285,7 @@ def test_only_the_sessions_gpu_device_nodes(tmp_path):
     for name in ("nvidia0", "nvidia1", "nvidia2", "nvidiactl", "nvidia-uvm"):
         (fake_dev / name).write_text("fake device node")
     sandbox = Sandbox(SandboxPolicy(network="none"), dev=fake_dev)
-    worker = SandboxedWorker(sandbox, "gpu-test", tmp_path / "home", None, {"index": 1, "uuid": "GPU-fake-1"})
+    worker = SandboxedWorker(sandbox, "gpu-test", tmp_path / "home", None, GPUInfo(1, uuid="GPU-fake-1"))
     try:
         argv, env = worker.command(["sh", "-c", "ls /dev; echo cvd=$CUDA_VISIBLE_DEVICES"], {"GENIE_WORKER_ID": "x"})
         env["PATH"] = os.environ["PATH"]

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ..dataplane import BackendReport, Channel
 from ..errors import VersionMismatch
 from ..events import ClusterEvent, EventBus, EventType, Severity
 from ..monitoring.health import Grade, HealthCheck, HealthReport, worst
 from ..nodes import NodeInfo
-from ..protocol import Message, MessageType
+from ..protocol import Message, MessageType, contents
 from ..versions import compare, local_versions
 from .code_sync import CodeSync, SyncReport
 from .connection import Connection, Request
@@ -79,7 +79,7 @@ class Client:
         return self.options.session_name
 
     @property
-    def node(self) -> dict[str, Any]:
+    def node(self) -> contents.NodeDescription:
         return self.connection.node
 
     @property
@@ -159,7 +159,7 @@ class Client:
         return self.connection.request(msg)
 
     def execute(self, code: str, *, gpu: int | None = None, silent: bool = False) -> Request:
-        request = self.request(Message(T.EXECUTE, {"code": code, "gpu": gpu, "silent": silent}))
+        request = self.request(Message(T.EXECUTE, contents.Execute(code=code, gpu=gpu, silent=silent)))
         first = next((line.strip() for line in code.splitlines() if line.strip()), "")
         request.summary = first if len(first) <= 60 else first[:57] + "..."
         return request
@@ -177,11 +177,11 @@ class Client:
         if clash is not None:
             raise ValueError(f"a job named {name!r} is still running ({clash.elapsed:.0f} s): pick another name")
         request = self.connection.request(
-            Message(T.EXECUTE, {"code": code, "gpu": gpu, "silent": False, "job": name}), background=True
+            Message(T.EXECUTE, contents.Execute(code=code, gpu=gpu, silent=False, job=name)), background=True
         )
-        return self._follow_job({"id": request.id, "name": name, "summary": code.strip()[:60]}, request)
+        return self._follow_job(contents.JobState(id=request.id, name=name, summary=code.strip()[:60]), request)
 
-    def _follow_job(self, record: dict[str, Any], request: Request | None) -> Job:
+    def _follow_job(self, record: contents.JobState, request: Request | None) -> Job:
         def gone() -> str:
             if self.connection.session_gone:
                 return f"the session ended ({self.lost_reason or 'the server no longer has it'})"
@@ -216,22 +216,24 @@ class Client:
         """Sync again if a file under the synced directory changed (None: nothing to do)."""
         return None if self.code_sync is None else self.code_sync.run_if_changed(self._send_sync)
 
-    def _send_sync(self, manifest: dict[str, str], names: list[str], contents: list[bytes]) -> dict[str, Any]:
-        msg = Message(T.SYNC, {"manifest": manifest, "files": names}, list(contents))
-        return self.request(msg).wait(self.options.timeout + sum(map(len, contents)) / (10 << 20)).content
+    def _send_sync(self, manifest: dict[str, str], names: list[str], data: list[bytes]) -> contents.SyncReply:
+        msg = Message(T.SYNC, contents.Sync(manifest=manifest, files=names), list(data))
+        reply = self.request(msg).wait(self.options.timeout + sum(map(len, data)) / (10 << 20))
+        return cast(contents.SyncReply, reply.content)
 
     def running_jobs(self) -> list[Job]:
         """The jobs this client knows to be running (no round trip)."""
         return [j for j in self._jobs.values() if not j.done()]
 
-    def _ask_jobs(self, since: dict[str, int], timeout: float = 10.0) -> list[dict[str, Any]]:
-        return list(self.request(Message(T.JOBS, {"since": since})).wait(timeout).content.get("jobs") or [])
+    def _ask_jobs(self, since: dict[str, int], timeout: float = 10.0) -> list[contents.JobState]:
+        reply = self.request(Message(T.JOBS, contents.Jobs(since=since))).wait(timeout)
+        return list(cast(contents.JobsReply, reply.content).get("jobs") or [])
 
     def interrupt(self, request: Request | str | None = None) -> None:
         """Interrupt a cell (default: whichever runs): KeyboardInterrupt in its code, or, if it has
         not started yet, it never runs. Its own reply says which; a finished cell is left alone."""
         target = request.id if isinstance(request, Request) else request
-        self.request(Message(T.INTERRUPT, {"request": target}))
+        self.request(Message(T.INTERRUPT, contents.Interrupt(request=target)))
 
     def push(
         self,
@@ -267,9 +269,10 @@ class Client:
         self.request(Message(T.PING)).wait(timeout)
         return time.perf_counter() - start
 
-    def info(self, timeout: float = 5.0, history_points: int = 60, events: int = 50) -> dict[str, Any]:
+    def info(self, timeout: float = 5.0, history_points: int = 60, events: int = 50) -> contents.InfoReply:
         """The server's node, latest readings, health, recent history and events, sessions."""
-        return self.request(Message(T.INFO, {"history_points": history_points, "events": events})).wait(timeout).content
+        asked = Message(T.INFO, contents.Info(history_points=history_points, events=events))
+        return cast(contents.InfoReply, self.request(asked).wait(timeout).content)
 
     def close(self, notify: bool = True) -> None:
         """End the session (`notify`: tell the server now) or, with notify=False, leave it to the
@@ -305,12 +308,15 @@ class Client:
     def _on_unsolicited(self, msg: Message) -> None:
         """Messages the server sends on its own: events and metric snapshots."""
         if msg.type == T.EVENT:
-            self.events.emit(ClusterEvent.from_dict(msg.content))
+            self.events.emit(ClusterEvent.from_dict(cast(contents.Event, msg.content)))
         elif msg.type == T.METRICS:
-            self.metrics = NodeInfo.from_dict(msg.content["node"])
-            if msg.content.get("health"):
-                self.server_health = HealthReport.from_dict(msg.content["health"])
-            self.events.emit(ClusterEvent(EventType.METRICS, self.metrics.node_id, Severity.INFO, msg.content))
+            metrics = cast(contents.Metrics, msg.content)
+            self.metrics = NodeInfo.from_dict(metrics["node"])
+            health = metrics.get("health")
+            if health:
+                self.server_health = HealthReport.from_dict(health)
+            data = cast(dict[str, Any], msg.content)  # the readings themselves, as they came
+            self.events.emit(ClusterEvent(EventType.METRICS, self.metrics.node_id, Severity.INFO, data))
 
     def _event(self, kind: EventType, severity: Severity, message: str, **data: Any) -> None:
         node = self.node.get("node_id", self.address)

@@ -13,16 +13,16 @@ import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from ..errors import LimitExceeded, size_text
+from ..protocol.contents import SyncReply
 
 MAX_FILE = 1 << 20  # bytes: larger data files are left out (Python files are always sent)
 MAX_TOTAL = 50 << 20  # bytes: a sync over this is refused, naming the biggest files
 SKIPPED_DIRS = {"__pycache__", "node_modules", "venv", "env", "build", "dist"}
 SKIPPED_SUFFIXES = {".pyc", ".pyo", ".ipynb"}
 
-Send = Callable[[dict[str, str], list[str], list[bytes]], dict[str, Any]]  # manifest, names, contents -> reply
+Send = Callable[[dict[str, str], list[str], list[bytes]], SyncReply]  # manifest, names, contents -> reply
 
 
 @dataclass

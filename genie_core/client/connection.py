@@ -23,7 +23,18 @@ import zmq
 
 from ..errors import ConnectionLost, GenieError, LimitExceeded, ProtocolError, VersionMismatch, size_text
 from ..loop import SocketLoop
-from ..protocol import TERMINAL, VERSIONS_TAG, Codec, Message, MessageType, Peer, derive_key, error_from, parse
+from ..protocol import (
+    TERMINAL,
+    VERSIONS_TAG,
+    Codec,
+    Message,
+    MessageType,
+    Peer,
+    contents,
+    derive_key,
+    error_from,
+    parse,
+)
 from ..protocol.errors import SESSION_NOT_FOUND
 from ..versions import local_versions
 from . import handshake
@@ -70,7 +81,7 @@ class Request:
         if item.type in TERMINAL:
             self.done = True
         if item.type == T.ERROR_REPLY:
-            raise error_from(item.content)
+            raise error_from(cast(contents.Failure, item.content))
         return item
 
     def replies(self, timeout: float | None = None) -> Iterator[Message]:
@@ -102,7 +113,7 @@ class Connection:
         self.address = f"{host}:{port}"
         self.codec = Codec(derive_key(token))
         self.session = ""
-        self.node: dict[str, Any] = {}
+        self.node = contents.NodeDescription()  # the server's, from its welcome
         self.slot: int | None = None
         self.lost_reason: str | None = None
         # How a lost connection is told: what the server is to the user, and the one thing to do
@@ -127,7 +138,7 @@ class Connection:
         self._loop: SocketLoop | None = None
 
     # -- connecting -------------------------------------------------------------------------
-    def connect(self) -> dict[str, Any]:
+    def connect(self) -> contents.Welcome:
         """Handshake; returns the server's welcome."""
         start = time.monotonic()
         handshake.probe_server(self.host, self.port, self.options.timeout, encrypted=bool(self.options.curve))
@@ -151,38 +162,38 @@ class Connection:
         self._loop.start()
         hello = Message(
             T.HELLO,
-            {
-                "client": {
-                    "host": socket.gethostname(),
-                    "pid": os.getpid(),
-                    "user": os.environ.get("USER", ""),
-                    "purpose": self.options.purpose,
-                },
+            contents.Hello(
+                client=contents.ClientDescription(
+                    host=socket.gethostname(),
+                    pid=os.getpid(),
+                    user=os.environ.get("USER", ""),
+                    purpose=self.options.purpose,
+                ),
                 # pings come, and events go, there only
-                "heartbeat": cast(bytes, self.heartbeat.getsockopt(zmq.ROUTING_ID)).hex(),
-                "versions": local_versions(),
-                "name": self.options.session_name,
-            },
+                heartbeat=cast(bytes, self.heartbeat.getsockopt(zmq.ROUTING_ID)).hex(),
+                versions=local_versions(),
+                name=self.options.session_name,
+            ),
         )
         left = self.options.timeout - (time.monotonic() - start)
         try:
             request = self.request(hello)
             if self._handshake_error is not None and self.pending.pop(request.id, None) is not None:
                 raise self._handshake_error  # it failed before the hello was even registered
-            welcome = request.wait(timeout=max(left, 0.1))
+            welcome = cast(contents.Welcome, request.wait(timeout=max(left, 0.1)).content)
         except TimeoutError:
             self.close()
             raise handshake.unanswered(self.address, self.options.timeout) from None
         except BaseException:
             self.close()
             raise
-        self.session = welcome.content["session"]
-        self.node = welcome.content.get("node", {})
-        self.slot = welcome.content.get("slot")
+        self.session = welcome["session"]
+        self.node = welcome.get("node", contents.NodeDescription())
+        self.slot = welcome.get("slot")
         self.last_heard = time.monotonic()
         if self.options.enable_heartbeat:
             self._loop.call_every(self.options.heartbeat_interval, self._heartbeat)
-        return welcome.content
+        return welcome
 
     def _dealer(self, ctx: zmq.Context[Any]) -> zmq.Socket[Any]:
         sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
@@ -239,7 +250,8 @@ class Connection:
             raise ConnectionLost(self.lost_reason)
         target = self.heartbeat if heartbeat else self.main
         msg.session = self.session
-        limit = (self.node.get("limits") or {}).get("message_bytes")
+        limits = self.node.get("limits")
+        limit = limits.get("message_bytes") if limits else None
         loop = self._loop
         with self._send_locks[target]:  # sequence numbers must reach each socket in order
             msg.seq = next(self._seq)
@@ -270,7 +282,8 @@ class Connection:
         self.last_heard = time.monotonic()
         if msg.type == T.PONG:
             self.rtt = time.monotonic() - getattr(self.pending.get(msg.parent), "sent", time.monotonic())
-        session_unknown = msg.type == T.ERROR_REPLY and msg.content.get("ename") == SESSION_NOT_FOUND
+        error = cast(contents.Failure, msg.content) if msg.type == T.ERROR_REPLY else None
+        session_unknown = error is not None and error.get("ename") == SESSION_NOT_FOUND
         if self.lost_reason is not None and self.session and not self.session_gone and not session_unknown:
             self.lost_reason = None
             self.on_back()
@@ -282,8 +295,8 @@ class Connection:
             self.pending.pop(msg.parent, None)
         if request is None:
             self.on_orphan(msg)
-        if session_unknown:
-            self._session_ended(str(msg.content.get("evalue", "session not found")))
+        if error is not None and session_unknown:
+            self._session_ended(str(error.get("evalue", "session not found")))
         if request is not None:
             request.put(msg)
 

@@ -12,11 +12,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ..errors import ConnectionLost
 from ..partfiles import hash_prefix, part_of
-from ..protocol import MessageType
+from ..protocol import MessageType, contents
 from .connection import Connection
 from .transfers import Transfers
 
@@ -78,7 +78,8 @@ class FileTransfers:
     def _upload(self, source: Path, remote: str, progress: Progress | None) -> FileResult:
         start = time.monotonic()
         size = source.stat().st_size
-        there = self.transfers.send(T.FILE_STAT, {"path": remote, "for": "upload"}, [])
+        stat: contents.FileStat = {"path": remote, "for": "upload"}
+        there = cast(contents.FileReply, self.transfers.send(T.FILE_STAT, stat, []))
         offset, digest = int(there.get("part_size") or 0), hashlib.sha256()
         if 0 < offset <= size:
             digest = hash_prefix(source, offset)
@@ -87,20 +88,20 @@ class FileTransfers:
         else:
             offset = 0
         resumed_from = offset
-        reply: dict[str, Any] = {}
+        reply = contents.FileReply(status="")
         with open(source, "rb") as f:
             f.seek(offset)
             while True:
                 piece = f.read(PIECE)
                 digest.update(piece)
                 last = offset + len(piece) >= size
-                content: dict[str, Any] = {"path": remote, "offset": offset}
+                content = contents.FilePut(path=remote, offset=offset)
                 if last:
                     content["sha256"] = digest.hexdigest()
                 at = offset
-                reply = self.transfers.send(
-                    T.FILE_PUT, content, [piece], progress=_shifted(progress, at, size), timeout=None
-                )
+                shifted = _shifted(progress, at, size)
+                sent = self.transfers.send(T.FILE_PUT, content, [piece], progress=shifted, timeout=None)
+                reply = cast(contents.FileReply, sent)
                 offset += len(piece)
                 if progress is not None:
                     progress(offset, size)
@@ -114,7 +115,8 @@ class FileTransfers:
         start = time.monotonic()
         part = part_of(target)
         have = part.stat().st_size if part.exists() else 0
-        there = self.transfers.send(T.FILE_STAT, {"path": remote, "prefix": have}, [])
+        stat: contents.FileStat = {"path": remote, "prefix": have}
+        there = cast(contents.FileReply, self.transfers.send(T.FILE_STAT, stat, []))
         size, expected = int(there["size"]), str(there["sha256"])
         digest = hashlib.sha256()
         if 0 < have <= size:
@@ -129,7 +131,7 @@ class FileTransfers:
             f.truncate(offset)
             f.seek(offset)
 
-            def write(reply: dict[str, Any], buffers: list[Any]) -> int:
+            def write(reply: contents.FileReply, buffers: list[Any]) -> int:
                 data = memoryview(buffers[0]).cast("B") if buffers else memoryview(b"")
                 f.write(data)
                 digest.update(data)
@@ -137,8 +139,8 @@ class FileTransfers:
 
             while offset < size:
                 length = min(PIECE, size - offset)
-                content = {"path": remote, "offset": offset, "length": length}
-                got = self.transfers.fetch(T.FILE_GET, content, write, _shifted(progress, offset, size))
+                piece = contents.FileGet(path=remote, offset=offset, length=length)
+                got = self.transfers.fetch(T.FILE_GET, piece, write, _shifted(progress, offset, size))
                 if got == 0:
                     raise OSError(f"{remote} on the server ended at byte {offset:,}: it changed during the download")
                 offset += got

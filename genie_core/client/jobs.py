@@ -11,11 +11,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 from ..errors import ConnectionLost, GenieError, RemoteError
-from ..protocol import TERMINAL, Message, MessageType
+from ..protocol import TERMINAL, Message, MessageType, contents, remote_error
 from .connection import Request
 
 log = logging.getLogger("genie.client")
@@ -34,10 +34,10 @@ class Job:
 
     def __init__(
         self,
-        ask: Callable[[dict[str, int]], list[dict[str, Any]]],
+        ask: Callable[[dict[str, int]], list[contents.JobState]],
         interrupt: Callable[[str], None],
         gone: Callable[[], str],
-        record: dict[str, Any],
+        record: contents.JobState,
         request: Request | None,
     ) -> None:
         self._ask = ask  # since {id: first output wanted} -> the session's job records
@@ -51,8 +51,8 @@ class Job:
         self.state = "running"
         self.error = ""
         self.dropped = 0  # outputs the server let go (over its per-job limit)
-        self._outputs: dict[int, tuple[str, dict[str, Any]]] = {}
-        self._extra: list[tuple[str, dict[str, Any]]] = []  # outputs without a number (a cancellation's)
+        self._outputs: dict[int, tuple[str, Mapping[str, Any]]] = {}
+        self._extra: list[tuple[str, Mapping[str, Any]]] = []  # outputs without a number (a cancellation's)
         self._done = threading.Event()
         self._stop = threading.Event()
         self.update(record)
@@ -83,19 +83,19 @@ class Job:
         if self.state == "error":
             err = next((c for t, c in reversed(self.outputs()) if t == T.ERROR), None)
             if err is not None:
-                raise RemoteError(str(err.get("ename", "Error")), str(err.get("evalue", "")), err.get("traceback"))
+                raise remote_error(cast(contents.Error, err))
             name, _, value = self.error.partition(": ")
             raise RemoteError(name or "Error", value)
         found = next((c for t, c in reversed(self.outputs()) if t == T.EXECUTE_RESULT), None)
-        return None if found is None else str(found.get("data", {}).get("text/plain", ""))
+        return None if found is None else str(cast(contents.ExecuteResult, found).get("data", {}).get("text/plain", ""))
 
-    def outputs(self) -> list[tuple[str, dict[str, Any]]]:
+    def outputs(self) -> list[tuple[str, Mapping[str, Any]]]:
         """Every output kept so far, in order: (type, content) as a cell's outputs arrive."""
         return [self._outputs[n] for n in sorted(self._outputs)] + list(self._extra)
 
     def output(self) -> str:
         """Its printed text so far (stdout and stderr, in the order they came)."""
-        return "".join(str(c.get("text", "")) for t, c in self.outputs() if t == T.STREAM)
+        return "".join(str(cast(contents.Stream, c).get("text", "")) for t, c in self.outputs() if t == T.STREAM)
 
     def tail(self, lines: int = 5) -> str:
         return "\n".join(self.output().rstrip("\n").splitlines()[-lines:])
@@ -116,9 +116,10 @@ class Job:
                     if msg.type not in TERMINAL:
                         self._add(msg)
                         continue
-                    if self._lacks(msg.content):
+                    reply = cast(contents.ExecuteReply, msg.content)
+                    if self._lacks(reply):
                         self.refresh()  # outputs the connection dropped on the way: the server has them
-                    self._finish(msg.content)
+                    self._finish(reply)
                 return
             except ConnectionLost:
                 pass  # the server keeps its output: ask for it once it answers again
@@ -148,13 +149,13 @@ class Job:
         self._end("unknown", f"no longer followed: {why}")
 
     def _add(self, msg: Message) -> None:
-        n = msg.content.get("n")
+        n = cast(contents.Output, msg.content).get("n")
         if isinstance(n, int):
             self._outputs[n] = (str(msg.type), msg.content)
         else:
             self._extra.append((str(msg.type), msg.content))
 
-    def update(self, record: dict[str, Any]) -> None:
+    def update(self, record: contents.JobState) -> None:
         """Take in a record from the server. It ends the job only with the outputs it has not seen
         (a record without them, as in a listing, is followed by a request for them)."""
         for n, kind, content in record.get("messages") or []:
@@ -168,7 +169,7 @@ class Job:
         else:
             self._end(state, str(record.get("error") or ""), record.get("ended"))
 
-    def _finish(self, content: dict[str, Any]) -> None:
+    def _finish(self, content: contents.ExecuteReply) -> None:
         ok = content.get("status") == "ok"
         self._end(
             "ok" if ok else "error", "" if ok else f"{content.get('ename', 'Error')}: {content.get('evalue', '')}"
@@ -181,7 +182,7 @@ class Job:
         self.ended = float(ended) if isinstance(ended, (int, float)) else time.time()
         self._done.set()
 
-    def _lacks(self, said: dict[str, Any]) -> bool:
+    def _lacks(self, said: contents.ExecuteReply | contents.JobState) -> bool:
         """Whether this job holds fewer outputs than the server says there were (`outputs`)."""
         return len(self._outputs) < int(said.get("outputs") or 0) - self.dropped
 

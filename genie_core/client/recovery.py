@@ -12,10 +12,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 from ..errors import ConnectionLost
 from ..events import EventType, Severity
-from ..protocol import RUNS, TERMINAL, Message, MessageType, error_text
+from ..protocol import RUNS, TERMINAL, Message, MessageType, contents, error_text
 from ..protocol.errors import SESSION_NOT_FOUND
 from .connection import Closed, Connection, Request
 
@@ -111,14 +112,16 @@ class Recovery:
         if lost is None:
             return
         if msg.type == T.STREAM and len(lost.output) < KEEP_OUTPUT:
-            lost.output += str(msg.content.get("text", ""))[: KEEP_OUTPUT - len(lost.output)]
+            text = cast(contents.Stream, msg.content).get("text", "")
+            lost.output += str(text)[: KEEP_OUTPUT - len(lost.output)]
         elif msg.type == T.ERROR:
-            lost.error = error_text(msg.content)
-        if msg.type == T.ERROR_REPLY and msg.content.get("ename") == SESSION_NOT_FOUND:
+            lost.error = error_text(cast(contents.Error, msg.content))
+        reply = cast(contents.Reply, msg.content)  # an error reply's has no status
+        if msg.type == T.ERROR_REPLY and reply.get("ename") == SESSION_NOT_FOUND:
             self._settle(lost, "not run", "", "it reached the server after the server had ended the session")
         elif msg.type in TERMINAL:
-            status = "error" if msg.type == T.ERROR_REPLY else str(msg.content.get("status", "ok"))
-            self._settle(lost, "finished", status, lost.error or error_text(msg.content))
+            status = "error" if msg.type == T.ERROR_REPLY else str(reply.get("status", "ok"))
+            self._settle(lost, "finished", status, lost.error or error_text(reply))
 
     def _ask_in_background(self) -> None:
         if any(not r.settled for r in self.lost.values()):
@@ -141,7 +144,7 @@ class Recovery:
             else:
                 log.warning("could not learn the outcome of %d lost requests: %s", len(ids), exc)
             return
-        for rid, outcome in reply.content.get("outcomes", {}).items():
+        for rid, outcome in cast(contents.OutcomeReply, reply.content).get("outcomes", {}).items():
             entry = self.lost.get(rid)
             if entry is None or entry.settled:
                 continue
@@ -159,7 +162,7 @@ class Recovery:
         """The server's record of `ids`. Asked again after a timeout: a link that just healed may
         still be in TCP's retransmission backoff, and a wait of 10 s can end before it resends."""
         for attempt in range(1, OUTCOME_TRIES + 1):
-            request = self.connection.request(Message(T.OUTCOME, {"ids": ids}))
+            request = self.connection.request(Message(T.OUTCOME, contents.Outcome(ids=ids)))
             try:
                 return request.wait(OUTCOME_WAIT)
             except TimeoutError:

@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar, cast
 
 from ..dataplane import DATA_THRESHOLD, BackendReport, Channel, InlineChannel, Link, backends, discover
 from ..errors import ConnectionLost, GenieError, LimitExceeded, size_text
-from ..protocol import Message, MessageType, error_from
+from ..protocol import Message, MessageType, contents, error_from
 from ..serialize import deserialize_namespace, serialize_namespace
 from .connection import Connection
 
 T = MessageType
 R = TypeVar("R")
+S = TypeVar("S", bound=contents.Staged)
 
 
 class Transfers:
@@ -30,8 +31,8 @@ class Transfers:
         """Measure the data-plane backends to this server and use the best (or the one asked for)."""
         c = self.connection
 
-        def data_probe(ref: dict[str, Any] | None, blob: bytes) -> None:
-            c.request(Message(T.DATA_PROBE, {"data": ref}, [blob] if blob else [])).wait(10)
+        def data_probe(ref: contents.DataRef | None, blob: bytes) -> None:
+            c.request(Message(T.DATA_PROBE, contents.DataProbe(data=ref), [blob] if blob else [])).wait(10)
 
         def ping() -> None:
             c.request(Message(T.PING)).wait(10)
@@ -50,7 +51,7 @@ class Transfers:
         with self._lock:
             self.channel.close()
             self.channel, self.report = channel, report
-        c.request(Message(T.SET_BACKEND, {"backend": report.chosen})).wait(5)
+        c.request(Message(T.SET_BACKEND, contents.SetBackend(backend=report.chosen))).wait(5)
         return report
 
     def push(
@@ -64,33 +65,34 @@ class Transfers:
     ) -> list[str]:
         metas, buffers = serialize_namespace(values)
         size = sum(memoryview(b).nbytes for b in buffers)
-        limit = (self.connection.node.get("limits") or {}).get("session_bytes")
+        limits = self.connection.node.get("limits")
+        limit = limits.get("session_bytes") if limits else None
         if limit is not None and size > limit:  # said before a byte is sent
             raise LimitExceeded(
                 f"this push of {size_text(size)} is more than the server lets a session hold "
                 f"({size_text(limit)}, --max-session-bytes)"
             )
-        content: dict[str, Any] = {"values": metas, "gpu": gpu, "device": device}
-        reply = self.send(T.PUSH, content, buffers, progress=progress, timeout=timeout)
+        content = contents.Push(values=metas, gpu=gpu, device=device)
+        reply = cast(contents.PushReply, self.send(T.PUSH, content, buffers, progress=progress, timeout=timeout))
         return list(reply.get("names", []))
 
     def pull(
         self, names: list[str], *, gpu: int | None = None, timeout: float | None = None, progress: Any = None
     ) -> dict[str, Any]:
-        content = {"names": list(names), "gpu": gpu}
-        return self.fetch(
-            T.PULL, content, lambda reply, buffers: deserialize_namespace(reply["values"], buffers), progress, timeout
-        )
+        def values(reply: contents.PullReply, buffers: list[Any]) -> dict[str, Any]:
+            return deserialize_namespace(reply["values"], buffers)
+
+        return self.fetch(T.PULL, contents.Pull(names=list(names), gpu=gpu), values, progress, timeout)
 
     def send(
         self,
         kind: MessageType,
-        content: dict[str, Any],
+        content: Mapping[str, Any],
         buffers: list[Any],
         *,
         progress: Any = None,
         timeout: Any = None,
-    ) -> dict[str, Any]:
+    ) -> contents.Reply:
         """A request whose buffers go over the data plane (inline when small); its reply's content."""
         size = sum(memoryview(b).nbytes for b in buffers)
         with self._lock:  # the reply frees the channel's buffer for the next transfer
@@ -109,15 +111,16 @@ class Transfers:
             finally:
                 if ref is not None:
                     self.channel.after()
-        if reply.content.get("status") != "ok":
-            raise error_from(reply.content)
-        return reply.content
+        answer = cast(contents.Reply, reply.content)
+        if answer.get("status") != "ok":
+            raise error_from(answer)
+        return answer
 
     def fetch(
         self,
         kind: MessageType,
-        content: dict[str, Any],
-        consume: Callable[[dict[str, Any], list[Any]], R],
+        content: Mapping[str, Any],
+        consume: Callable[[S, list[Any]], R],
         progress: Any = None,
         timeout: float | None = None,
     ) -> R:
@@ -125,15 +128,16 @@ class Transfers:
         `consume(reply content, buffers)` runs while the channel's receive buffer is ours."""
         with self._lock:
             reply = self.connection.request(Message(kind, {**content, "staged": self.channel.staged})).wait(timeout)
-            if reply.content.get("status") != "ok":
-                raise error_from(reply.content)
-            ref = reply.content.get("data")
+            answer = cast(contents.Staged, reply.content)
+            if answer.get("status") != "ok":
+                raise error_from(answer)
+            ref = answer.get("data")
             if ref:
                 with self._data_errors(str(kind)):
                     buffers = self.channel.get(ref, progress)
             else:
                 buffers = reply.buffers
-            return consume(reply.content, buffers)
+            return consume(cast(S, answer), buffers)
 
     @contextlib.contextmanager
     def _data_errors(self, what: str) -> Iterator[None]:

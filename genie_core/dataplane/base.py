@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import GenieError
+from ..protocol.contents import DataRef
 from .stream import DataHost
 
 DATA_THRESHOLD = 1 << 20  # bytes: transfers at least this big use the data plane; smaller ones travel inline
@@ -88,13 +89,13 @@ class Channel:
     name = ""
     staged = True  # a pull's bytes are staged by the worker and fetched with `get`
 
-    def put(self, buffers: list[Any], progress: Any = None) -> dict[str, Any] | None:
+    def put(self, buffers: list[Any], progress: Any = None) -> DataRef | None:
         raise NotImplementedError
 
-    def get(self, ref: dict[str, Any], progress: Any = None) -> list[Any]:
+    def get(self, ref: DataRef, progress: Any = None) -> list[Any]:
         raise NotImplementedError
 
-    def discard(self, ref: dict[str, Any]) -> None:
+    def discard(self, ref: DataRef) -> None:
         """A put whose push failed or was refused: free what it left."""
 
     def after(self) -> None:
@@ -126,7 +127,7 @@ class Link:
     session: str
     server: dict[str, Any]  # the server's "transport" info: what each backend offered
     data_port: int | None  # a tcp port given by the user (tunnels, relays), else the server's
-    data_probe: Callable[[dict[str, Any] | None, bytes], None]  # a round trip on the control connection that
+    data_probe: Callable[[DataRef | None, bytes], None]  # a round trip on the control connection that
     #                                                             sends bytes inline or a reference to them
     ping: Callable[[], None]  # a round trip on the control connection (median_time times it)
     requested: str = "auto"

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..protocol.contents import DataRef
 from .base import Backend, Candidate, Channel, Link, ServerSide, median_time, probe_size
 from .segment import SHM_DIR, Segment, pack_into, segment_name, segment_spares, shm_available, split, sweep_dead
 
@@ -23,7 +24,7 @@ class ShmChannel(Channel):
         self.spares = segment_spares("genie-c")
         self._last = 0
 
-    def put(self, buffers: list[Any], progress: Any = None) -> dict[str, Any]:
+    def put(self, buffers: list[Any], progress: Any = None) -> DataRef:
         total = sum(memoryview(b).nbytes for b in buffers)
         segment = self.spares.take(total, refill=False)
         self._last = total
@@ -36,13 +37,13 @@ class ShmChannel(Channel):
             segment.close()
         return {"segment": segment.name, "sizes": sizes}
 
-    def discard(self, ref: dict[str, Any]) -> None:
+    def discard(self, ref: DataRef) -> None:
         Segment.discard(ref["segment"])  # ours, and nobody adopted it
 
     def after(self) -> None:
         self.spares.refill(self._last)  # the next segment, faulted in while nothing else runs
 
-    def get(self, ref: dict[str, Any], progress: Any = None) -> list[Any]:
+    def get(self, ref: DataRef, progress: Any = None) -> list[Any]:
         return split(Segment.adopt(ref["segment"]), [int(n) for n in ref["sizes"]])
 
     def close(self) -> None:

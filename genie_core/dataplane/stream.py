@@ -24,6 +24,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..protocol.contents import DataRef
 from . import wire
 from .segment import Segment, segment_spares, split
 
@@ -203,7 +204,7 @@ def put(macs: wire.PayloadMacs, buffers: list[Any], progress: wire.Progress = No
     return {"segment": reply["segment"], "sizes": sizes}
 
 
-def get(macs: wire.PayloadMacs, ref: dict[str, Any], into: memoryview, progress: wire.Progress = None) -> Exchange:
+def get(macs: wire.PayloadMacs, ref: DataRef, into: memoryview, progress: wire.Progress = None) -> Exchange:
     """Fetch a staged segment into `into` (the caller's reused receive buffer); returns its buffers."""
     sizes = [int(n) for n in ref["sizes"]]
     total = sum(sizes)

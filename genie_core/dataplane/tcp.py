@@ -12,6 +12,7 @@ from typing import Any
 
 from ..config import is_loopback
 from ..errors import AuthenticationError, ConnectionFailed
+from ..protocol.contents import DataRef
 from ..threads import name_os_thread
 from . import stream, wire
 from .base import Backend, Candidate, Channel, Link, ServerSide, measure_stream
@@ -98,11 +99,11 @@ class TcpChannel(Channel):
         self.sock.settimeout(None)
         self.spares = memory_spares()
 
-    def put(self, buffers: list[Any], progress: wire.Progress = None) -> dict[str, Any]:
-        done: dict[str, Any] = drive(self.sock, stream.put(self.macs, buffers, progress))
+    def put(self, buffers: list[Any], progress: wire.Progress = None) -> DataRef:
+        done: DataRef = drive(self.sock, stream.put(self.macs, buffers, progress))
         return done
 
-    def get(self, ref: dict[str, Any], progress: wire.Progress = None) -> list[Any]:
+    def get(self, ref: DataRef, progress: wire.Progress = None) -> list[Any]:
         total = sum(int(n) for n in ref["sizes"])
         into = self.spares.take(total, refill=False)  # bytes land here directly
         buffers: list[Any] = drive(self.sock, stream.get(self.macs, ref, into, progress))

@@ -17,6 +17,7 @@ from typing import Any
 
 from ..errors import AuthenticationError, ConnectionFailed
 from ..protocol import chunk_digests
+from ..protocol.contents import DataRef
 from . import stream, wire
 from .base import Backend, Candidate, Channel, Link, ServerSide, measure_stream
 from .segment import memory_spares
@@ -143,11 +144,11 @@ class UcxChannel(Channel):
             self.runner.stop()
             raise ConnectionFailed(f"UCX endpoint {self.address} unusable: {exc}") from None
 
-    def put(self, buffers: list[Any], progress: Any = None) -> dict[str, Any]:
-        done: dict[str, Any] = self.runner.run(drive(self.ep, stream.put(self.macs, buffers, progress)))
+    def put(self, buffers: list[Any], progress: Any = None) -> DataRef:
+        done: DataRef = self.runner.run(drive(self.ep, stream.put(self.macs, buffers, progress)))
         return done
 
-    def get(self, ref: dict[str, Any], progress: Any = None) -> list[Any]:
+    def get(self, ref: DataRef, progress: Any = None) -> list[Any]:
         total = sum(int(n) for n in ref["sizes"])
         into = self.spares.take(total, refill=False)
         buffers: list[Any] = self.runner.run(drive(self.ep, stream.get(self.macs, ref, into, progress)))

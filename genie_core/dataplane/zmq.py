@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..protocol.contents import DataRef
 from .base import Backend, Candidate, Channel, Link, median_time, probe_size
 
 
@@ -12,7 +13,7 @@ class InlineChannel(Channel):
     name = "zmq"
     staged = False  # a pull's bytes come back in its reply
 
-    def put(self, buffers: list[Any], progress: Any = None) -> dict[str, Any] | None:
+    def put(self, buffers: list[Any], progress: Any = None) -> DataRef | None:
         return None  # send them inline
 
 

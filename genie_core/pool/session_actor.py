@@ -13,9 +13,10 @@ import hashlib
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 from ..config import ClusterConfig
+from ..protocol import Message, contents
 from ..server import Server
 
 NAMESPACE = "genie-pool"
@@ -68,16 +69,17 @@ class SessionActor:
         self.server.requests.on_cell = self._on_cell
         self.server.start().start_in_thread()
 
-    def _on_cell(self, session: Any, msg: Any) -> None:
+    def _on_cell(self, session: Any, msg: Message) -> None:
         """Who ran what, where: the code's hash and size (not the code), time, GPU."""
-        code = str(msg.content.get("code", ""))
-        gpu = msg.content.get("gpu")
+        cell = cast(contents.Execute, msg.content)
+        code = str(cell.get("code", ""))
+        gpu = cell.get("gpu")
         record = {
             "time": time.time(),
             "code_sha256": hashlib.sha256(code.encode()).hexdigest(),
             "bytes": len(code.encode()),
             "gpu": str(gpu) if gpu is not None else (self.gpu_ids[0] if self.gpu_ids else ""),
-            "job": bool(msg.content.get("job")),
+            "job": bool(cell.get("job")),
         }
         with self._cells_lock:
             self.cells.append(record)
@@ -117,7 +119,8 @@ class SessionActor:
             "port": self.server.port,
             "node_id": self.node_id,
             "gpu_ids": self.gpu_ids,
-            "gpus": [g.get("name", "GPU") for g in self.server.gpus] or ["simulated GPU"] * len(self.gpu_ids),
+            "gpus": [g.name if g.name is not None else "GPU" for g in self.server.gpus]
+            or ["simulated GPU"] * len(self.gpu_ids),
             "started": self.started,
             "pid": os.getpid(),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),  # as Ray set it for this actor

@@ -1,5 +1,7 @@
-"""The wire protocol: message types and who sends them, the signed codec, the error map."""
+"""The wire protocol: message types and who sends them, what each contains, the signed codec, the
+error map."""
 
+from . import contents
 from .codec import (
     PROTOCOL,
     PROTOCOL_VERSION,
@@ -11,7 +13,7 @@ from .codec import (
     new_id,
     split_identities,
 )
-from .errors import error_content, error_from, error_text
+from .errors import error_content, error_from, error_text, remote_error
 from .messages import RUNS, TABLE, TERMINAL, MessageType, Peer, accepted_from, for_worker, parse
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "Peer",
     "accepted_from",
     "chunk_digests",
+    "contents",
     "derive_key",
     "error_content",
     "error_from",
@@ -34,5 +37,6 @@ __all__ = [
     "for_worker",
     "new_id",
     "parse",
+    "remote_error",
     "split_identities",
 ]

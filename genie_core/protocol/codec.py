@@ -14,7 +14,7 @@ import hmac
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,7 +58,7 @@ def new_id() -> str:
 @dataclass
 class Message:
     type: str
-    content: dict[str, Any] = field(default_factory=dict)
+    content: Mapping[str, Any] = field(default_factory=dict)  # its shape: protocol/contents.py
     buffers: list[Any] = field(default_factory=list)
     parent: str = ""
     session: str = ""

@@ -8,9 +8,10 @@ import os
 import pickle
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
-from ..errors import ConnectionLost, LimitExceeded, RemoteError
+from ..errors import ConnectionLost
+from ..protocol import Message, MessageType, contents, error_from
 from ..serialize import deserialize_namespace
 
 _ids = itertools.count(1)
@@ -95,7 +96,7 @@ class OpStream:
         waiting counts as running until the next flush reads its reply)."""
         return not self._records and not self._inflight
 
-    def _send(self, request: dict[str, Any], n: int) -> Any:
+    def _send(self, request: contents.OpBatch, n: int) -> Any:
         if self.profile is not None:
             request["profile"] = True
         if not self.alive:
@@ -104,12 +105,10 @@ class OpStream:
             )
         oob: list[Any] = []
         payload = pickle.dumps(request, protocol=5, buffer_callback=oob.append)
-        from ..protocol import Message
-
         self.messages += 1
         self.ops_sent += n
         return self.client.request(
-            Message("tensor_ops", {"gpu": self.index, "n": n}, [payload, *(b.raw() for b in oob)])
+            Message(MessageType.TENSOR_OPS, contents.TensorOps(gpu=self.index, n=n), [payload, *(b.raw() for b in oob)])
         )
 
     def _submit(self) -> None:
@@ -124,7 +123,7 @@ class OpStream:
                 )
             )
 
-    def flush(self, fetch: list[int] | None = None, *, eager: bool = False, sync: bool = False) -> dict[str, Any]:
+    def flush(self, fetch: list[int] | None = None, *, eager: bool = False, sync: bool = False) -> contents.TensorReply:
         """Send what was recorded (and fetch these ids), wait; raise the first failure: one kept
         from backward (see defer), else the first the server reports."""
         with self._lock:
@@ -133,9 +132,9 @@ class OpStream:
             {"ops": records, "fetch": list(fetch or []), "eager_last": eager, "sync": sync}, len(records)
         )
         earlier, self._inflight = self._inflight, []
-        failure = None
+        failure: tuple[contents.TensorReply, int] | None = None
         for sent, n in earlier:  # answered before the last one: the worker runs batches in order
-            content = sent.wait().content
+            content = cast(contents.TensorReply, sent.wait().content)
             self._account(content)
             if failure is None and content.get("status") != "ok":
                 failure = (content, n)
@@ -143,7 +142,7 @@ class OpStream:
         reply = request.wait()
         self.wait_seconds += time.perf_counter() - waited
         self.round_trips += 1
-        content = reply.content
+        content = cast(contents.TensorReply, reply.content)
         self.server_tensors = int(content.get("stored", 0))
         self._account(content)
         if failure is None and content.get("status") != "ok":
@@ -153,12 +152,8 @@ class OpStream:
             raise RuntimeError(f"{op} failed during backward: {type(error).__name__}: {error}") from error
         if failure is not None:
             bad, n = failure
-            if bad.get("ename") == "LimitExceeded":
-                raise LimitExceeded(str(bad.get("evalue")))
-            raise RemoteError(
-                bad.get("ename", "Error"),
-                f"remote op {bad.get('op')} (op {bad.get('index', 0) + 1} of {n} sent together) "
-                f"failed: {bad.get('evalue')}",
+            raise error_from(
+                bad, f"remote op {bad.get('op')} (op {bad.get('index', 0) + 1} of {n} sent together) failed: "
             )
         if content.get("fetch"):
             content["values"] = deserialize_namespace(
@@ -166,7 +161,7 @@ class OpStream:
             )  # tensors and numbers only
         return content
 
-    def _account(self, content: dict[str, Any]) -> None:
+    def _account(self, content: contents.TensorReply) -> None:
         self.server_seconds += float(content.get("run_s", 0.0))
         if self.profile is not None:
             for name, (seconds, calls) in (content.get("profile") or {}).items():

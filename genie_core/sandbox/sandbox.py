@@ -9,9 +9,9 @@ import shutil
 import stat
 import sys
 from pathlib import Path
-from typing import Any
 
 from ..dataplane.segment import SHM_DIR, segment_name
+from ..nodes import GPUInfo
 from .cgroups import WorkerCgroup
 from .network import OutboundFence
 from .policy import SandboxPolicy, probe
@@ -166,7 +166,7 @@ class Sandbox:
 class SandboxedWorker:
     """A worker's sandbox: its home (the session directory), its private /dev/shm, its cgroup."""
 
-    def __init__(self, sandbox: Sandbox, worker_id: str, home: Path, uid: int | None, gpu: dict[str, Any] | None):
+    def __init__(self, sandbox: Sandbox, worker_id: str, home: Path, uid: int | None, gpu: GPUInfo | None):
         self.sandbox, self.home, self.uid, self.gpu = sandbox, home, uid, gpu
         self.shm = SHM_DIR / f"genie-sbx-{os.getpid()}-{worker_id}"
         for path in (home, self.shm):
@@ -212,14 +212,14 @@ class SandboxedWorker:
         kept.update(HOME=str(self.home), TMPDIR="/tmp", USER="genie", GENIE_SANDBOXED="1")
         kept.update(IPYTHONDIR="/tmp/.ipython", MPLCONFIGDIR="/tmp/.matplotlib")  # not in the session's files
         kept["GENIE_WORKER_ID"] = env["GENIE_WORKER_ID"]
-        if self.gpu and self.gpu.get("uuid"):  # an index could mean another GPU once others are hidden
-            kept["CUDA_VISIBLE_DEVICES"] = str(self.gpu["uuid"])
+        if self.gpu and self.gpu.uuid:  # an index could mean another GPU once others are hidden
+            kept["CUDA_VISIBLE_DEVICES"] = str(self.gpu.uuid)
         return args, kept
 
     def _gpu_nodes(self) -> list[str]:
         if self.gpu is None:
             return []
-        nodes = [f"nvidia{self.gpu.get('minor', self.gpu['index'])}", *GPU_SHARED_NODES]
+        nodes = [f"nvidia{self.gpu.index}", *GPU_SHARED_NODES]
         return [n for n in nodes if (self.sandbox.dev / n).exists()]
 
     # Shared memory: segments named on the wire live in the host's /dev/shm; the worker's is its own.

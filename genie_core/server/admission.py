@@ -13,13 +13,13 @@ import json
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ProtocolError
-from ..protocol import RUNS, VERSIONS_TAG, Codec, Message, MessageType, Peer, parse, split_identities
+from ..protocol import RUNS, VERSIONS_TAG, Codec, Message, MessageType, Peer, contents, parse, split_identities
 from ..protocol.errors import SESSION_NOT_FOUND, error_content
 from ..threads import name_os_thread
 from ..versions import local_versions
@@ -44,7 +44,7 @@ class Admitted:
     session: Session | None  # None for a hello, which opens one
 
 
-Reply = Callable[[bytes, Message, str, dict[str, Any]], None]
+Reply = Callable[[bytes, Message, str, Mapping[str, Any]], None]
 
 
 class Admission:
@@ -228,7 +228,7 @@ class Admission:
                 return
             reply = Message(
                 MessageType.AUTH_FAILED,
-                {"reason": "signature does not match: wrong token"},
+                contents.AuthFailed(reason="signature does not match: wrong token"),
                 parent=str(header.get("id", "")),
             )
             self._send_raw(identity, Codec(None).pack(reply))

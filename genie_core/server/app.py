@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,9 @@ from ..gpus import list_gpus
 from ..lifeline import Lifeline, parent_gone
 from ..loop import SocketLoop
 from ..monitoring import GPUSource
+from ..nodes import GPUInfo
 from ..protocol import PROTOCOL_VERSION, Codec, Message, MessageType, derive_key
+from ..protocol.contents import Limits, NodeDescription
 from ..sandbox import Sandbox, policy_of, require
 from .admission import Admission
 from .data import DataPlane
@@ -69,19 +72,19 @@ class Server:
         self.token = self.config.token or new_token()
         self.keys: Any = None
         self.gate: Any = None
-        self.limits = {
-            "session_tensors": self.config.max_session_tensors,
-            "session_bytes": self.config.max_session_bytes,
-            "message_bytes": self.config.max_message_bytes,
-        }
+        self.limits = Limits(
+            session_tensors=self.config.max_session_tensors,
+            session_bytes=self.config.max_session_bytes,
+            message_bytes=self.config.max_message_bytes,
+        )
         self.node_id = self.config.resolved_node_id()
         self.signing_key = derive_key(self.token)  # also the data plane's
         self.codec = Codec(self.signing_key, max_bytes=self.config.max_message_bytes)
         self.parent_lifeline = parent_lifeline  # a pipe from whoever embeds us: we stop when it closes
         detected, gpu_reason = list_gpus()
         if self.config.gpus is not None:
-            by_index = {g["index"]: g for g in detected}
-            self.gpus = [by_index.get(i, {"index": i, "name": "unknown"}) for i in self.config.gpus]
+            by_index = {g.index: g for g in detected}
+            self.gpus = [by_index.get(i, GPUInfo(i, name="unknown")) for i in self.config.gpus]
         else:
             self.gpus = detected
         self.port = 0
@@ -245,7 +248,7 @@ class Server:
             f"connection file: {self.connection_file}"
         )
 
-    def node_info(self) -> dict[str, Any]:
+    def node_info(self) -> NodeDescription:
         return self.telemetry.node_info(self.address, self.data.info, self.limits)
 
     def serve_forever(self) -> None:
@@ -304,14 +307,19 @@ class Server:
         self.router.send_multipart([identity, *self.codec.pack(msg)], copy=False)
 
     def _reply(
-        self, identity: bytes, request: Message, kind: str, content: dict[str, Any], buffers: list[Any] | None = None
+        self,
+        identity: bytes,
+        request: Message,
+        kind: str,
+        content: Mapping[str, Any],
+        buffers: list[Any] | None = None,
     ) -> None:
         self._send(identity, Message(kind, content, buffers or [], parent=request.id, session=request.session))
 
     def _send_raw(self, identity: bytes, frames: list[Any]) -> None:
         self.router.send_multipart([identity, *frames])
 
-    def _broadcast(self, kind: MessageType, content: dict[str, Any]) -> None:
+    def _broadcast(self, kind: MessageType, content: Mapping[str, Any]) -> None:
         """Events and readings to every session's heartbeat connection (from any thread)."""
 
         def send() -> None:

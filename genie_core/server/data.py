@@ -12,6 +12,7 @@ import numpy as np
 from ..dataplane import ServerSide, backends
 from ..dataplane.segment import Segment
 from ..dataplane.stream import DataHost
+from ..protocol.contents import DataRef
 from ..threads import name_os_thread
 
 log = logging.getLogger("genie.server")
@@ -75,7 +76,7 @@ class DataPlane:
         return f"not a segment of this session: {name!r}"
 
     @staticmethod
-    def probe(ref: dict[str, Any] | None, buffers: list[Any]) -> int:
+    def probe(ref: DataRef | None, buffers: list[Any]) -> int:
         """Discovery's round trip: take the bytes as a push would (map a segment and touch every
         page of it, as the worker's tensors later will; or receive them inline). Returns the size."""
         if not ref:

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, cast
 
-from ..protocol import TERMINAL, Message, MessageType
+from ..protocol import TERMINAL, Message, MessageType, contents, error_text
 
 T = MessageType
 OUTPUT_BYTES = 4 << 20  # output kept per job; beyond it the oldest messages go (and are counted)
@@ -26,14 +27,14 @@ class JobRecord:
         self.ended: float | None = None
         self.state = "running"  # then ok, error or stopped
         self.error = ""
-        self.messages: list[tuple[int, str, dict[str, Any]]] = []  # (n, type, content)
+        self.messages: list[tuple[int, str, Mapping[str, Any]]] = []  # (n, type, content)
         self.next_n = 0
         self.bytes = 0
         self.dropped = 0  # messages let go to stay within OUTPUT_BYTES
 
     def add(self, msg: Message) -> None:
         """Keep one output (numbered in `content["n"]`, which the client sees too)."""
-        msg.content["n"] = n = self.next_n
+        cast(contents.Output, msg.content)["n"] = n = self.next_n
         self.next_n += 1
         size = len(str(msg.content))
         self.messages.append((n, str(msg.type), msg.content))
@@ -43,25 +44,27 @@ class JobRecord:
             self.bytes -= len(str(old))
             self.dropped += 1
 
-    def finish(self, content: dict[str, Any]) -> None:
+    def finish(self, content: contents.Failure) -> None:
+        """Its last reply (an error reply has no status: error)."""
         if self.ended is not None:
             return
         self.ended = time.time()
-        self.state = "ok" if content.get("status") == "ok" else "error"
+        self.state = "ok" if cast(contents.Reply, content).get("status") == "ok" else "error"
         if content.get("ename"):
-            self.error = f"{content.get('ename')}: {content.get('evalue', '')}"[:500]
+            self.error = error_text(content)
 
     def stop(self, why: str) -> None:
         if self.ended is None:
             self.ended, self.state, self.error = time.time(), "stopped", why[:500]
 
     def tail(self, lines: int = TAIL_LINES) -> str:
-        text = "".join(str(c.get("text", "")) for _, t, c in self.messages[-200:] if t == T.STREAM)
+        streams = [cast(contents.Stream, c) for _, t, c in self.messages[-200:] if t == T.STREAM]
+        text = "".join(str(c.get("text", "")) for c in streams)
         return "\n".join(text.rstrip("\n").splitlines()[-lines:])
 
-    def to_dict(self, since: int | None = None) -> dict[str, Any]:
+    def to_dict(self, since: int | None = None) -> contents.JobState:
         """The record; with `since`, also the kept outputs numbered `since` and after."""
-        out: dict[str, Any] = {
+        out: contents.JobState = {
             "id": self.id,
             "name": self.name,
             "summary": self.summary,
@@ -87,7 +90,8 @@ class Jobs:
 
     def start(self, msg: Message) -> str:
         """Register an execute request that asked to run as a job; returns a problem, or ""."""
-        name = str(msg.content.get("job") or "").strip()[:64]
+        execute = cast(contents.Execute, msg.content)
+        name = str(execute.get("job") or "").strip()[:64]
         if not name:
             self._count += 1
             name = f"job-{self._count}"
@@ -102,8 +106,8 @@ class Jobs:
             )
         for old in [j for j in self.by_id.values() if j.name == name]:
             del self.by_id[old.id]  # an ended job of the same name: the new one replaces it
-        self.by_id[msg.id] = JobRecord(msg.id, name, str(msg.content.get("code", "")))
-        msg.content["job"] = name
+        self.by_id[msg.id] = JobRecord(msg.id, name, str(execute.get("code", "")))
+        execute["job"] = name
         return ""
 
     def record(self, msg: Message) -> None:
@@ -113,11 +117,11 @@ class Jobs:
         if job is None:
             return
         if msg.type in TERMINAL:
-            msg.content["outputs"] = job.next_n
+            cast(contents.ExecuteReply, msg.content)["outputs"] = job.next_n  # (an error reply's too)
         else:
             job.add(msg)
 
-    def finish(self, request_id: str, content: dict[str, Any]) -> None:
+    def finish(self, request_id: str, content: contents.Failure) -> None:
         job = self.by_id.get(request_id)
         if job is None:
             return
@@ -133,6 +137,6 @@ class Jobs:
         for job in self.running():
             job.stop(why)
 
-    def report(self, since: dict[str, int]) -> list[dict[str, Any]]:
+    def report(self, since: dict[str, int]) -> list[contents.JobState]:
         """Every job; the outputs of those in `since` (request id -> first output number wanted)."""
         return [j.to_dict(since.get(j.id)) for j in self.by_id.values()]

@@ -8,10 +8,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import cast
 
 from ..events import EventType, Severity
-from ..protocol import Message, MessageType, Peer, accepted_from, error_content
+from ..protocol import Message, MessageType, Peer, accepted_from, contents, error_content
 from ..threads import name_os_thread
 from ..versions import compare, local_versions
 from .admission import Admitted, Reply
@@ -39,7 +39,7 @@ class ClientRequests:
         upkeep: Upkeep,
         reply: Reply,
         call_soon: Callable[[Callable[[], None]], None],
-        node_info: Callable[[], dict[str, Any]],
+        node_info: Callable[[], contents.NodeDescription],
         address: Callable[[], str],
     ) -> None:
         self.sessions, self.workers, self.data, self.telemetry = sessions, workers, data, telemetry
@@ -76,14 +76,14 @@ class ClientRequests:
         if admitted.session is None:
             self.on_hello(admitted.identity, admitted.msg)
         elif admitted.type is T.PING:  # on whichever connection it came (the heartbeat one, mostly)
-            self.reply(admitted.identity, admitted.msg, T.PONG, {"time": time.time()})
+            self.reply(admitted.identity, admitted.msg, T.PONG, contents.Pong(time=time.time()))
         else:
             self.handlers[admitted.type](admitted.session, admitted.msg)
 
     def on_hello(self, identity: bytes, msg: Message) -> None:
         """Open a session, or attach to the named one, unless the client's versions cannot work with
         ours (refused before anything is opened or attached: a running named session is left alone)."""
-        theirs = msg.content.get("versions")
+        theirs = cast(contents.Hello, msg.content).get("versions")
         if isinstance(theirs, dict):
             client = {str(k): None if v is None else str(v) for k, v in theirs.items()}
             problems = compare(client, local_versions(), self.address()).errors
@@ -96,17 +96,17 @@ class ClientRequests:
             return
         session, attached = self.sessions.open(identity, msg, self.workers.next_slot)
         log.info("session %s %s for %s", session.id[:8], "attached" if attached else "opened", session.client)
-        welcome = {
-            "session": session.id,
-            "node": self.node_info(),
-            "slot": session.slot,
-            "versions": local_versions(),
-            "name": session.name,
-            "attached": attached,  # to a named session that was already running
-            "created": session.created,
-            "jobs": [j.to_dict() for j in session.jobs.running()],
-            "job_names": [j.name for j in session.jobs.by_id.values()],
-        }
+        welcome = contents.Welcome(
+            session=session.id,
+            node=self.node_info(),
+            slot=session.slot,
+            versions=local_versions(),
+            name=session.name,
+            attached=attached,  # to a named session that was already running
+            created=session.created,
+            jobs=[j.to_dict() for j in session.jobs.running()],
+            job_names=[j.name for j in session.jobs.by_id.values()],
+        )
         self.reply(identity, msg, T.WELCOME, welcome)
         if attached:
             self.upkeep.event(
@@ -117,7 +117,7 @@ class ClientRequests:
         """A cell; one sent with `job` runs as a background job, whose output the session keeps."""
         if self.on_cell is not None:
             self.on_cell(session, msg)
-        if "job" in msg.content:
+        if "job" in cast(contents.Execute, msg.content):
             problem = session.jobs.start(msg)
             if problem:
                 self._refuse(session, msg, "ValueError", problem)
@@ -133,18 +133,19 @@ class ClientRequests:
         """`%genie_sync`: make the session directory hold the manifest; the reply names what is
         missing. Hashing and writing (up to tens of MiB) happen on a thread of their own, so that
         heartbeats and other sessions are answered meanwhile."""
-        names = [str(n) for n in list(msg.content.get("files") or [])]
+        sync = cast(contents.Sync, msg.content)
+        names = [str(n) for n in list(sync.get("files") or [])]
         if len(names) != len(msg.buffers):
             self._refuse(session, msg, "ValueError", f"{len(names)} file names for {len(msg.buffers)} contents")
             return
         directory = self._directory(session)
-        manifest = dict(msg.content.get("manifest") or {})
-        contents = dict(zip(names, map(bytes, msg.buffers), strict=True))
+        manifest = dict(sync.get("manifest") or {})
+        files = dict(zip(names, map(bytes, msg.buffers), strict=True))
 
         def apply() -> None:
             name_os_thread()
             try:
-                report = directory.apply(manifest, contents)
+                report = directory.apply(manifest, files)
             except (SyncError, OSError) as exc:
                 error = exc
                 self.call_soon(lambda: self._refuse(session, msg, type(error).__name__, str(error)))
@@ -155,7 +156,7 @@ class ClientRequests:
 
     def _on_file(self, session: Session, msg: Message) -> None:
         """An upload's or download's step, for the worker; relative paths are in the session directory."""
-        problem = self.data.check_ref(msg.content.get("data"), session.id)
+        problem = self.data.check_ref(cast(contents.FilePut, msg.content).get("data"), session.id)  # a piece's bytes
         if problem:
             self._refuse(session, msg, "PermissionError", problem)
             return
@@ -164,9 +165,9 @@ class ClientRequests:
 
     def _on_jobs(self, session: Session, msg: Message) -> None:
         """The session's jobs; outputs from a given number on for those asked about (`since`)."""
-        asked = msg.content.get("since") or {}
+        asked = cast(contents.Jobs, msg.content).get("since") or {}
         since = {str(k)[:64]: int(v) for k, v in list(dict(asked).items())[:100] if isinstance(v, int)}
-        self.reply(session.identity, msg, T.JOBS_REPLY, {"jobs": session.jobs.report(since)})
+        self.reply(session.identity, msg, T.JOBS_REPLY, contents.JobsReply(jobs=session.jobs.report(since)))
 
     def _refuse(self, session: Session, msg: Message, ename: str, evalue: str) -> None:
         """Answer a request that will not run with an error (and remember that it did not)."""
@@ -176,13 +177,14 @@ class ClientRequests:
 
     def _to_worker(self, session: Session, msg: Message) -> None:
         if session.directory is not None:  # the worker runs in the session directory, re-importing what changed
-            msg.content["sync"] = {"dir": str(session.directory.root), "generation": session.directory.generation}
+            directory = contents.SyncState(dir=str(session.directory.root), generation=session.directory.generation)
+            cast(contents.ToWorker, msg.content)["sync"] = directory
         problem = self.workers.route(session, msg)
         if problem:
             self._refuse(session, msg, "ValueError", problem)
 
     def _on_push(self, session: Session, msg: Message) -> None:
-        problem = self.data.check_ref(msg.content.get("data"), session.id)
+        problem = self.data.check_ref(cast(contents.Push, msg.content).get("data"), session.id)
         if problem:
             self._refuse(session, msg, "PermissionError", problem)
             return
@@ -191,44 +193,43 @@ class ClientRequests:
     def _on_interrupt(self, session: Session, msg: Message) -> None:
         """Interrupt one cell (content "request"; none: whichever runs). A cell still waiting for
         its worker to start is answered here and never runs; the worker judges the rest."""
-        target = msg.content.get("request")
+        target = cast(contents.Interrupt, msg.content).get("request")
         cancelled, forwarded = self.workers.interrupt(session, str(target)[:64] if target else None)
-        evalue = "interrupted before it started: the cell did not run"
         for request in cancelled:  # answered as its worker would have
-            self.reply(
-                session.identity,
-                request,
-                T.ERROR,
-                error_content("KeyboardInterrupt", evalue, [f"KeyboardInterrupt: {evalue}"]),
-            )
-            content = {"status": "error", "ename": "KeyboardInterrupt", "evalue": evalue, "ran": False}
-            session.finished(request.id, content)
-            self.reply(session.identity, request, T.EXECUTE_REPLY, content)
-        self.reply(session.identity, msg, T.INTERRUPT_REPLY, {"cancelled": len(cancelled), "forwarded": forwarded})
+            error, reply = contents.interrupted_before_start()
+            self.reply(session.identity, request, T.ERROR, error)
+            session.finished(request.id, reply)
+            self.reply(session.identity, request, T.EXECUTE_REPLY, reply)
+        answer = contents.InterruptReply(cancelled=len(cancelled), forwarded=forwarded)
+        self.reply(session.identity, msg, T.INTERRUPT_REPLY, answer)
 
     def _on_outcome(self, session: Session, msg: Message) -> None:
         self.reply(session.identity, msg, T.OUTCOME_REPLY, outcomes(session, msg))
 
     def _on_info(self, session: Session, msg: Message) -> None:
-        report = self.telemetry.report(int(msg.content.get("history_points", 60)), int(msg.content.get("events", 50)))
-        sessions = [
-            dict(s.info(), workers=[w.info() for w in self.workers.of(s).values()]) for s in self.sessions.live.values()
+        asked = cast(contents.Info, msg.content)
+        report = self.telemetry.report(int(asked.get("history_points", 60)), int(asked.get("events", 50)))
+        sessions: list[contents.SessionInfo] = [
+            {**s.info(), "workers": [w.info() for w in self.workers.of(s).values()]}
+            for s in self.sessions.live.values()
         ]
-        self.reply(session.identity, msg, T.INFO_REPLY, {"node": self.node_info(), "sessions": sessions, **report})
+        info: contents.InfoReply = {"node": self.node_info(), "sessions": sessions, **report}
+        self.reply(session.identity, msg, T.INFO_REPLY, info)
 
     def _on_data_probe(self, session: Session, msg: Message) -> None:
         """Discovery's round trip (inline bytes, or a segment the client made)."""
-        ref = msg.content.get("data")
+        ref = cast(contents.DataProbe, msg.content).get("data")
         problem = self.data.check_ref(ref, session.id)
         if problem:
             self._refuse(session, msg, "PermissionError", problem)
             return
-        self.reply(session.identity, msg, T.DATA_PROBE_REPLY, {"bytes": self.data.probe(ref, msg.buffers)})
+        probed = contents.DataProbeReply(bytes=self.data.probe(ref, msg.buffers))
+        self.reply(session.identity, msg, T.DATA_PROBE_REPLY, probed)
 
     def _on_set_backend(self, session: Session, msg: Message) -> None:
-        session.backend = str(msg.content.get("backend", ""))[:32]
-        self.reply(session.identity, msg, T.SET_BACKEND_REPLY, {"ok": True})
+        session.backend = str(cast(contents.SetBackend, msg.content).get("backend", ""))[:32]
+        self.reply(session.identity, msg, T.SET_BACKEND_REPLY, contents.SetBackendReply(ok=True))
 
     def _on_close(self, session: Session, msg: Message) -> None:
         self.upkeep.close(session, "closed by the client")
-        self.reply(session.identity, msg, T.CLOSE_REPLY, {"status": "ok"})
+        self.reply(session.identity, msg, T.CLOSE_REPLY, contents.CloseReply(status="ok"))

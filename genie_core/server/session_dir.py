@@ -12,6 +12,7 @@ import threading
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from ..protocol.contents import SyncReply
 from ..sandbox.uids import files_as
 
 MAX_FILES = 10_000
@@ -41,13 +42,13 @@ class SessionDirectory:
         self.generation = 0  # bumped at each change: workers re-import changed modules when it moves
         self._lock = threading.Lock()  # one sync at a time (each runs on a thread of its own)
 
-    def apply(self, manifest: dict[str, Any], files: dict[str, bytes]) -> dict[str, Any]:
+    def apply(self, manifest: dict[str, Any], files: dict[str, bytes]) -> SyncReply:
         """Make the directory hold `manifest` (path -> SHA-256): write `files` (their content),
         remove what the manifest no longer lists, and say which files are still missing."""
         with self._lock, files_as(self.owner):
             return self._apply(manifest, files)
 
-    def _apply(self, manifest: dict[str, Any], files: dict[str, bytes]) -> dict[str, Any]:
+    def _apply(self, manifest: dict[str, Any], files: dict[str, bytes]) -> SyncReply:
         if len(manifest) > MAX_FILES:
             raise SyncError(f"{len(manifest)} files to sync: at most {MAX_FILES}")
         wanted = {str(_safe(str(p))): str(h) for p, h in manifest.items()}

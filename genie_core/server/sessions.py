@@ -11,9 +11,9 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import cast
 
-from ..protocol import Message, Peer
+from ..protocol import Message, Peer, contents, error_text
 from .jobs import Jobs
 from .session_dir import SessionDirectory
 
@@ -25,7 +25,7 @@ class Session:
     def __init__(
         self,
         identity: bytes,
-        client: dict[str, Any],
+        client: dict[str, str],
         slot: int,
         heartbeat_identity: bytes | None = None,
         name: str = "",
@@ -39,7 +39,7 @@ class Session:
         self._seqs: dict[bytes, int] = {}
         self.backend = "zmq"  # the data-plane backend the client chose
         self.heartbeat_identity = heartbeat_identity  # named in the hello; events go there, never behind a transfer
-        self.requests: OrderedDict[str, dict[str, Any]] = OrderedDict()  # id -> what became of it
+        self.requests: OrderedDict[str, contents.RequestOutcome] = OrderedDict()  # id -> what became of it
         self.name = name
         self.end_reason = ""  # why it ended, once it has
         self.jobs = Jobs()
@@ -58,21 +58,16 @@ class Session:
             self.requests.popitem(last=False)
         return True
 
-    def finished(self, request_id: str, content: dict[str, Any]) -> None:
+    def finished(self, request_id: str, content: contents.Failure) -> None:
         """Its terminal reply went out: `content` has its status (an error reply has none: error)."""
         self.jobs.finish(request_id, content)
         entry = self.requests.get(request_id)
         if entry is not None:
-            entry.update(
-                state="finished",
-                status=str(content.get("status", "error")),
-                finished=time.time(),
-                **(
-                    {"error": f"{content.get('ename', '')}: {content.get('evalue', '')}"[:500]}
-                    if content.get("ename")
-                    else {}
-                ),
-            )
+            entry["state"] = "finished"
+            entry["status"] = str(cast(contents.Reply, content).get("status", "error"))
+            entry["finished"] = time.time()
+            if content.get("ename"):
+                entry["error"] = error_text(content)
 
     def ended(self, why: str) -> None:
         """The session is closing: requests still running are stopped with it."""
@@ -80,12 +75,13 @@ class Session:
         self.jobs.stop_all(f"stopped part-way when the server ended the session ({why})")
         for entry in self.requests.values():
             if entry["state"] == "running":
-                entry.update(state="stopped", error=f"stopped part-way when the server ended the session ({why})")
+                entry["state"] = "stopped"
+                entry["error"] = f"stopped part-way when the server ended the session ({why})"
 
-    def outcome(self, request_id: str) -> dict[str, Any]:
+    def outcome(self, request_id: str) -> contents.RequestOutcome:
         """What became of a request: running, finished (with its status), or not received."""
         entry = self.requests.get(request_id)
-        return dict(entry) if entry is not None else {"state": "not received"}
+        return entry.copy() if entry is not None else {"state": "not received"}
 
     def peer(self, identity: bytes) -> Peer | None:
         """Which of this session's connections `identity` is; None if it is not one of them."""
@@ -106,7 +102,7 @@ class Session:
     def event_identity(self) -> bytes:
         return self.heartbeat_identity or self.identity
 
-    def attach(self, identity: bytes, heartbeat_identity: bytes | None, client: dict[str, Any], seq: int) -> None:
+    def attach(self, identity: bytes, heartbeat_identity: bytes | None, client: dict[str, str], seq: int) -> None:
         """A new client takes the session over; its former connections are refused from now on."""
         self.former |= {i for i in (self.identity, self.heartbeat_identity) if i is not None}
         self.former -= {identity, heartbeat_identity}
@@ -119,7 +115,7 @@ class Session:
         """Seconds since its client last said anything."""
         return time.monotonic() - self.last_seen
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> contents.SessionInfo:
         return {
             "id": self.id[:8],
             "name": self.name,
@@ -143,13 +139,14 @@ class SessionTable:
     def open(self, identity: bytes, hello: Message, next_slot: Callable[[], int]) -> tuple[Session, bool]:
         """A session for a client's hello, and whether it is an existing one (a hello naming a live
         named session attaches to it). Its heartbeat connection is the one the hello names."""
-        client = {k: str(v)[:200] for k, v in dict(hello.content.get("client") or {}).items()}
+        said = cast(contents.Hello, hello.content)
+        client = {k: str(v)[:200] for k, v in dict(said.get("client") or {}).items()}
         try:
-            heartbeat: bytes | None = bytes.fromhex(str(hello.content.get("heartbeat") or ""))[:255] or None
+            heartbeat: bytes | None = bytes.fromhex(str(said.get("heartbeat") or ""))[:255] or None
         except ValueError:
             heartbeat = None
         heartbeat = heartbeat if heartbeat != identity else None
-        name = str(hello.content.get("name") or "").strip()[:64]
+        name = str(said.get("name") or "").strip()[:64]
         existing = self.named(name) if name else None
         if existing is not None:
             existing.attach(identity, heartbeat, client, hello.seq)
@@ -164,11 +161,12 @@ class SessionTable:
         still there is only handed to the same user (a second notebook of theirs), so that two
         people who pick the same name do not share a namespace. The token is what authenticates;
         this only keeps honest users apart."""
-        name = str(hello.content.get("name") or "").strip()[:64]
+        said = cast(contents.Hello, hello.content)
+        name = str(said.get("name") or "").strip()[:64]
         session = self.named(name) if name else None
         if session is None or session.detached:
             return ""
-        user = str(dict(hello.content.get("client") or {}).get("user", ""))[:200]
+        user = str(dict(said.get("client") or {}).get("user", ""))[:200]
         if user == session.client.get("user", ""):
             return ""
         return (
@@ -193,8 +191,8 @@ class SessionTable:
         return [s for s in self.live.values() if now - s.last_seen > lease]
 
 
-def outcomes(session: Session, msg: Message) -> dict[str, Any]:
+def outcomes(session: Session, msg: Message) -> contents.OutcomeReply:
     """ "Did it run?": for each request id asked about, running, finished (with status), stopped,
     or not received."""
-    ids = [str(i)[:64] for i in list(msg.content.get("ids") or [])[:1000]]
+    ids = [str(i)[:64] for i in list(cast(contents.Outcome, msg.content).get("ids") or [])[:1000]]
     return {"outcomes": {i: session.outcome(i) for i in ids}}

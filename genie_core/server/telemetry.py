@@ -9,20 +9,20 @@ import os
 import platform
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..config import ClusterConfig, state_dir
 from ..events import ClusterEvent, EventBus, EventType
 from ..monitoring import GPUSource, NvmlSource, SimulatedGPUSource, create_resource_monitor
 from ..monitoring.history_store import HistoryStore
-from ..nodes import NodeInfo
-from ..protocol import PROTOCOL_VERSION, MessageType
+from ..nodes import GPUInfo, NodeInfo
+from ..protocol import PROTOCOL_VERSION, MessageType, contents
 from ..version import __version__
 
 log = logging.getLogger("genie.server")
 
-Broadcast = Callable[[MessageType, dict[str, Any]], None]  # to every session, on the loop thread
+Broadcast = Callable[[MessageType, Mapping[str, Any]], None]  # to every session, on the loop thread
 
 
 class Telemetry:
@@ -30,7 +30,7 @@ class Telemetry:
         self,
         config: ClusterConfig,
         node_id: str,
-        gpus: list[dict[str, Any]],
+        gpus: list[GPUInfo],
         gpu_reason: str,
         gpu_source: GPUSource | None = None,
         owners: Callable[[], dict[int, dict[str, Any]]] = dict,
@@ -59,7 +59,7 @@ class Telemetry:
             health = self.monitor.health_report if self.monitor is not None else None
             broadcast(
                 MessageType.METRICS,
-                {"node": self.labelled(node.to_dict()), "health": health.to_dict() if health else None},
+                contents.Metrics(node=self.labelled(node.to_dict()), health=health.to_dict() if health else None),
             )
 
         self.bus.subscribe(on_event)
@@ -90,7 +90,7 @@ class Telemetry:
         if self.store is not None:
             self.store.close()
 
-    def node_info(self, address: str, transport: dict[str, Any], limits: dict[str, Any]) -> dict[str, Any]:
+    def node_info(self, address: str, transport: dict[str, Any], limits: contents.Limits) -> contents.NodeDescription:
         """The node as a client sees it in its welcome and in `genie status`."""
         return {
             "node_id": self.node_id,
@@ -101,7 +101,7 @@ class Telemetry:
             "protocol": PROTOCOL_VERSION,
             "python": platform.python_version(),
             "platform": platform.platform(),
-            "gpus": self.gpus,
+            "gpus": [g.description() for g in self.gpus],
             "gpu_reason": self.gpu_reason,
             "simulated_gpus": self.config.simulate_gpus or 0,  # fake readings (--simulate-gpus), labelled so
             "transport": transport,
@@ -120,7 +120,7 @@ class Telemetry:
                 p.update(owners.get(int(p.get("pid") or 0), {}))
         return node
 
-    def report(self, history_points: int, events: int) -> dict[str, Any]:
+    def report(self, history_points: int, events: int) -> contents.TelemetryReport:
         """Readings, health, history and events, for an `info` request."""
         monitor = self.monitor
         latest = monitor.latest if monitor is not None else None

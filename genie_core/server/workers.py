@@ -19,13 +19,14 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
 from ..config import runtime_dir_for
 from ..dataplane.segment import sweep_worker
-from ..protocol import TERMINAL, Codec, Message, MessageType, Peer, error_content, parse
+from ..nodes import GPUInfo
+from ..protocol import TERMINAL, Codec, Message, MessageType, Peer, contents, error_content, parse
 from ..sandbox import Sandbox, SandboxedWorker
 from ..sandbox.uids import UidLease
 from .sessions import Session
@@ -132,7 +133,7 @@ class WorkerProcess:
         slot: int,
         endpoint: str,
         lifeline: int,
-        limits: dict[str, Any] | None = None,
+        limits: contents.Limits | None = None,
         sandboxed: SandboxedWorker | None = None,
     ) -> None:
         self.id = worker_id
@@ -220,7 +221,7 @@ class WorkerProcess:
             self.kill()
         return False
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> contents.WorkerInfo:
         public = hashlib.sha256(self.id.encode()).hexdigest()[:16]  # the id itself opens its socket
         return {"id": public, "pid": self.pid, "slot": self.slot, "ready": self.ready, "busy": self.busy()}
 
@@ -237,8 +238,8 @@ class WorkerPool:
         self,
         *,
         lifeline: int,
-        limits: dict[str, Any],
-        gpus: list[dict[str, Any]],
+        limits: contents.Limits,
+        gpus: list[GPUInfo],
         spares: int,
         reply: Reply,
         sessions: dict[str, Session],
@@ -297,7 +298,7 @@ class WorkerPool:
         """The GPU with the fewest sessions (the CPU on a server without GPUs)."""
         if not self.gpus:
             return CPU
-        load = {g["index"]: 0 for g in self.gpus}
+        load = {g.index: 0 for g in self.gpus}
         for s in self.sessions.values():
             if s.slot in load:
                 load[s.slot] += 1
@@ -315,7 +316,7 @@ class WorkerPool:
             if index == 0:
                 return CPU, ""
             return CPU, f"GPU {index} does not exist: the server at {self.address} has no GPU (use --gpu 0, its CPU)"
-        indices = [g["index"] for g in self.gpus]
+        indices = [g.index for g in self.gpus]
         if index not in indices:
             return CPU, f"GPU {index} does not exist on {self.address}: it has GPUs {', '.join(map(str, indices))}"
         return index, ""
@@ -329,7 +330,7 @@ class WorkerPool:
             home = self.homes.get(session.id) if session is not None else None
             if home is None:  # a spare: its home and uid become those of the session that takes it
                 own = home = (self.home_root / f"home-{worker_id}", self.sandbox.lease())
-            gpu = next((g for g in self.gpus if g["index"] == slot), None)
+            gpu = next((g for g in self.gpus if g.index == slot), None)
             uid = home[1].uid if home[1] is not None else None
             sandboxed = SandboxedWorker(self.sandbox, worker_id, home[0], uid, gpu)
         try:
@@ -441,7 +442,7 @@ class WorkerPool:
     # -- requests -------------------------------------------------------------------------
     def route(self, session: Session, msg: Message) -> str:
         """Hand a request to the session's worker of its slot; "" or why it cannot go."""
-        slot, problem = self.slot_for(session, msg.content.get("gpu"))
+        slot, problem = self.slot_for(session, cast(contents.ToWorker, msg.content).get("gpu"))
         if problem:
             return problem
         workers = self.assigned.setdefault(session.id, {})
@@ -469,12 +470,12 @@ class WorkerPool:
                 worker.inflight.pop(waiting.id, None)
                 cancelled.append(waiting)
             if worker.ready:
-                self._forward(worker, Message(T.INTERRUPT, {"request": target}))
+                self._forward(worker, Message(T.INTERRUPT, contents.Interrupt(request=target)))
                 forwarded += 1
         return cancelled, forwarded
 
     def _forward(self, worker: WorkerProcess, msg: Message) -> None:
-        ref = msg.content.get("data")
+        ref = cast(contents.ToWorker, msg.content).get("data")
         if worker.sandboxed is not None and isinstance(ref, dict) and isinstance(ref.get("segment"), str):
             worker.sandboxed.move_in(ref["segment"])
         frames = self.codec.pack(Message(msg.type, msg.content, msg.buffers, id=msg.id))
@@ -507,12 +508,12 @@ class WorkerPool:
         session = worker.session
         if worker.inflight.get(msg.parent) is None or session is None or session.id not in self.sessions:
             return
-        ref = msg.content.get("data")
+        ref = cast(contents.Staged, msg.content).get("data")  # a pull's or a download's bytes, staged
         if worker.sandboxed is not None and isinstance(ref, dict) and isinstance(ref.get("segment"), str):
             ref["segment"] = worker.sandboxed.move_out(ref["segment"], worker.pid)
         if kind in TERMINAL:
             worker.inflight.pop(msg.parent, None)
-            session.finished(msg.parent, msg.content)
+            session.finished(msg.parent, cast(contents.Failure, msg.content))  # a reply, or an error reply
         self.reply(session, msg)
 
     def housekeeping(self) -> None:

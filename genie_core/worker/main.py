@@ -17,8 +17,8 @@ import sys
 import threading
 import traceback
 from collections import OrderedDict
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import Any, cast
 
 import zmq
 
@@ -27,7 +27,7 @@ from ..dataplane.segment import Segment, pack_into, segment_spares, split
 from ..errors import size_text
 from ..lifeline import die_with_parent
 from ..loop import SocketLoop
-from ..protocol import Codec, Message, MessageType, error_content, for_worker
+from ..protocol import Codec, Message, MessageType, contents, error_content, for_worker
 from ..serialize import deserialize_namespace, serialize_namespace
 from . import files
 from .streams import FLUSH_INTERVAL, OutStream, capture_fd
@@ -82,7 +82,7 @@ class Worker:
     def _on_message(self, frames: list[zmq.Frame]) -> None:
         msg = self.codec.unpack(frames)
         if msg.type == T.INTERRUPT:  # handled here, at once: the main thread may be busy for hours
-            self._interrupt(msg.content.get("request"))
+            self._interrupt(cast(contents.Interrupt, msg.content).get("request"))
         else:
             self.inbox.put(msg)
 
@@ -130,7 +130,7 @@ class Worker:
             raise KeyboardInterrupt
 
     def send(
-        self, kind: str, content: dict[str, Any], buffers: list[Any] | None = None, parent: str | None = None
+        self, kind: MessageType, content: Mapping[str, Any], buffers: list[Any] | None = None, parent: str | None = None
     ) -> None:
         msg = Message(kind, content, buffers or [], parent=self.current if parent is None else parent)
         frames = self.codec.pack(msg)
@@ -139,7 +139,7 @@ class Worker:
     # -- set-up ---------------------------------------------------------------------------
     def setup(self) -> None:
         def emit_stream(name: str, text: str) -> None:
-            self.send("stream", {"name": name, "text": text})
+            self.send(T.STREAM, contents.Stream(name=name, text=text))
 
         out, err = OutStream("stdout", emit_stream), OutStream("stderr", emit_stream)
         saved_err = capture_fd(2, err)
@@ -187,11 +187,11 @@ class Worker:
         self.setup()
         self.send(
             T.READY,
-            {
-                "pid": os.getpid(),
-                "python": sys.version.split()[0],
-                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            },
+            contents.Ready(
+                pid=os.getpid(),
+                python=sys.version.split()[0],
+                cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+            ),
             parent="",
         )
         handlers = {
@@ -215,7 +215,7 @@ class Worker:
                         T.ERROR_REPLY, error_content("ProtocolError", f"a worker does not take {msg.type!r} requests")
                     )
                     continue
-                self.synced.update(msg.content.get("sync"))
+                self.synced.update(cast(contents.ToWorker, msg.content).get("sync"))
                 handler(msg)
                 self.synced.note_imports()
             except KeyboardInterrupt:
@@ -227,125 +227,128 @@ class Worker:
 
     def on_execute(self, msg: Message) -> None:
         """Run a cell; whatever happens, exactly one execute_reply goes back."""
-        code = msg.content.get("code", "")
-        silent = bool(msg.content.get("silent", False))
+        execute = cast(contents.Execute, msg.content)
+        code = execute.get("code", "")
+        silent = bool(execute.get("silent", False))
         with self._interrupt_lock:
             cancelled = self.cancelled.pop(msg.id, False) is None
             self.cell = "" if cancelled else msg.id
             self.sigints_seen = self.sigints_sent  # nothing sent for an earlier cell is resent into this one
         if cancelled:
-            evalue = "interrupted before it started: the cell did not run"
-            self.send(
-                "error", {"ename": "KeyboardInterrupt", "evalue": evalue, "traceback": [f"KeyboardInterrupt: {evalue}"]}
-            )
-            self.send(
-                "execute_reply", {"status": "error", "ename": "KeyboardInterrupt", "evalue": evalue, "ran": False}
-            )
+            error, answer = contents.interrupted_before_start()
+            self.send(T.ERROR, error)
+            self.send(T.EXECUTE_REPLY, answer)
             return
-        reply: dict[str, Any]
+        reply: contents.ExecuteReply
         try:
             result = self.shell.run_cell(code, store_history=not silent, silent=silent)
-            reply = {"status": "ok" if result.success else "error", "execution_count": self.shell.execution_count - 1}
-            error = result.error_in_exec or result.error_before_exec
-            if error is not None:
-                reply.update(ename=type(error).__name__, evalue=str(error))
+            reply = contents.ExecuteReply(
+                status="ok" if result.success else "error", execution_count=self.shell.execution_count - 1
+            )
+            failed = result.error_in_exec or result.error_before_exec
+            if failed is not None:
+                reply["ename"], reply["evalue"] = type(failed).__name__, str(failed)
         except KeyboardInterrupt:  # landed in IPython's own code around the cell
-            self.send("error", {"ename": "KeyboardInterrupt", "evalue": "", "traceback": ["KeyboardInterrupt"]})
-            reply = {"status": "error", "ename": "KeyboardInterrupt", "evalue": ""}
+            self.send(T.ERROR, contents.Error(ename="KeyboardInterrupt", evalue="", traceback=["KeyboardInterrupt"]))
+            reply = contents.ExecuteReply(status="error", ename="KeyboardInterrupt", evalue="")
         finally:
             with self._interrupt_lock:
                 self.cell, self.armed, self.interrupt_pending = "", False, False
         sys.stdout.flush()
         sys.stderr.flush()
-        self.send("execute_reply", reply)
+        self.send(T.EXECUTE_REPLY, reply)
 
     def on_push(self, msg: Message) -> None:
+        push = cast(contents.Push, msg.content)
         buffers = msg.buffers
-        ref = msg.content.get("data")
+        ref = push.get("data")
         incoming = sum(int(n) for n in ref["sizes"]) if ref else sum(memoryview(b).nbytes for b in buffers)
         held = self.tensors.bytes_held if self.tensors is not None else 0
         if self.max_bytes is not None and held + incoming > self.max_bytes:
             if ref:
                 Segment.discard(ref["segment"])  # it will not be used
             self.send(
-                "push_reply",
-                {
-                    "status": "error",
-                    "ename": "LimitExceeded",
-                    "evalue": (
+                T.PUSH_REPLY,
+                contents.PushReply(
+                    status="error",
+                    ename="LimitExceeded",
+                    evalue=(
                         f"this push of {size_text(incoming)} would make this session hold "
                         f"{size_text(held + incoming)}; the server allows {size_text(self.max_bytes)} "
                         "(--max-session-bytes): free some (del)"
                     ),
-                },
+                ),
             )
             return
         if ref:  # the bytes came by the data plane: the tensors are built on that memory, no copy
             buffers = split(Segment.adopt(ref["segment"]), [int(n) for n in ref["sizes"]])
-        values = deserialize_namespace(msg.content["values"], buffers, msg.content.get("device"))
+        values = deserialize_namespace(push["values"], buffers, push.get("device"))
         # What the push replaces is freed on a thread of its own: unmapping a big old tensor
         # (256 MiB: about 0.1 s here, the GIL released) would otherwise double the push's time,
         # or the next request's.
         replaced = [self.shell.user_ns[name] for name in values if name in self.shell.user_ns]
         self.shell.user_ns.update(values)
-        self.send("push_reply", {"status": "ok", "names": list(values)})
+        self.send(T.PUSH_REPLY, contents.PushReply(status="ok", names=list(values)))
         if replaced:
             threading.Thread(target=replaced.clear, name="genie-free", daemon=True).start()
 
     def on_pull(self, msg: Message) -> None:
-        names = list(msg.content.get("names", []))
+        pull = cast(contents.Pull, msg.content)
+        names = list(pull.get("names", []))
         missing = [n for n in names if n not in self.shell.user_ns]
         if missing:
             self.send(
-                "pull_reply",
-                {"status": "error", "ename": "NameError", "evalue": f"not defined on the server: {', '.join(missing)}"},
+                T.PULL_REPLY,
+                contents.PullReply(
+                    status="error", ename="NameError", evalue=f"not defined on the server: {', '.join(missing)}"
+                ),
             )
             return
         metas, buffers = serialize_namespace({n: self.shell.user_ns[n] for n in names})
         total = sum(memoryview(b).nbytes for b in buffers)
-        if msg.content.get("staged") and total >= DATA_THRESHOLD:  # the client fetches it over its data plane
+        if pull.get("staged") and total >= DATA_THRESHOLD:  # the client fetches it over its data plane
             for old in self.staged:  # staged earlier and never collected: the client went away
                 old.unlink()
             segment = self.spares.take(total, refill=False)  # the client (or the data port) adopts it
             sizes = pack_into(segment.view, buffers)
             segment.close()
             self.staged = [segment]
-            self.send(
-                "pull_reply", {"status": "ok", "values": metas, "data": {"segment": segment.name, "sizes": sizes}}
-            )
+            staged = contents.DataRef(segment=segment.name, sizes=sizes)
+            self.send(T.PULL_REPLY, contents.PullReply(status="ok", values=metas, data=staged))
             self.spares.refill(total)
             return
-        self.send("pull_reply", {"status": "ok", "values": metas}, buffers)
+        self.send(T.PULL_REPLY, contents.PullReply(status="ok", values=metas), buffers)
 
     # -- files (%genie_upload, %genie_download) ------------------------------------------------
     def on_file_stat(self, msg: Message) -> None:
         with self._file_errors():
-            self.send("file_reply", files.stat(msg.content, self.synced.root))
+            self.send(T.FILE_REPLY, files.stat(cast(contents.FileStat, msg.content), self.synced.root))
 
     def on_file_put(self, msg: Message) -> None:
-        ref = msg.content.get("data")
+        piece = cast(contents.FilePut, msg.content)
+        ref = piece.get("data")
         data = Segment.adopt(ref["segment"]) if ref else memoryview(msg.buffers[0] if msg.buffers else b"")
         with self._file_errors():
-            self.send(
-                "file_reply", files.put(msg.content, data[: int(ref["sizes"][0])] if ref else data, self.synced.root)
-            )
+            self.send(T.FILE_REPLY, files.put(piece, data[: int(ref["sizes"][0])] if ref else data, self.synced.root))
 
     def on_file_get(self, msg: Message) -> None:
-        length = int(msg.content.get("length") or 0)
+        asked = cast(contents.FileGet, msg.content)
+        length = int(asked.get("length") or 0)
         with self._file_errors():
-            if msg.content.get("staged") and length >= DATA_THRESHOLD:  # fetched over the client's data plane
+            if asked.get("staged") and length >= DATA_THRESHOLD:  # fetched over the client's data plane
                 for old in self.staged:
                     old.unlink()
                 segment = self.spares.take(length, refill=False)
-                n = files.read(msg.content, segment.view[:length], self.synced.root)
+                n = files.read(asked, segment.view[:length], self.synced.root)
                 segment.close()
                 self.staged = [segment]
-                self.send("file_reply", {"status": "ok", "data": {"segment": segment.name, "sizes": [n]}})
+                staged = contents.DataRef(segment=segment.name, sizes=[n])
+                self.send(T.FILE_REPLY, contents.FileReply(status="ok", data=staged))
                 self.spares.refill(length)
                 return
             buffer = bytearray(length)
-            n = files.read(msg.content, memoryview(buffer), self.synced.root)
-            self.send("file_reply", {"status": "ok", "size": n}, [bytes(buffer[:n])])
+            n = files.read(asked, memoryview(buffer), self.synced.root)
+            self.send(T.FILE_REPLY, contents.FileReply(status="ok", size=n), [bytes(buffer[:n])])
 
     @contextlib.contextmanager
     def _file_errors(self) -> Iterator[None]:
@@ -353,7 +356,7 @@ class Worker:
         try:
             yield
         except (OSError, ValueError) as exc:
-            self.send("file_reply", {"status": "error", "ename": type(exc).__name__, "evalue": str(exc)})
+            self.send(T.FILE_REPLY, contents.FileReply(status="error", ename=type(exc).__name__, evalue=str(exc)))
 
     def on_tensor_ops(self, msg: Message) -> None:
         """Replay a client's recorded tensor ops (see genie_core.remote_tensor)."""
@@ -362,7 +365,7 @@ class Worker:
 
             self.tensors = TensorExecutor(self.max_tensors, self.max_bytes)
         content, buffers = self.tensors.run(msg.buffers)
-        self.send("tensor_reply", content, buffers)
+        self.send(T.TENSOR_REPLY, content, buffers)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,7 +7,7 @@ we only route what it produces: display data, the cell's result and errors.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 from IPython.core.displayhook import DisplayHook
@@ -16,7 +16,10 @@ from IPython.core.interactiveshell import InteractiveShell
 from traitlets import Any as AnyTrait
 from traitlets import Type
 
-Emit = Callable[[str, dict[str, Any]], None]
+from ..protocol import MessageType, contents
+
+T = MessageType
+Emit = Callable[[MessageType, Mapping[str, Any]], None]
 
 
 def _flush_streams() -> None:
@@ -43,12 +46,12 @@ class WorkerDisplayPublisher(DisplayPublisher):
         **kwargs: Any,
     ) -> None:
         _flush_streams()
-        kind = "update_display_data" if update else "display_data"
-        self.emit(kind, {"data": data, "metadata": metadata or {}, "transient": transient or {}})
+        kind = T.UPDATE_DISPLAY_DATA if update else T.DISPLAY_DATA
+        self.emit(kind, contents.DisplayData(data=data, metadata=metadata or {}, transient=transient or {}))
 
     def clear_output(self, wait: bool = False) -> None:
         _flush_streams()
-        self.emit("clear_output", {"wait": wait})
+        self.emit(T.CLEAR_OUTPUT, contents.ClearOutput(wait=wait))
 
 
 class WorkerDisplayHook(DisplayHook):
@@ -71,8 +74,8 @@ class WorkerDisplayHook(DisplayHook):
         _flush_streams()
         if self._data:
             self.emit(
-                "execute_result",
-                {"data": self._data, "metadata": self._metadata, "execution_count": self.prompt_count},
+                T.EXECUTE_RESULT,
+                contents.ExecuteResult(data=self._data, metadata=self._metadata, execution_count=self.prompt_count),
             )
 
 
@@ -102,8 +105,8 @@ class WorkerShell(InteractiveShell):
     def _showtraceback(self, etype: Any, evalue: Any, stb: list[str]) -> None:
         _flush_streams()
         self.emit(
-            "error",
-            {"ename": getattr(etype, "__name__", str(etype)), "evalue": str(evalue), "traceback": list(stb)},
+            T.ERROR,
+            contents.Error(ename=getattr(etype, "__name__", str(etype)), evalue=str(evalue), traceback=list(stb)),
         )
 
     def ask_exit(self) -> None:

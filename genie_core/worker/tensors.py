@@ -13,6 +13,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_loads
 
 from ..errors import LimitExceeded, size_text
+from ..protocol.contents import OpBatch, TensorReply
 from ..protocol.tensor_ops import MemoryFormat, Ref, RemoteDevice, StorageOf
 from ..serialize import serialize_namespace
 from . import device_answers
@@ -212,7 +213,7 @@ class TensorExecutor:
             return getattr(torch, value.name)
         return value
 
-    def run(self, frames: list[Any]) -> tuple[dict[str, Any], list[Any]]:
+    def run(self, frames: list[Any]) -> tuple[TensorReply, list[Any]]:
         """frames: [pickled request, out-of-band buffers...]. Returns the reply content and buffers."""
         start = time.perf_counter()
         collecting = gc.isenabled()
@@ -223,8 +224,8 @@ class TensorExecutor:
             if collecting:
                 gc.enable()
 
-    def _run(self, frames: list[Any], start: float) -> tuple[dict[str, Any], list[Any]]:
-        request = pickle.loads(frames[0], buffers=frames[1:])
+    def _run(self, frames: list[Any], start: float) -> tuple[TensorReply, list[Any]]:
+        request: OpBatch = pickle.loads(frames[0], buffers=frames[1:])
         failure: dict[str, Any] | None = None
         eager: Any = None
         records = request["ops"]
@@ -300,7 +301,7 @@ class TensorExecutor:
             self.ops_run += 1
         if self.device.type == "cuda" and request.get("sync"):
             torch.cuda.synchronize()
-        content: dict[str, Any] = {
+        content: TensorReply = {
             "status": "ok",
             "eager": eager,
             "stored": len(self.store),
