@@ -452,6 +452,20 @@ def test_explicit_generators_are_refused_clearly(remote):
         torch.randn(3, device=DEV, generator=torch.Generator())
 
 
+def test_setting_data_names_the_other_tensors_values(remote):
+    """`x.data = y`, as `nn.Module` code and old training loops do: x now holds y's values and shape
+    (sharing them, as on CUDA), and its cached layout follows (the next op's output shape is right)."""
+    x, y = torch.zeros(2, device=DEV), torch.arange(3.0).to(DEV)
+    x.data = y
+    assert x.shape == (3,) and torch.equal(x.cpu(), torch.arange(3.0))
+    assert torch.equal((x + 1).cpu(), torch.arange(3.0) + 1)
+    y.add_(10)
+    assert torch.equal(x.cpu(), torch.arange(3.0) + 10)  # shared, as PyTorch's .data = is
+    with pytest.raises(RuntimeError, match=r"x.data = value: value must be a remote_accelerator tensor"):
+        x.data = torch.ones(3)
+    assert torch.equal(x.cpu(), torch.arange(3.0) + 10)  # refused: nothing changed
+
+
 def test_copies_between_sessions_are_refused(tmp_path):
     from conftest import start_server
 
@@ -492,16 +506,3 @@ def test_tensors_of_an_ended_session_say_so(tmp_path):
     finally:
         srv.stop()
 
-
-def test_setting_data_names_the_other_tensors_values(remote):
-    """`x.data = y`, as `nn.Module` code and old training loops do: x now holds y's values and shape
-    (sharing them, as on CUDA), and its cached layout follows (the next op's output shape is right)."""
-    x, y = torch.zeros(2, device=DEV), torch.arange(3.0).to(DEV)
-    x.data = y
-    assert x.shape == (3,) and torch.equal(x.cpu(), torch.arange(3.0))
-    assert torch.equal((x + 1).cpu(), torch.arange(3.0) + 1)
-    y.add_(10)
-    assert torch.equal(x.cpu(), torch.arange(3.0) + 10)  # shared, as PyTorch's .data = is
-    with pytest.raises(RuntimeError, match=r"x.data = value: value must be a remote_accelerator tensor"):
-        x.data = torch.ones(3)
-    assert torch.equal(x.cpu(), torch.arange(3.0) + 10)  # refused: nothing changed
