@@ -505,4 +505,3 @@ def test_tensors_of_an_ended_session_say_so(tmp_path):
             torch.ones(2, device=DEV)
     finally:
         srv.stop()
-
