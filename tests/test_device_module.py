@@ -313,9 +313,11 @@ AUDIT = {
     "set_rng_ctx": "DTensor's random state across ranks (torch.distributed.tensor): not for one remote device",
     "unset_rng_ctx": "DTensor's random state across ranks (torch.distributed.tensor): not for one remote device",
     "memory_summary": "a text report of CUDA's caching allocator: memory_stats() has the counters",
-    "CUDAGraph": "captured graphs: not yet (the torch.compile issue)",
-    "graph": "captured graphs: not yet (the torch.compile issue)",
-    "make_graphed_callables": "captured graphs: not yet (the torch.compile issue)",
+    "CUDAGraph": None,
+    "graph": None,
+    "make_graphed_callables": None,
+    "graph_pool_handle": None,
+    "is_current_stream_capturing": None,
     "ipc_collect": "CUDA IPC between processes: the server's tensors never leave its worker",
 }
 

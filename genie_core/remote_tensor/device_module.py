@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from . import captured
 from .connection import DEVICE_TYPE, _connected, _index, current_index, device_count, set_current_index, stream_for
 
 
@@ -179,6 +180,11 @@ Properties = DeviceProperties  # (inside _DeviceModule the name DeviceProperties
 class _DeviceModule:
     """`torch.remote_accelerator`: what `torch.cuda` offers, for the remote devices."""
 
+    CUDAGraph = captured.CUDAGraph
+    graph = captured.graph
+    make_graphed_callables = staticmethod(captured.make_graphed_callables)
+    graph_pool_handle = staticmethod(captured.graph_pool_handle)
+    is_current_stream_capturing = staticmethod(captured.is_current_stream_capturing)
     device = device
     device_of = device_of
     Stream = Stream

@@ -64,6 +64,7 @@ class OpStream:
             not is_loopback(str(getattr(client, "host", "127.0.0.1"))) or (os.cpu_count() or 1) >= self.SPARE_CORES
         )
         self._deferred: tuple[str, BaseException] | None = None
+        self._uncaptured: list[tuple] | None = None  # while a graph is captured: the records before it
         self.profile: dict[str, list[float]] | None = None  # set to {} to have the worker time each op (benchmarks)
 
     def defer(self, op: str, error: BaseException) -> None:
@@ -91,6 +92,25 @@ class OpStream:
     def pending(self) -> int:
         return len(self._records)
 
+    @property
+    def capturing(self) -> bool:
+        return self._uncaptured is not None
+
+    def begin_capture(self) -> None:
+        """Record into a graph's list (captured.py) until end_capture; nothing is sent meanwhile."""
+        if self._uncaptured is not None:
+            raise RuntimeError("a graph is already being captured on this device")
+        with self._lock:
+            self._uncaptured, self._records = self._records, []
+
+    def end_capture(self) -> list[tuple]:
+        """The records since begin_capture; recording goes on where it was."""
+        if self._uncaptured is None:
+            raise RuntimeError("no graph is being captured on this device")
+        with self._lock:
+            captured, self._records, self._uncaptured = self._records, self._uncaptured, None
+        return captured
+
     def idle(self) -> bool:
         """Nothing recorded and no batch in flight: all work so far has run (a batch sent without
         waiting counts as running until the next flush reads its reply)."""
@@ -113,6 +133,8 @@ class OpStream:
 
     def _submit(self) -> None:
         """Send what was recorded; the reply is read at the next flush."""
+        if self._uncaptured is not None:
+            return  # a graph's records go at the end of its capture
         with self._lock:
             records, self._records = self._records, []
         if records:
@@ -126,6 +148,11 @@ class OpStream:
     def flush(self, fetch: list[int] | None = None, *, eager: bool = False, sync: bool = False) -> contents.TensorReply:
         """Send what was recorded (and fetch these ids), wait; raise the first failure: one kept
         from backward (see defer), else the first the server reports."""
+        if self._uncaptured is not None:
+            raise RuntimeError(
+                "this needs a value from the server, which is not permitted while a graph is being captured "
+                f"on {self.device} (as on CUDA): capture only device work, read values after the capture"
+            )
         with self._lock:
             records, self._records = self._records, []
         request = self._send(

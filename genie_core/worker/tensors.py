@@ -17,6 +17,7 @@ from ..protocol.contents import OpBatch, TensorReply
 from ..protocol.tensor_ops import MemoryFormat, Ref, RemoteDevice, StorageOf
 from ..serialize import serialize_namespace
 from . import device_answers
+from .captured import CapturedGraph
 from .compiled import CompiledGraphs
 from .cpu_shims import CPU_SHIMS
 
@@ -141,6 +142,7 @@ class TensorExecutor:
         self.clocks: dict[int, Any] = {}  # Event(enable_timing=True) readings, by id (device_answers.py)
         self._ops: dict[str, Any] = {}
         self.graphs = CompiledGraphs(self.device, self.store)
+        self.graph_memory: dict[int, torch.Tensor] = {}  # what captured graphs made (captured.py)
         gc.freeze()  # what this worker imported lives as long as it does: keep it out of every collection
 
     @property
@@ -199,6 +201,8 @@ class TensorExecutor:
         if isinstance(value, Ref):
             t = self.store.get(value.id)
             if t is None:
+                t = self.graph_memory.get(value.id)  # a captured graph's, that the client let go
+            if t is None:
                 raise RuntimeError(
                     f"remote tensor {value.id} does not exist on the server (freed, or made in another session)"
                 )
@@ -237,67 +241,21 @@ class TensorExecutor:
                 if index:
                     _note_time(timing, records[index - 1], tick)
                 tick = time.perf_counter()
-            if kind == "free":
-                self.store.pop(record[1], None)
-                if self.clocks:
-                    self.clocks.pop(record[1], None)
-                continue
-            if kind == "fail":  # outputs of an op that failed on the client during backward
-                for rid in record[1]:
-                    self.store[rid] = _Failed(record[2], RuntimeError(record[3]))
+            if kind == "free" or kind == "fail":  # (even after a failure)
+                self.step(record)
                 continue
             if failure is not None:  # skip the rest, poisoning what they would have made
-                if kind in ("op", "call") and not isinstance(
-                    record[4], range
-                ):  # (a range: a list op's ids, never named unless described)
-                    for rid in record[4]:
-                        if rid is not None:
-                            self.store[rid] = _Failed(failure["op"], failure["error"])
+                self._poison(record, failure["op"], failure["error"])
                 continue
             try:
-                if kind == "put":
-                    self.store[record[1]] = record[2].to(self.device)
-                    self._check_limits("a tensor sent from here")
-                elif kind == "seed":  # (torch.manual_seed also visits every other device type: milliseconds)
-                    torch.default_generator.manual_seed(record[1])
-                    if self.device.type == "cuda":
-                        torch.cuda.manual_seed(record[1])
-                elif kind == "call":
-                    self._run_call(record)
-                    self._check_limits(f"remote call {record[1]}")
-                elif kind == "rng_get":
-                    state = (
-                        torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
+                out = self.step(record)
+                if request.get("eager_last") and index == len(records) - 1:
+                    eager = (
+                        {"value": out} if kind == "ask" else self._describe(out, record[4]) if kind == "op" else None
                     )
-                    self.store[record[1]] = state
-                elif kind == "rng_set":
-                    if self.device.type == "cuda":
-                        torch.cuda.set_rng_state(record[1], self.device)
-                    else:
-                        torch.set_rng_state(record[1])
-                elif kind == "graph":  # a graph torch.compile captured on the client, by content hash
-                    self.graphs.define(record[1], record[2], record[3])
-                elif kind == "import":  # the module that defines a custom op used here (torch.library)
-                    importlib.import_module(record[1])
-                elif kind == "clock":
-                    self.clocks[record[1]] = device_answers.clock(self.device)
-                elif kind == "ask":
-                    value = device_answers.answer(record[1], record[2], self.device, self._held_bytes, self.clocks)
-                    if request.get("eager_last") and index == len(records) - 1:
-                        eager = {"value": value}
-                elif kind == "op":
-                    out = self._run_op(record)
-                    self._check_limits(f"remote op {record[1]}")
-                    if request.get("eager_last") and index == len(records) - 1:
-                        eager = self._describe(out, record[4])
             except Exception as exc:
                 failure = {"op": record[1] if kind in ("op", "call") else kind, "index": index, "error": exc}
-                if kind == "put":
-                    self.store[record[1]] = _Failed("put", exc)
-                if kind in ("op", "call") and not isinstance(record[4], range):
-                    for rid in record[4]:
-                        if rid is not None:
-                            self.store[rid] = _Failed(record[1], exc)
+                self._poison(record, record[1] if kind in ("op", "call") else kind, exc)
             self.ops_run += 1
         if self.device.type == "cuda" and request.get("sync"):
             torch.cuda.synchronize()
@@ -329,6 +287,73 @@ class TensorExecutor:
         metas, buffers = serialize_namespace(fetch)
         content["fetch"] = metas
         return content, buffers
+
+    def _poison(self, record: tuple, op: str, error: BaseException) -> None:
+        """What a record that failed, or was skipped after a failure, would have made: later uses
+        name the failure."""
+        kind = record[0]
+        if kind == "put":
+            self.store[record[1]] = _Failed("put", error)
+        elif kind in ("op", "call") and not isinstance(record[4], range):  # (a range: a list op's ids)
+            for rid in record[4]:
+                if rid is not None:
+                    self.store[rid] = _Failed(op, error)
+        elif kind == "capture":
+            for inner in record[2]:
+                self._poison(inner, op, error)
+
+    def step(self, record: tuple) -> Any:
+        """Run one record (a "free" or "fail" too, for captured graphs' lists): what an op made, or a
+        question's answer."""
+        kind = record[0]
+        if kind == "op":
+            out = self._run_op(record)
+            self._check_limits(f"remote op {record[1]}")
+            return out
+        if kind == "free":
+            found = self.store.pop(record[1], None)
+            if type(found) is CapturedGraph:
+                found.release()
+            if self.clocks:
+                self.clocks.pop(record[1], None)
+        elif kind == "call":
+            self._run_call(record)
+            self._check_limits(f"remote call {record[1]}")
+        elif kind == "put":
+            self.store[record[1]] = record[2].to(self.device)
+            self._check_limits("a tensor sent from here")
+        elif kind == "fail":  # outputs of an op that failed on the client during backward
+            for rid in record[1]:
+                self.store[rid] = _Failed(record[2], RuntimeError(record[3]))
+        elif kind == "seed":  # (torch.manual_seed also visits every other device type: milliseconds)
+            torch.default_generator.manual_seed(record[1])
+            if self.device.type == "cuda":
+                torch.cuda.manual_seed(record[1])
+        elif kind == "rng_get":
+            self.store[record[1]] = (
+                torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
+            )
+        elif kind == "rng_set":
+            if self.device.type == "cuda":
+                torch.cuda.set_rng_state(record[1], self.device)
+            else:
+                torch.set_rng_state(record[1])
+        elif kind == "graph":  # a graph torch.compile captured on the client, by content hash
+            self.graphs.define(record[1], record[2], record[3])
+        elif kind == "capture":  # ops captured as a graph (torch.remote_accelerator.graph): run once, kept
+            self.store[record[1]] = CapturedGraph(self, record[2])
+        elif kind == "replay":
+            found = self.store.get(record[1])
+            if not isinstance(found, CapturedGraph):
+                raise RuntimeError("this captured graph is not on the server (reset, or captured in another session)")
+            found.replay()
+        elif kind == "import":  # the module that defines a custom op used here (torch.library)
+            importlib.import_module(record[1])
+        elif kind == "clock":
+            self.clocks[record[1]] = device_answers.clock(self.device)
+        elif kind == "ask":
+            return device_answers.answer(record[1], record[2], self.device, self._held_bytes, self.clocks)
+        return None
 
     def _run_op(self, record: tuple) -> Any:
         name, args, kwargs, out_ids = record[1:5]

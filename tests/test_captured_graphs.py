@@ -1,0 +1,140 @@
+"""Captured graphs on remote_accelerator (`torch.remote_accelerator.graph`, `CUDAGraph`,
+`make_graphed_callables`), as code written for CUDA graphs uses them, against a real CPU server:
+replays equal eager CPU bit for bit, and a replay is one record, whatever the graph holds."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+DEV = "remote_accelerator:0"
+ra = None
+
+
+@pytest.fixture(autouse=True)
+def _module(remote):
+    global ra
+    ra = torch.remote_accelerator
+
+
+def sent_kinds(stream, block):
+    kinds: list[str] = []
+    original = stream.record
+
+    def record(entry: tuple) -> None:
+        kinds.append(entry[0])
+        original(entry)
+
+    stream.record = record
+    try:
+        block()
+    finally:
+        del stream.record
+    return kinds
+
+
+def test_a_replay_is_one_record_and_its_outputs_are_static():
+    from genie_core.remote_tensor.connection import stream_for
+
+    w = torch.randn(4, 4)
+    static_x, wr = torch.zeros(3, 4, device=DEV), w.to(DEV)
+    g = ra.CUDAGraph()
+    with ra.graph(g):
+        h = static_x @ wr
+        for _ in range(50):  # a graph of 100 ops
+            h = torch.tanh(h) * 1.01
+        static_y = h + 1
+    row = static_y[0]  # a view taken after the capture follows the replays, as on CUDA
+    stream = stream_for(0)
+    for _ in range(3):
+        x = torch.randn(3, 4)
+        static_x.copy_(x)
+        kinds = sent_kinds(stream, g.replay)
+        assert kinds == ["replay"]
+        before = ra.stats()["0"]["round_trips"]
+        expected = x @ w
+        for _ in range(50):
+            expected = torch.tanh(expected) * 1.01
+        assert torch.equal(static_y.cpu(), expected + 1)
+        assert ra.stats()["0"]["round_trips"] == before + 1
+        assert torch.equal(row.cpu(), (expected + 1)[0])
+
+
+def test_a_value_needed_in_a_capture_is_refused_as_cuda_refuses_it():
+    x = torch.ones(3, device=DEV)
+    assert not ra.is_current_stream_capturing()
+    with pytest.raises(RuntimeError, match="not permitted while a graph is being captured"), ra.graph(ra.CUDAGraph()):
+        assert ra.is_current_stream_capturing()
+        (x * 2).sum().item()
+    assert not ra.is_current_stream_capturing()
+    assert torch.equal((x + 1).cpu(), torch.full((3,), 2.0))  # the session goes on
+    with pytest.raises(RuntimeError, match="has not been captured"):
+        ra.CUDAGraph().replay()
+
+
+def test_a_reset_graph_is_gone_from_the_server():
+    x = torch.ones(2, device=DEV)
+    g = ra.CUDAGraph()
+    with ra.graph(g):
+        y = x * 3
+    g.replay()
+    assert torch.equal(y.cpu(), torch.full((2,), 3.0))
+    g.reset()
+    with pytest.raises(RuntimeError, match="has not been captured"):
+        g.replay()
+
+
+class MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_make_graphed_callables_trains_as_eager_does():
+    torch.manual_seed(0)
+    local = MLP()
+    model = copy.deepcopy(local).to(DEV)
+    sample = (torch.randn(5, 6, device=DEV),)
+    graphed = ra.make_graphed_callables(model, sample)
+    assert graphed is model
+    opt_local = torch.optim.SGD(local.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(5, 6, generator=g)
+        out, out_local = graphed(x.to(DEV)), local(x)
+        (out**2).sum().backward()
+        (out_local**2).sum().backward()
+        assert torch.equal(out.cpu(), out_local.detach())
+        for p, q in zip(model.parameters(), local.parameters(), strict=True):
+            assert torch.equal(p.grad.cpu(), q.grad)
+        opt.step(), opt_local.step()
+        opt.zero_grad(), opt_local.zero_grad()
+    for p, q in zip(model.parameters(), local.parameters(), strict=True):
+        assert torch.equal(p.cpu(), q.detach())
+    model.eval()
+    assert torch.equal(model(sample[0]).cpu(), local.eval()(sample[0].cpu()))  # eval: the module's own forward
+
+
+def test_a_graph_reads_what_another_made_after_the_client_let_it_go():
+    """The tensors a capture made are the graph's memory (as a CUDA graph's pool is): a second graph
+    reading one still can after the client dropped it (make_graphed_callables' backward graph reads
+    what the forward graph saved)."""
+    x = torch.ones(2, device=DEV)
+    first, second = ra.CUDAGraph(), ra.CUDAGraph()
+    with ra.graph(first):
+        made = x * 2
+    with ra.graph(second):
+        y = made + 1
+    del made
+    second.replay()  # before the first graph runs again: its memory still holds x * 2
+    assert torch.equal(y.cpu(), torch.full((2,), 3.0))
+    x.fill_(5.0)
+    first.replay()
+    second.replay()
+    assert torch.equal(y.cpu(), torch.full((2,), 11.0))
