@@ -145,6 +145,45 @@ native = native.cpu()
     assert torch.equal(out.cpu(), expected)  # the same casts, run by the same device
 
 
+def test_compiled_static_cache_decode_with_inductor_and_cuda_graphs(gpu_server):
+    """The fast-decoding recipe on a GPU server: the server's Inductor compiles the forward
+    (mode="reduce-overhead": its CUDA graphs, parameters and buffers marked static)."""
+    transformers = pytest.importorskip("transformers")
+    import test_conformance_models as models
+
+    transformers.logging.set_verbosity_error()
+    local, model = models.twins(models._decoder, "gpt2")
+    local.eval(), model.eval()
+    prompt = {k: v for k, v in models.batch("gpt2").items() if k != "labels"}
+    kwargs = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False, "cache_implementation": "static"}
+    eager_tokens = model.generate(**models.on(prompt, DEV), **kwargs).cpu()
+    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):  # Inductor's CUDA graphs record on the second call and replay after
+        tokens = model.generate(**models.on(prompt, DEV), **kwargs).cpu()
+        assert torch.equal(tokens, eager_tokens)
+    assert torch.equal(tokens, local.generate(**prompt, **kwargs))
+    assert _value("__import__('torch')._dynamo.utils.counters['stats']['unique_graphs']") >= 1
+
+
+def test_a_captured_graph_replays_as_a_cuda_graph(gpu_server):
+    ra = torch.remote_accelerator
+    w = torch.randn(64, 64)
+    static_x, wr = torch.zeros(8, 64, device=DEV), w.to(DEV)
+    torch.relu(static_x @ wr).cpu()  # warm up (cuBLAS) before the capture, as CUDA graphs want
+    g = ra.CUDAGraph()
+    with ra.graph(g):
+        static_y = torch.relu(static_x @ wr) * 2
+    for _ in range(3):
+        x = torch.randn(8, 64)
+        static_x.copy_(x)
+        g.replay()
+        _close(static_y, torch.relu(x @ w) * 2, "replayed output")
+    held = (
+        "sum(o.cuda_graph is not None for o in __import__('gc').get_objects() if type(o).__name__ == 'CapturedGraph')"
+    )
+    assert _value(held) >= 1
+
+
 def test_gpu_memory_is_returned_after_del_and_after_the_session(gpu_server):
     before = _value("torch.cuda.memory_allocated()")
     x = torch.empty(256, 1024, 1024, device=DEV)  # 1 GiB
