@@ -303,16 +303,16 @@ def backend(gm: Any, example_inputs: list[Any], mode: str | None = None, options
 
 
 def _holds_remote(gm: Any, inputs: list[Any]) -> bool:
+    """Whether a graph works on the device: an input on it, or a tensor made on it."""
     from .tensor import RemoteTensor
 
     if any(type(x) is RemoteTensor for x in inputs):
         return True
-    return any(
-        n.op == "placeholder"
-        and isinstance(n.meta.get("example_value"), torch.Tensor)
-        and n.meta["example_value"].device.type == DEVICE_TYPE
-        for n in gm.graph.nodes
-    )
+    for node in gm.graph.nodes:
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.Tensor) and value.device.type == DEVICE_TYPE:
+            return True
+    return False
 
 
 _registered = False
