@@ -241,4 +241,3 @@ def test_a_compiler_the_server_does_not_have_is_refused_at_compile(remote):
     f = torch.compile(lambda x: x + 1, backend="remote_accelerator", options={"compiler": "tvm"})
     with pytest.raises(Exception, match="options\\['compiler'\\] is 'tvm'; the server compiles with one of"):
         f(torch.zeros(2).to(DEV))
-
