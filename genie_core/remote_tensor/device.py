@@ -28,26 +28,40 @@ def _factory_kernels(lib: Any) -> None:
     import torch
 
     from ..protocol.tensor_ops import RemoteDevice, encode_value
-    from .tensor import RemoteTensor
+    from .tensor import RemoteTensor, _expectations
+    from .tensor import _entry as entry
+    from .tensor import _remote as remote
 
     def make(name: str, runs: str | None = None):
         packet, overload = name.split(".")
         op = getattr(getattr(torch.ops.aten, packet), overload)
         recorded = str(op) if runs is None else runs
 
+        made: dict[Any, tuple] = {}  # arguments -> the output's layout (meta kernels of arange & co. are Python)
+
         def kernel(*args: Any, **kwargs: Any) -> Any:
             device = kwargs.get("device")
-            meta_kwargs = dict(kwargs, device=torch.device("meta"))
-            out = op(*args, **meta_kwargs)
             fake = _fake_mode()
             if fake is not None:  # torch.compile tracing (torch.tensor(data, device=...) gets here)
+                out = op(*args, **dict(kwargs, device=torch.device("meta")))
                 return fake.fake_tensor_converter.from_meta_and_device(fake, out, device or torch.device(DEVICE_TYPE))
+            try:
+                key: Any = (args, *kwargs.items())
+                spec = made.get(key)
+            except TypeError:  # (a list among the arguments)
+                key, spec = None, None
+            if spec is None:
+                out = op(*args, **dict(kwargs, device=torch.device("meta")))
+                spec = entry(out, op)[4], _expectations(out)
+                if key is not None:
+                    if len(made) > 10_000:
+                        made.clear()
+                    made[key] = spec
             stream = stream_for(device.index if device is not None else None)
-            r = RemoteTensor(out.shape, out.stride(), out.storage_offset(), out.dtype, stream)
+            r = remote(stream, spec[0])
             enc_kwargs = {k: encode_value(v) for k, v in kwargs.items()}
             enc_kwargs["device"] = RemoteDevice()
-            expect = ((tuple(out.shape), tuple(out.stride()), out.storage_offset(), out.dtype),)
-            stream.record(("op", recorded, tuple(encode_value(a) for a in args), enc_kwargs, [r._rid], expect))
+            stream.record(("op", recorded, tuple(encode_value(a) for a in args), enc_kwargs, [r._rid], spec[1]))
             return r
 
         return kernel
