@@ -241,3 +241,20 @@ def test_a_compiler_the_server_does_not_have_is_refused_at_compile(remote):
     f = torch.compile(lambda x: x + 1, backend="remote_accelerator", options={"compiler": "tvm"})
     with pytest.raises(Exception, match="options\\['compiler'\\] is 'tvm'; the server compiles with one of"):
         f(torch.zeros(2).to(DEV))
+
+
+def test_a_training_step_compiled_by_the_servers_inductor(remote):
+    """The default backend in training: Inductor compiles forward and backward on the server (its
+    backward donates buffers, so it runs with retain_graph only when the client's backward asks)."""
+    local, model = twins(MLP)
+    compiled = torch.compile(model)
+    x = torch.randn(8, 16)
+    loss = compiled(x.to(DEV)).pow(2).sum()
+    loss.backward()
+    local(x).pow(2).sum().backward()
+    for p, q in zip(model.parameters(), local.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.cpu(), q.grad)  # (Inductor's kernels round differently)
+    with pytest.raises(Exception, match="retain_graph=False"):  # as on the client's own device
+        loss = compiled(x.to(DEV)).pow(2).sum()
+        loss.backward(retain_graph=True)
+        model.net[0].weight.grad.cpu()

@@ -283,7 +283,8 @@ class _GraphCall(torch.autograd.Function):
         from .tensor import record_call
 
         sent = [g if d else None for g, d in zip(grads, ctx.differentiable, strict=True)]
-        found, _ = record_call("aten_backward", (ctx.graph.id, sent), {}, ctx.inputs)
+        retain = torch._C._autograd._get_current_graph_task_keep_graph()  # backward(retain_graph=...)
+        found, _ = record_call("aten_backward", (ctx.graph.id, sent), {"retain": retain}, ctx.inputs)
         return (None, None, None, None, *found)
 
 

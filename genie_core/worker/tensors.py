@@ -465,9 +465,12 @@ def run_call(name: str, args: tuple, kwargs: dict, store: Any) -> list[Any]:
         outs, inputs = found
         pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad and g is not None]
         wanted = [t for t in inputs if t is not None]
+        # (a compiled graph's backward keeps its graph only when the client's does: Inductor's
+        # donated buffers refuse retain_graph, as they would on the client's own device)
+        retain = kwargs.get("retain", True)
         got = iter(
             torch.autograd.grad(
-                [o for o, _ in pairs], wanted, [g for _, g in pairs], retain_graph=True, materialize_grads=True
+                [o for o, _ in pairs], wanted, [g for _, g in pairs], retain_graph=retain, materialize_grads=True
             )
         )
         return [next(got) if t is not None else None for t in inputs]
