@@ -27,10 +27,11 @@ class Lifeline:
 
 
 def parent_gone(fd: int) -> bool:
-    """True once the parent's end is closed (the pipe reads as end-of-file)."""
+    """True once the parent's end is closed (the pipe reads as end-of-file). An fd that is not
+    open here says nothing (False)."""
     poller = select.poll()
     poller.register(fd, select.POLLIN | select.POLLHUP)
-    return bool(poller.poll(0))
+    return any(events & (select.POLLIN | select.POLLHUP) for _, events in poller.poll(0))
 
 
 def die_with_parent(fd: int) -> None:

@@ -133,3 +133,28 @@ def test_a_sigkilled_kernel_takes_its_embedded_server_and_workers_along(tmp_path
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+def test_a_sandboxed_worker_whose_wrapper_outlived_its_server_still_ends(tmp_path):
+    """bubblewrap's --die-with-parent misses a server that dies while bubblewrap starts (it sets
+    its parent-death signal after it runs; two sandboxed workers outlived a test run so). The
+    worker reads the lifeline itself, once a second. Here `unshare` stands for the wrapper that
+    stayed: a PID namespace of the worker's own, its process group outside it, as in the sandbox."""
+    import subprocess
+    import sys
+
+    from genie_core.lifeline import Lifeline
+
+    lifeline = Lifeline()
+    argv = [sys.executable, "-m", "genie_core.worker", f"ipc://{tmp_path}/workers", "w-orphan", str(lifeline.fd), "1"]
+    wrapper = subprocess.Popen(["unshare", "--pid", "--fork", *argv], pass_fds=(lifeline.fd,), start_new_session=True)
+    try:
+        assert wait_until(lambda: len(psutil.Process(wrapper.pid).children(recursive=True)) >= 1, timeout=10)
+        time.sleep(2.0)  # the worker is up (its checks run), its server (this test) still here
+        assert wrapper.poll() is None
+        lifeline.close()  # the server ends; the wrapper stays
+        assert wait_until(lambda: wrapper.poll() is not None, timeout=5.0)
+    finally:
+        if wrapper.poll() is None:
+            os.killpg(wrapper.pid, signal.SIGKILL)
+        wrapper.wait(5)

@@ -211,7 +211,7 @@ class RemoteTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         try:
-            return dispatch(func, args, kwargs or {})
+            return dispatch(func, args, kwargs if kwargs is not None else {})
         except Exception as exc:
             if torch._C._current_graph_task_id() < 0:
                 raise
@@ -427,9 +427,9 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
             r = _remote(stream, outputs[4])
             if kwargs:
                 enc_kwargs = dict(zip(kwargs, enc[len(args) :], strict=True))
-                stream.record(("op", info.name, tuple(enc[: len(args)]), enc_kwargs, [r._rid], outputs[2]))
+                stream.record(("op", info.name, tuple(enc[: len(args)]), enc_kwargs, (r._rid,), outputs[2]))
             else:
-                stream.record(("op", info.name, tuple(enc), kwargs, [r._rid], outputs[2]))
+                stream.record(("op", info.name, tuple(enc), None, (r._rid,), outputs[2]))
             return r
     if outputs is None:
         outputs = _output_specs(func, sig, args, kwargs, stream, info)

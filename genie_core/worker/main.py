@@ -25,7 +25,7 @@ import zmq
 from ..dataplane.base import DATA_THRESHOLD
 from ..dataplane.segment import Segment, pack_into, segment_spares, split
 from ..errors import size_text
-from ..lifeline import die_with_parent
+from ..lifeline import die_with_parent, parent_gone
 from ..loop import SocketLoop
 from ..protocol import Codec, Message, MessageType, contents, error_content, for_worker
 from ..serialize import deserialize_namespace, serialize_namespace
@@ -47,7 +47,7 @@ def _main_thread_id() -> int:
 
 
 class Worker:
-    def __init__(self, endpoint: str, worker_id: str, server_pid: int) -> None:
+    def __init__(self, endpoint: str, worker_id: str, server_pid: int, lifeline: int | None = None) -> None:
         self.codec = Codec(key=None)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -58,6 +58,7 @@ class Worker:
         self.loop = SocketLoop("worker")
         self.loop.add_receiver(self.sock, self._on_message)
         self.parent = os.getppid()  # the server; in a sandbox, the sandbox's init (pid 1)
+        self.lifeline = lifeline
         self.loop.call_every(1.0, self._check_parent)
         self.current: str = ""  # id of the request being served
         self.synced = SyncedCode()  # the session directory's modules (%genie_sync)
@@ -87,9 +88,12 @@ class Worker:
             self.inbox.put(msg)
 
     def _check_parent(self) -> None:
-        """A fallback for the lifeline, should user code catch or ignore SIGIO."""
-        if os.getppid() != self.parent:  # the server is gone: nobody can reach us any more
-            os.killpg(os.getpgrp(), signal.SIGKILL)  # with the cell's own child processes
+        """A fallback for the lifeline's SIGIO, should user code catch or ignore it, and a sandboxed
+        worker's check that its server is there: bubblewrap's --die-with-parent misses a server
+        that dies while bubblewrap starts (its parent-death signal is set after it runs)."""
+        gone = self.lifeline is not None and parent_gone(self.lifeline)
+        if gone or os.getppid() != self.parent:  # the server is gone: nobody can reach us any more
+            os.killpg(os.getpgrp(), signal.SIGKILL)  # with the cell's own child processes (in a sandbox: its group)
 
     def _interrupt(self, target: str | None) -> None:
         """Interrupt the cell `target` (None: whichever runs). It gets a KeyboardInterrupt in its
@@ -375,4 +379,6 @@ def main(argv: list[str] | None = None) -> None:
     die_with_parent(int(argv[2]))
     if os.environ.get("GENIE_SANDBOXED"):
         os.chdir(os.environ["HOME"])  # the session directory, the only one it may write
-    Worker(argv[0], argv[1], int(argv[3])).serve()  # what it leaves in /dev/shm, its server sweeps
+    Worker(
+        argv[0], argv[1], int(argv[3]), lifeline=int(argv[2])
+    ).serve()  # what it leaves in /dev/shm, its server sweeps
