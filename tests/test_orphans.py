@@ -147,14 +147,25 @@ def test_a_sandboxed_worker_whose_wrapper_outlived_its_server_still_ends(tmp_pat
 
     lifeline = Lifeline()
     argv = [sys.executable, "-m", "genie_core.worker", f"ipc://{tmp_path}/workers", "w-orphan", str(lifeline.fd), "1"]
-    wrapper = subprocess.Popen(["unshare", "--pid", "--fork", *argv], pass_fds=(lifeline.fd,), start_new_session=True)
+    # as bubblewrap does, an init of the namespace's own (pid 1) runs the worker
+    command = ["unshare", "--pid", "--fork", "sh", "-c", f"{' '.join(argv)}; true"]
+    wrapper = subprocess.Popen(command, pass_fds=(lifeline.fd,), start_new_session=True)
+    worker = None
     try:
-        assert wait_until(lambda: len(psutil.Process(wrapper.pid).children(recursive=True)) >= 1, timeout=10)
+        assert wait_until(
+            lambda: any(
+                "genie_core.worker" in " ".join(p.cmdline()) for p in psutil.Process(wrapper.pid).children(True)
+            ),
+            timeout=10,
+        )
+        worker = next(p.pid for p in psutil.Process(wrapper.pid).children(True) if "genie_core.worker" in p.cmdline())
         time.sleep(2.0)  # the worker is up (its checks run), its server (this test) still here
-        assert wrapper.poll() is None
+        assert not _gone(worker)
         lifeline.close()  # the server ends; the wrapper stays
-        assert wait_until(lambda: wrapper.poll() is not None, timeout=5.0)
+        assert wait_until(lambda: _gone(worker), timeout=5.0)
     finally:
+        if worker is not None and not _gone(worker):
+            os.kill(worker, signal.SIGKILL)
         if wrapper.poll() is None:
             os.killpg(wrapper.pid, signal.SIGKILL)
         wrapper.wait(5)
