@@ -424,12 +424,20 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         except TypeError:  # something unhashable in the arguments (_output_specs: no caching)
             pass
         if outputs is not None and outputs[4] is not None and not local:  # one fresh tensor out: the common case
-            r = _remote(stream, outputs[4])
+            shape, stride, offset, dtype, layout = outputs[4]
+            r = _make_wrapper(
+                RemoteTensor, shape, strides=stride, storage_offset=offset, dtype=dtype, device=stream.device
+            )
+            r._rid = rid = next(_ids)
+            r._ref = Ref(rid)
+            r._stream = stream
+            r._handle = _Handle(stream, rid)
+            r._layout = layout
             if kwargs:
                 enc_kwargs = dict(zip(kwargs, enc[len(args) :], strict=True))
-                stream.record(("op", info.name, tuple(enc[: len(args)]), enc_kwargs, (r._rid,), outputs[2]))
+                stream.record(("op", info.name, tuple(enc[: len(args)]), enc_kwargs, (rid,), outputs[2]))
             else:
-                stream.record(("op", info.name, tuple(enc), None, (r._rid,), outputs[2]))
+                stream.record(("op", info.name, tuple(enc), None, (rid,), outputs[2]))
             return r
     if outputs is None:
         outputs = _output_specs(func, sig, args, kwargs, stream, info)
