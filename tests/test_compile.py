@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from test_remote_tensor import MLP
 
 from genie_core.remote_tensor import compiler
 
@@ -50,15 +51,6 @@ class Recorded:
 
     def __exit__(self, *exc: object) -> None:
         del self.stream.record
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-
-    def forward(self, x):
-        return self.net(x)
 
 
 def twins(build, seed: int = 0):

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from test_conformance_models import GENERATIVE, MODELS, _decoder, assert_same, batch, on, twins
+from test_conformance_models import GENERATIVE, MODELS, _decoder, batch, on, twins, two_training_steps_match
 
 from genie_core.remote_tensor import compiler
 
@@ -80,25 +80,7 @@ def test_a_compiled_training_step_equals_the_cpu(remote, kind, build):
     start, graphs = time.perf_counter(), compiler.stats["graphs"]
     _note(kind, "train", "FAILED")
     local, model = twins(build, kind)
-    compiled = torch.compile(model, **EAGER)
-    inputs = batch(kind)
-    local.train(), model.train()
-    opt_local = torch.optim.AdamW(local.parameters(), lr=1e-3)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for step in range(2):
-        torch.manual_seed(10 + step)  # dropout: the CPU's generator here, the server's there
-        loss_local = local(**inputs).loss
-        torch.manual_seed(10 + step)
-        loss = compiled(**on(inputs, DEV)).loss
-        loss_local.backward(), loss.backward()
-        assert_same(loss, loss_local, f"loss {step}")
-        for (name, p), q in zip(local.named_parameters(), model.parameters(), strict=True):
-            if p.grad is not None:
-                assert_same(q.grad, p.grad, f"grad of {name}")
-        opt_local.step(), opt.step()
-        opt_local.zero_grad(), opt.zero_grad()
-    for (name, p), q in zip(local.named_parameters(), model.parameters(), strict=True):
-        assert_same(q, p, f"{name} after two AdamW steps")
+    two_training_steps_match(local, model, torch.compile(model, **EAGER), batch(kind))
     _note(kind, "train", "equal", time.perf_counter() - start, compiler.stats["graphs"] - graphs)
 
 

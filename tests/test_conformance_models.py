@@ -196,6 +196,13 @@ def test_forward_and_a_training_step_equal_the_cpu(remote, kind, build):
         expected, got = local(**inputs), model(**on(inputs, DEV))
     assert_same(got.logits, expected.logits, "logits")
 
+    two_training_steps_match(local, model, model, inputs)
+    _note(kind, "train", "equal", time.perf_counter() - start)
+
+
+def two_training_steps_match(local, model, run, inputs: dict[str, torch.Tensor]) -> None:
+    """Two AdamW steps of `local` on the CPU and of `model` (called as `run`: itself, or compiled) on
+    the device: losses, every gradient, every parameter and buffer after them, bit for bit."""
     local.train(), model.train()
     opt_local = torch.optim.AdamW(local.parameters(), lr=1e-3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -203,7 +210,7 @@ def test_forward_and_a_training_step_equal_the_cpu(remote, kind, build):
         torch.manual_seed(10 + step)  # dropout draws from the CPU generator here, from the server's generator there
         loss_local = local(**inputs).loss
         torch.manual_seed(10 + step)
-        loss = model(**on(inputs, DEV)).loss
+        loss = run(**on(inputs, DEV)).loss
         loss_local.backward(), loss.backward()
         assert_same(loss, loss_local, f"loss {step}")
         for (name, p), q in zip(local.named_parameters(), model.parameters(), strict=True):
@@ -215,7 +222,6 @@ def test_forward_and_a_training_step_equal_the_cpu(remote, kind, build):
         assert_same(q, p, f"{name} after two AdamW steps")
     for (name, b), c in zip(local.named_buffers(), model.buffers(), strict=True):
         assert_same(c, b, f"buffer {name}")
-    _note(kind, "train", "equal", time.perf_counter() - start)
 
 
 GENERATIVE = [("gpt2", _decoder), ("llama", _decoder), ("qwen2", _decoder), ("mixtral", _decoder), ("t5", _other)]

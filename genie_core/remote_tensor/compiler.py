@@ -17,7 +17,6 @@ it is, "inductor" compiles it, with Inductor's own options beside).
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Any
 
 import torch
@@ -25,6 +24,7 @@ import torch
 from ..protocol import fx_graph
 from ..protocol.tensor_ops import HostTensor
 from .after_import import after_import
+from .attention import _Graph
 from .connection import DEVICE_TYPE, stream_for
 
 COMPILERS = ("inductor", "eager")
@@ -248,14 +248,6 @@ def _record(graph: CompiledGraph, stream: Any, args: tuple, expected: list[Any],
         "graph", enc, {"key": graph.key, "graph": gid, "needs": needs}, expected, stream=stream, encoded=True
     )
     return made
-
-
-class _Graph:
-    """The server-side autograd graph of one compiled call; freed with the local graph node."""
-
-    def __init__(self, stream: Any, gid: int) -> None:
-        self.id = gid
-        weakref.finalize(self, stream.free, gid)
 
 
 class _GraphCall(torch.autograd.Function):
