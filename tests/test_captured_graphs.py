@@ -105,9 +105,20 @@ def test_make_graphed_callables_trains_as_eager_does():
     opt_local = torch.optim.SGD(local.parameters(), lr=0.1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)
+    from genie_core.remote_tensor.connection import stream_for
+
     for _ in range(3):
         x = torch.randn(5, 6, generator=g)
-        out, out_local = graphed(x.to(DEV)), local(x)
+        xr = x.to(DEV)
+        out, out_local = None, local(x)
+
+        def forward(xr=xr) -> None:
+            nonlocal out
+            out = graphed(xr)
+
+        kinds = sent_kinds(stream_for(0), forward)
+        assert set(kinds) == {"op", "replay"} and kinds.count("replay") == 1  # the model's ops: not one
+        assert kinds.count("op") == 2  # the input's copy into the static one, and the output's detach
         (out**2).sum().backward()
         (out_local**2).sum().backward()
         assert torch.equal(out.cpu(), out_local.detach())
@@ -131,10 +142,34 @@ def test_a_graph_reads_what_another_made_after_the_client_let_it_go():
         made = x * 2
     with ra.graph(second):
         y = made + 1
+    first.replay()
     del made
-    second.replay()  # before the first graph runs again: its memory still holds x * 2
+    second.replay()  # made is gone from the client, not from the first graph's memory
     assert torch.equal(y.cpu(), torch.full((2,), 3.0))
     x.fill_(5.0)
     first.replay()
     second.replay()
+    second.replay()
     assert torch.equal(y.cpu(), torch.full((2,), 11.0))
+
+
+def test_a_capture_computes_nothing_each_replay_once():
+    """As on CUDA: capturing an in-place step does not take it; each replay takes it once."""
+    counter = torch.zeros(1, device=DEV)
+    g = ra.CUDAGraph()
+    with ra.graph(g):
+        counter.add_(1)
+    assert torch.equal(counter.cpu(), torch.zeros(1))
+    g.replay()
+    g.replay()
+    assert torch.equal(counter.cpu(), torch.full((1,), 2.0))
+
+
+def test_a_failed_capture_keeps_what_the_stream_counts_as_sent():
+    """A compiled function's first call inside a capture that then fails: its graph's definition
+    still reaches the server, and later calls work."""
+    f = torch.compile(lambda t: t * 2 + 1, backend="remote_accelerator", options={"compiler": "eager"})
+    x = torch.arange(3.0).to(DEV)
+    with pytest.raises(RuntimeError, match="not permitted while a graph is being captured"), ra.graph(ra.CUDAGraph()):
+        f(x).sum().item()
+    assert torch.equal(f(x).cpu(), torch.arange(3.0) * 2 + 1)

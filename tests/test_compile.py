@@ -250,3 +250,37 @@ def test_a_training_step_compiled_by_the_servers_inductor(remote):
         loss = compiled(x.to(DEV)).pow(2).sum()
         loss.backward(retain_graph=True)
         model.net[0].weight.grad.cpu()
+
+
+def test_gradients_of_views_and_cpu_inputs_through_a_compiled_graph(remote):
+    """Inputs that are slices of one tensor (q, k, v = qkv.split(...) outside the graph) and a CPU
+    input that wants a gradient: each gets its gradient, where and how eager gives it."""
+    f = torch.compile(lambda q, k, v, s: ((q @ k.transpose(-1, -2)) * s).softmax(-1) @ v, **EAGER)
+    qkv = torch.randn(2, 4, 24)
+    scale = torch.tensor(0.5, requires_grad=True)
+    remote_qkv = qkv.to(DEV).requires_grad_()
+    out = f(*remote_qkv.split(8, dim=-1), scale)
+    out.sum().backward()
+    local_qkv = qkv.clone().requires_grad_()
+    local_scale = torch.tensor(0.5, requires_grad=True)
+    expected = ((local_qkv[..., :8] @ local_qkv[..., 8:16].transpose(-1, -2)) * local_scale).softmax(-1)
+    (expected @ local_qkv[..., 16:]).sum().backward()
+    assert torch.allclose(remote_qkv.grad.cpu(), local_qkv.grad, atol=1e-6)
+    assert scale.grad is not None and scale.grad.device.type == "cpu"
+    assert torch.allclose(scale.grad, local_scale.grad, atol=1e-6)
+    x = torch.randn(3).to(DEV).requires_grad_()
+    (grad,) = torch.autograd.grad(torch.compile(lambda t: (t**3).sum(), **EAGER)(x), x, create_graph=True)
+    with pytest.raises(RuntimeError, match=r"double backward .* is not supported"):  # else silently wrong
+        grad.cpu()
+
+
+def test_numbers_of_other_types_are_other_ops(remote):
+    """1, 1.0 and True are equal Python keys and give other dtypes: the caches tell them apart."""
+    assert torch.arange(5, device=DEV).dtype == torch.int64
+    assert torch.arange(5.0, device=DEV).dtype == torch.float32
+    assert torch.equal(torch.arange(5.0, device=DEV).cpu(), torch.arange(5.0))
+    n = torch.arange(4).to(DEV)
+    assert (n**2).dtype == torch.int64 and (n**2.0).dtype == torch.float32
+    assert torch.equal((n**2.0).cpu(), torch.arange(4) ** 2.0)
+    assert torch.full((2,), True, device=DEV).dtype == torch.bool
+    assert torch.full((2,), 1, device=DEV).dtype == torch.int64

@@ -81,6 +81,7 @@ def test_a_compiled_training_step_equals_the_cpu(remote, kind, build):
     _note(kind, "train", "FAILED")
     local, model = twins(build, kind)
     two_training_steps_match(local, model, torch.compile(model, **EAGER), batch(kind))
+    assert compiler.stats["graphs"] > graphs  # compiled, not run eagerly
     _note(kind, "train", "equal", time.perf_counter() - start, compiler.stats["graphs"] - graphs)
 
 
@@ -101,5 +102,5 @@ def test_static_cache_generate_with_a_compiled_forward_gives_the_cpus_tokens(rem
         got = model.generate(**on(inputs, DEV), **kwargs)
         assert torch.equal(got.cpu(), expected), f"{got.cpu().tolist()} != {expected.tolist()}"
     made = compiler.stats["graphs"] - graphs
-    assert made <= 2  # prefill and decode: no recompiles from one token to the next
+    assert 1 <= made <= 2  # prefill and decode: no recompiles from one token to the next
     _note(kind, "generate", "equal tokens", time.perf_counter() - start, made)

@@ -162,7 +162,9 @@ def test_compiled_static_cache_decode_with_inductor_and_cuda_graphs(gpu_server):
         tokens = model.generate(**models.on(prompt, DEV), **kwargs).cpu()
         assert torch.equal(tokens, eager_tokens)
     assert torch.equal(tokens, local.generate(**prompt, **kwargs))
-    assert _value("__import__('torch')._dynamo.utils.counters['stats']['unique_graphs']") >= 1
+    counters = "__import__('torch')._dynamo.utils.counters"
+    assert _value(f"{counters}['stats']['unique_graphs']") >= 1
+    assert _value(f"{counters}['inductor']['cudagraph_skips']") == 0  # Inductor's CUDA graphs were used
 
 
 def test_a_captured_graph_replays_as_a_cuda_graph(gpu_server):

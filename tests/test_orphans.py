@@ -151,14 +151,15 @@ def test_a_sandboxed_worker_whose_wrapper_outlived_its_server_still_ends(tmp_pat
     command = ["unshare", "--pid", "--fork", "sh", "-c", f"{' '.join(argv)}; true"]
     wrapper = subprocess.Popen(command, pass_fds=(lifeline.fd,), start_new_session=True)
     worker = None
+
+    def python_worker() -> int | None:  # (not the sh -c that names it in its command line)
+        found = [p.pid for p in psutil.Process(wrapper.pid).children(True) if "genie_core.worker" in p.cmdline()]
+        return found[0] if found else None
+
     try:
-        assert wait_until(
-            lambda: any(
-                "genie_core.worker" in " ".join(p.cmdline()) for p in psutil.Process(wrapper.pid).children(True)
-            ),
-            timeout=10,
-        )
-        worker = next(p.pid for p in psutil.Process(wrapper.pid).children(True) if "genie_core.worker" in p.cmdline())
+        assert wait_until(lambda: python_worker() is not None, timeout=10)
+        worker = python_worker()
+        assert worker is not None
         time.sleep(2.0)  # the worker is up (its checks run), its server (this test) still here
         assert not _gone(worker)
         lifeline.close()  # the server ends; the wrapper stays

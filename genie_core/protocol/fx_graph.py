@@ -167,6 +167,10 @@ def encode(gm: Any, constant: Callable[[Any], Any]) -> list[Node]:
                 attr = _value(value, constant)
             nodes.append(("get_attr", node.name, node.target, attr, None))
             continue
+        if node.op == "call_module":  # (Dynamo inlines modules; a backend given another graph may not)
+            raise NotImplementedError(
+                f"the graph calls the module {node.target!r}, which cannot go to the server: trace it inlined"
+            )
         target = _target(node.target) if node.op == "call_function" else node.target
         nodes.append((node.op, node.name, target, _value(node.args, constant), _value(node.kwargs, constant)))
     return nodes

@@ -62,7 +62,7 @@ class _Graph:
     """The server-side autograd graph of one attention call; freed with the local graph node."""
 
     def __init__(self, stream: Any, gid: int) -> None:
-        self.id = gid
+        self.id, self.stream = gid, stream
         weakref.finalize(self, stream.free, gid)
 
 

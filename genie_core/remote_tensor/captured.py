@@ -2,8 +2,9 @@
 manager and `make_graphed_callables`, for code written against CUDA graphs.
 
 Ops recorded inside a capture are not sent: they become the graph, which goes to the server as one
-record at the end of the capture and runs there once (on a GPU server, under `torch.cuda.graph`:
-a real CUDA graph). `replay()` is then one record, however many ops the graph holds. As on CUDA,
+record at the end of the capture; as on CUDA, the capture computes nothing (on a GPU server its ops are
+recorded under `torch.cuda.graph`: a real CUDA graph). `replay()` is one record, however many ops
+the graph holds. As on CUDA,
 the tensors made in the capture are static: each replay writes its results into them, so the
 inputs to change are changed in place (`static_input.copy_(new)`) and the outputs read after a
 replay. What needs a value from the server (`.item()`, `.cpu()`, an op whose output shape depends
@@ -43,10 +44,11 @@ class CUDAGraph:
         self._finalizer = weakref.finalize(self, self._stream.free, self._id)
 
     def _abandon(self) -> None:
-        """A capture that failed: its ops are dropped, the frees recorded meanwhile are kept."""
+        """A capture that failed: its ops are dropped; what the stream counts on having been sent
+        (frees, compiled graphs' definitions, custom ops' imports) goes on as recorded."""
         if self._stream is not None and self._stream.capturing:
             for record in self._stream.end_capture():
-                if record[0] == "free":
+                if record[0] in ("free", "graph", "import"):
                     self._stream.record(record)
 
     def replay(self) -> None:
@@ -131,6 +133,8 @@ def _graph_one(fn: Any, static_inputs: tuple, params: tuple, warmups: int, allow
 
     surface = static_inputs + params
     wants = [t for t in surface if isinstance(t, torch.Tensor) and t.requires_grad]
+    outs: Any = None
+    needing: Any = None
     for _ in range(warmups):  # fills the meta-shape caches (and the server's): nothing may need it in the capture
         outs = _as_tuple(fn(*static_inputs))
         needing = [o for o in outs if o.requires_grad]

@@ -262,10 +262,11 @@ class _GraphCall(torch.autograd.Function):
         gid = new_id()
         made = _record(graph, stream, args, expected, gid, needs)
         ctx.graph = _Graph(stream, gid)
+        # each gradient like its input, fresh (offset 0); a CPU input's comes back to the CPU
         ctx.inputs = [
-            _meta(t.shape, t.stride(), t.storage_offset(), t.dtype) if n else None
-            for t, n in zip(tensors, needs, strict=True)
+            _meta(t.shape, t.stride(), 0, t.dtype) if n else None for t, n in zip(tensors, needs, strict=True)
         ]
+        ctx.devices = [t.device for t in tensors]
         ctx.differentiable = [o.differentiable for o in graph.outputs if o.is_tensor]
         ctx.mark_non_differentiable(*[t for t, d in zip(made, ctx.differentiable, strict=True) if not d])
         return tuple(made) if len(made) != 1 else made[0]
@@ -274,9 +275,18 @@ class _GraphCall(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> Any:
         from .tensor import record_call
 
+        if torch.is_grad_enabled():  # backward(create_graph=True): these gradients have no graph here
+            ctx.graph.stream.defer(
+                "torch.compile's backward",
+                RuntimeError(
+                    f"double backward (create_graph=True) through a graph compiled on {DEVICE_TYPE} is not "
+                    "supported, as torch.compile's aot_autograd refuses it: its second-order terms would be missing"
+                ),
+            )
         sent = [g if d else None for g, d in zip(grads, ctx.differentiable, strict=True)]
         retain = torch._C._autograd._get_current_graph_task_keep_graph()  # backward(retain_graph=...)
         found, _ = record_call("aten_backward", (ctx.graph.id, sent), {"retain": retain}, ctx.inputs)
+        found = [g if g is None or d.type == DEVICE_TYPE else g.to(d) for g, d in zip(found, ctx.devices, strict=True)]
         return (None, None, None, None, *found)
 
 

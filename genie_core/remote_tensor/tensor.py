@@ -334,11 +334,15 @@ def _sig(a: Any) -> Any:
         return (a.dtype, a.shape, a.stride(), a.storage_offset(), type(a) is RemoteTensor)
     if isinstance(a, torch.UntypedStorage):
         return ("storage", a.nbytes())
+    if type(a) in _TYPED:
+        return (type(a), a)
     return a
 
 
-# Arguments that are their own meta-cache key and their own encoding
-_PLAIN = frozenset({int, float, bool, str, type(None), torch.dtype, torch.layout})
+# Arguments that are their own meta-cache key and their own encoding. (Not float or bool: 1, 1.0
+# and True are equal keys, and give outputs of different dtypes.)
+_PLAIN = frozenset({int, str, type(None), torch.dtype, torch.layout})
+_TYPED = frozenset({float, bool, complex})  # keyed with their type
 
 
 def _scan(args: tuple, kwargs: dict) -> tuple[OpStream | None, list[Any], bool, list[Any]]:
@@ -360,6 +364,9 @@ def _scan(args: tuple, kwargs: dict) -> tuple[OpStream | None, list[Any], bool, 
             enc.append(a._ref)
         elif kind in _PLAIN:
             sig.append(a)
+            enc.append(a)
+        elif kind in _TYPED:
+            sig.append((kind, a))
             enc.append(a)
         elif kind is list or kind is tuple:
             inner, inner_enc = [], []
@@ -424,15 +431,8 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         except TypeError:  # something unhashable in the arguments (_output_specs: no caching)
             pass
         if outputs is not None and outputs[4] is not None and not local:  # one fresh tensor out: the common case
-            shape, stride, offset, dtype, layout = outputs[4]
-            r = _make_wrapper(
-                RemoteTensor, shape, strides=stride, storage_offset=offset, dtype=dtype, device=stream.device
-            )
-            r._rid = rid = next(_ids)
-            r._ref = Ref(rid)
-            r._stream = stream
-            r._handle = _Handle(stream, rid)
-            r._layout = layout
+            r = _remote(stream, outputs[4])
+            rid = r._rid
             if kwargs:
                 enc_kwargs = dict(zip(kwargs, enc[len(args) :], strict=True))
                 stream.record(("op", info.name, tuple(enc[: len(args)]), enc_kwargs, (rid,), outputs[2]))

@@ -143,6 +143,7 @@ class TensorExecutor:
         self._ops: dict[str, Any] = {}
         self.graphs = CompiledGraphs(self.device, self.store)
         self.graph_memory: dict[int, torch.Tensor] = {}  # what captured graphs made (captured.py)
+        self.graph_of: dict[int, CapturedGraph] = {}  # the captured graph that makes an id
         gc.freeze()  # what this worker imported lives as long as it does: keep it out of every collection
 
     @property
@@ -314,6 +315,9 @@ class TensorExecutor:
             found = self.store.pop(record[1], None)
             if type(found) is CapturedGraph:
                 found.release()
+            owner = self.graph_of.get(record[1]) if self.graph_of else None
+            if owner is not None:
+                owner.dropped.add(record[1])
             if self.clocks:
                 self.clocks.pop(record[1], None)
         elif kind == "call":
@@ -354,6 +358,12 @@ class TensorExecutor:
         elif kind == "ask":
             return device_answers.answer(record[1], record[2], self.device, self._held_bytes, self.clocks)
         return None
+
+    def adopt(self, graph: CapturedGraph) -> None:
+        """A captured graph's memory is readable by every graph, and its ids' frees are told to it."""
+        self.graph_memory.update(graph.memory)
+        for rid in graph.made:
+            self.graph_of[rid] = graph
 
     def _run_op(self, record: tuple) -> Any:
         name, args, kwargs, out_ids = record[1:5]
