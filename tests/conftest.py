@@ -23,7 +23,7 @@ from genie_core.local_server import start_server_process, stop_process
 # head then took over 120 s to start), so these files share one test process, one after another.
 RAY_FILES = ("test_pool", "test_benchmarks", "05_pool")
 
-# The order files start in, longest first so that the two test processes finish together
+# The order files start in, longest first so that the test processes finish together
 # (measured in CI runs). The files that start Ray run first, in one test process (see
 # RAY_FILES), beside files that load the CPU without timing anything; the fault tests, whose
 # timeouts are seconds, come after, once the Ray clusters are gone.
@@ -249,6 +249,14 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
 
 
+def _by_file() -> list[tuple[str, float]]:
+    totals: dict[str, float] = {}
+    for nodeid, seconds in _durations.items():
+        path = nodeid.split("::", 1)[0]
+        totals[path] = totals.get(path, 0.0) + seconds
+    return sorted(totals.items(), key=lambda kv: -kv[1])
+
+
 def _write_slowest() -> None:
     """test-artifacts/slowest.md: the run's 20 slowest tests, so the next person sees where the time goes."""
     slowest = sorted(_durations.items(), key=lambda kv: -kv[1])[:20]
@@ -261,6 +269,12 @@ def _write_slowest() -> None:
         "| seconds | test |",
         "| --- | --- |",
         *[f"| {seconds:.1f} | `{nodeid}` |" for nodeid, seconds in slowest],
+        "",
+        "The files that take longest (a file's tests run in one test process, one after another):",
+        "",
+        "| seconds | file |",
+        "| --- | --- |",
+        *[f"| {seconds:.1f} | `{path}` |" for path, seconds in _by_file()[:15]],
     ]
     out = Path(__file__).resolve().parents[1] / "test-artifacts" / "slowest.md"
     out.parent.mkdir(exist_ok=True)
