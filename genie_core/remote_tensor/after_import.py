@@ -12,6 +12,8 @@ from typing import Any
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds `name` as Python would, and runs `then` once its module has run; then steps aside."""
+
     def __init__(self, name: str, then: Callable[[], None]) -> None:
         self.name, self.then = name, then
 
