@@ -19,7 +19,20 @@ def kernel():
 
 
 def execute(kc, code: str, timeout: float = 60.0) -> tuple[dict, list[tuple[float, dict]]]:
-    """Run code; return the execute_reply content and the IOPub messages with arrival times."""
+    """Run code; return the execute_reply content and the IOPub messages with arrival times.
+
+    A cell that ipykernel aborted is sent again (at most 20 times): ipykernel aborts the execute
+    requests that reach it before it has finished aborting its queue after an error, and one sent
+    as the error's reply arrives can be among them (status "aborted": it never ran)."""
+    for _ in range(20):
+        reply, messages = _execute_once(kc, code, timeout)
+        if reply["status"] != "aborted":
+            break
+        time.sleep(0.1)
+    return reply, messages
+
+
+def _execute_once(kc, code: str, timeout: float) -> tuple[dict, list[tuple[float, dict]]]:
     msg_id = kc.execute(code)
     messages: list[tuple[float, dict]] = []
     deadline = time.monotonic() + timeout
