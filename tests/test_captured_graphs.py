@@ -70,6 +70,8 @@ def test_a_value_needed_in_a_capture_is_refused_as_cuda_refuses_it():
         (x * 2).sum().item()
     assert not ra.is_current_stream_capturing()
     assert torch.equal((x + 1).cpu(), torch.full((3,), 2.0))  # the session goes on
+    with ra.graph(ra.CUDAGraph()), pytest.raises(RuntimeError, match="already being captured"):
+        ra.CUDAGraph().capture_begin()
     with pytest.raises(RuntimeError, match="has not been captured"):
         ra.CUDAGraph().replay()
 
@@ -173,3 +175,46 @@ def test_a_failed_capture_keeps_what_the_stream_counts_as_sent():
     with pytest.raises(RuntimeError, match="not permitted while a graph is being captured"), ra.graph(ra.CUDAGraph()):
         f(x).sum().item()
     assert torch.equal(f(x).cpu(), torch.arange(3.0) * 2 + 1)
+
+
+def test_a_graph_with_a_cpu_argument_leaves_nothing_behind_when_let_go():
+    """A CPU tensor an op takes (uploaded with it) is the graph's for as long as the graph is; then
+    nothing of the graph stays on the server."""
+    x = torch.arange(3.0).to(DEV)
+    torch.remote_accelerator.synchronize()
+    before = ra.stats()["0"]["server_tensors"]
+    g = ra.CUDAGraph()
+    with ra.graph(g):
+        y = x * torch.tensor(2.0)  # the 0-dim CPU tensor goes up with the op
+    for scale in (1.0, 3.0):
+        x.mul_(scale)
+        g.replay()
+        assert torch.equal(y.cpu(), x.cpu() * 2.0)
+    del y, g
+    torch.remote_accelerator.synchronize()
+    assert ra.stats()["0"]["server_tensors"] == before
+
+
+def test_a_capture_sends_nothing_before_its_end_when_batches_go_ahead():
+    """With a server elsewhere, recorded ops go ahead in batches without waiting; a capture's may
+    not: they are the graph, sent whole at its end."""
+    from genie_core.remote_tensor.connection import stream_for
+
+    stream = stream_for(0)
+    was = stream.pipelined
+    stream.pipelined, stream.SUBMIT_EVERY = True, 4
+    try:
+        x = torch.zeros(4, device=DEV)
+        torch.remote_accelerator.synchronize()
+        g = ra.CUDAGraph()
+        messages = ra.stats()["0"]["messages"]
+        with ra.graph(g):
+            y = x
+            for _ in range(20):
+                y = y + 1
+        assert ra.stats()["0"]["messages"] == messages
+        g.replay()
+        assert torch.equal(y.cpu(), torch.full((4,), 20.0))
+    finally:
+        stream.pipelined = was
+        del stream.SUBMIT_EVERY

@@ -170,3 +170,14 @@ def test_a_sandboxed_worker_whose_wrapper_outlived_its_server_still_ends(tmp_pat
         if wrapper.poll() is None:
             os.killpg(wrapper.pid, signal.SIGKILL)
         wrapper.wait(5)
+
+
+def test_a_lifeline_says_gone_only_when_its_parent_end_closed():
+    from genie_core.lifeline import Lifeline, parent_gone
+
+    lifeline = Lifeline()
+    assert not parent_gone(lifeline.fd)
+    os.close(lifeline._write_end)
+    assert parent_gone(lifeline.fd)
+    os.close(lifeline.fd)
+    assert not parent_gone(lifeline.fd)  # not open here (a sandbox without it): says nothing

@@ -483,6 +483,8 @@ def test_copies_between_sessions_are_refused(tmp_path):
             second.copy_(first)
         with pytest.raises(RuntimeError, match="two different Genie sessions"):
             first + second
+        with pytest.raises(RuntimeError, match="two different Genie sessions"):
+            second.data = first
         genie_core.shutdown_sync()
         cluster._state = old
         genie_core.shutdown_sync()

@@ -22,28 +22,28 @@ DEVICE_TYPE = "remote_accelerator"
 Node = tuple[str, str, Any, Any, Any]
 
 
-class Arg:
+class _ByName:
+    """Something in a graph's encoding that travels as a name alone."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.name,))
+
+
+class Arg(_ByName):
     """A node's output used as an argument of a later node."""
 
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (Arg, (self.name,))
+    __slots__ = ()
 
 
-class Op:
+class Op(_ByName):
     """An op of `torch.ops` by its qualified name (`aten.add.Tensor`, `higher_order.wrap`)."""
 
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (Op, (self.name,))
+    __slots__ = ()
 
     def resolve(self) -> Any:
         import torch
@@ -54,17 +54,11 @@ class Op:
         return found
 
 
-class Named:
+class Named(_ByName):
     """A function by its qualified name (`torch.nn.functional.max_pool2d`), found again by importing
     its module: some of PyTorch's (boolean_dispatch's) cannot be pickled by reference."""
 
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (Named, (self.name,))
+    __slots__ = ()
 
     def resolve(self) -> Any:
         import importlib

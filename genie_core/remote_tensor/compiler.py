@@ -25,7 +25,9 @@ from ..protocol import fx_graph
 from ..protocol.tensor_ops import HostTensor
 from .after_import import after_import
 from .attention import _Graph
+from .attention import _meta as meta_like
 from .connection import DEVICE_TYPE, stream_for
+from .tensor import RemoteTensor, _encode_other, _import_on_server, record_call
 
 COMPILERS = ("inductor", "eager")
 stats = {"graphs": 0}  # graphs compiled here (Dynamo's recompiles included), for benchmarks and tests
@@ -148,8 +150,6 @@ class CompiledGraph:
         stats["graphs"] += 1
 
     def _constant(self, value: Any) -> Any:
-        from .tensor import RemoteTensor
-
         if type(value) is RemoteTensor:
             self._constants.append(value)
             return value._ref
@@ -160,8 +160,6 @@ class CompiledGraph:
         )
 
     def __call__(self, *args: Any) -> Any:
-        from .tensor import RemoteTensor
-
         stream = None
         for a in args:
             if type(a) is RemoteTensor:
@@ -170,8 +168,6 @@ class CompiledGraph:
         if stream is None:
             stream = stream_for(self.index)
         if self.key not in stream.graphs:
-            from .tensor import _import_on_server
-
             for op in self.custom_ops:
                 _import_on_server(op, stream)
             stream.record(("graph", self.key, self.nodes, self.how))
@@ -227,8 +223,6 @@ def _device_index(examples: list[Any]) -> int | None:
 def _encode_input(a: Any) -> Any:
     """A graph input: a remote tensor by id, a CPU tensor by value (it stays on the server's CPU, as
     the graph expects), a number as it is."""
-    from .tensor import RemoteTensor, _encode_other
-
     if type(a) is RemoteTensor:
         return a._ref
     if isinstance(a, torch.Tensor):
@@ -241,8 +235,6 @@ def _refuse(a: Any) -> Any:
 
 
 def _record(graph: CompiledGraph, stream: Any, args: tuple, expected: list[Any], gid: Any, needs: Any) -> list[Any]:
-    from .tensor import record_call
-
     enc = tuple(_encode_input(a) for a in args)
     made, _ = record_call(
         "graph", enc, {"key": graph.key, "graph": gid, "needs": needs}, expected, stream=stream, encoded=True
@@ -263,9 +255,7 @@ class _GraphCall(torch.autograd.Function):
         made = _record(graph, stream, args, expected, gid, needs)
         ctx.graph = _Graph(stream, gid)
         # each gradient like its input, fresh (offset 0); a CPU input's comes back to the CPU
-        ctx.inputs = [
-            _meta(t.shape, t.stride(), 0, t.dtype) if n else None for t, n in zip(tensors, needs, strict=True)
-        ]
+        ctx.inputs = [meta_like(t) if n else None for t, n in zip(tensors, needs, strict=True)]
         ctx.devices = [t.device for t in tensors]
         ctx.differentiable = [o.differentiable for o in graph.outputs if o.is_tensor]
         ctx.mark_non_differentiable(*[t for t, d in zip(made, ctx.differentiable, strict=True) if not d])
@@ -273,8 +263,6 @@ class _GraphCall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        from .tensor import record_call
-
         if torch.is_grad_enabled():  # backward(create_graph=True): these gradients have no graph here
             ctx.graph.stream.defer(
                 "torch.compile's backward",
@@ -307,8 +295,6 @@ def backend(gm: Any, example_inputs: list[Any], mode: str | None = None, options
 
 def _holds_remote(gm: Any, inputs: list[Any]) -> bool:
     """Whether a graph works on the device: an input on it, or a tensor made on it."""
-    from .tensor import RemoteTensor
-
     if any(type(x) is RemoteTensor for x in inputs):
         return True
     for node in gm.graph.nodes:

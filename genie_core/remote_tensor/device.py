@@ -24,18 +24,11 @@ def _fake_mode() -> Any:
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
 
 
-def _typed(value: Any) -> Any:
-    """A factory argument in a cache key: 5, 5.0 and True are equal keys, and make different dtypes."""
-    if type(value) in (list, tuple):
-        return tuple(map(_typed, value))
-    return (type(value), value) if type(value) in (float, bool, complex) else value
-
-
 def _factory_kernels(lib: Any) -> None:
     import torch
 
     from ..protocol.tensor_ops import RemoteDevice, encode_value
-    from .tensor import RemoteTensor, _expectations
+    from .tensor import RemoteTensor, _expectations, typed_key
     from .tensor import _entry as entry
     from .tensor import _remote as remote
 
@@ -53,7 +46,7 @@ def _factory_kernels(lib: Any) -> None:
                 out = op(*args, **dict(kwargs, device=torch.device("meta")))
                 return fake.fake_tensor_converter.from_meta_and_device(fake, out, device or torch.device(DEVICE_TYPE))
             try:
-                key: Any = (*map(_typed, args), *((k, _typed(v)) for k, v in kwargs.items()))
+                key: Any = (typed_key(args), *((k, typed_key(v)) for k, v in kwargs.items()))
                 spec = made.get(key)
             except TypeError:  # (a list among the arguments)
                 key, spec = None, None

@@ -78,21 +78,9 @@ class RemoteTensor(torch.Tensor):
     def __new__(
         cls, shape, stride, offset, dtype, stream: OpStream, rid: int | None = None, requires_grad: bool = False
     ):
-        r = torch.Tensor._make_wrapper_subclass(
-            cls,
-            shape,
-            strides=stride,
-            storage_offset=offset,
-            dtype=dtype,
-            device=stream.device,
-            requires_grad=requires_grad,
+        return _remote(
+            stream, (shape, stride, offset, dtype, layout_of(dtype, shape, stride, offset)), cls, rid, requires_grad
         )
-        r._rid = rid = new_id() if rid is None else rid
-        r._ref = Ref(rid)  # how ops name it (one object, so a batch pickles it once)
-        r._stream = stream
-        r._handle = _Handle(stream, rid)
-        r._layout = layout_of(dtype, shape, stride, offset)
-        return r
 
     @property
     def data(self) -> Any:
@@ -311,7 +299,7 @@ def set_metadata(t: torch.Tensor, size: Any, stride: Any, offset: int) -> None:
             )
         finally:
             torch._C._set_meta_in_tls_dispatch_include(was)
-    if type(t) is RemoteTensor or isinstance(t, RemoteTensor):
+    if isinstance(t, RemoteTensor):
         t._layout = layout_of(t.dtype, size, stride, offset)
 
 
@@ -334,9 +322,16 @@ def _sig(a: Any) -> Any:
         return (a.dtype, a.shape, a.stride(), a.storage_offset(), type(a) is RemoteTensor)
     if isinstance(a, torch.UntypedStorage):
         return ("storage", a.nbytes())
-    if type(a) in _TYPED:
-        return (type(a), a)
-    return a
+    return typed_key(a)
+
+
+def typed_key(value: Any) -> Any:
+    """A non-tensor argument in a cache key: 1, 1.0 and True are equal keys, and give outputs of
+    different dtypes, so numbers other than ints are keyed with their type (in lists too)."""
+    kind = type(value)
+    if kind is list or kind is tuple:
+        return tuple(map(typed_key, value))
+    return (kind, value) if kind in _TYPED else value
 
 
 # Arguments that are their own meta-cache key and their own encoding. (Not float or bool: 1, 1.0
@@ -432,12 +427,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
             pass
         if outputs is not None and outputs[4] is not None and not local:  # one fresh tensor out: the common case
             r = _remote(stream, outputs[4])
-            rid = r._rid
-            if kwargs:
-                enc_kwargs = dict(zip(kwargs, enc[len(args) :], strict=True))
-                stream.record(("op", info.name, tuple(enc[: len(args)]), enc_kwargs, (rid,), outputs[2]))
-            else:
-                stream.record(("op", info.name, tuple(enc), None, (rid,), outputs[2]))
+            stream.record(("op", info.name, *_split(enc, args, kwargs), (r._rid,), outputs[2]))
             return r
     if outputs is None:
         outputs = _output_specs(func, sig, args, kwargs, stream, info)
@@ -463,13 +453,12 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         reshaped: list[tuple[Any, Any]] = []
     else:
         results, out_ids, reshaped = _outputs(out_meta, aliases, args, kwargs, stream)
+    enc_args: tuple
+    enc_kwargs: dict | None
     if local:
-        encode = _encoder(stream, uploads)
-        enc_args, enc_kwargs = _map(encode, args, kwargs)
-    elif kwargs:
-        enc_args, enc_kwargs = tuple(enc[: len(args)]), dict(zip(kwargs, enc[len(args) :], strict=True))
+        enc_args, enc_kwargs = _map(_encoder(stream, uploads), args, kwargs)
     else:
-        enc_args, enc_kwargs = tuple(enc), kwargs
+        enc_args, enc_kwargs = _split(enc, args, kwargs)
     stream.record(("op", info.name, enc_args, enc_kwargs, out_ids, expect))
     for rid in uploads:
         stream.record(("free", rid))
@@ -478,6 +467,13 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     if type(out_meta) not in (tuple, list):
         return results[0]
     return type(out_meta)(results)
+
+
+def _split(enc: list[Any], args: tuple, kwargs: dict) -> tuple[tuple, dict | None]:
+    """_scan's encoded arguments as the op's args and kwargs (None: no kwargs)."""
+    if not kwargs:
+        return tuple(enc), None
+    return tuple(enc[: len(args)]), dict(zip(kwargs, enc[len(args) :], strict=True))
 
 
 def _encode_other(a: Any) -> Any:
@@ -647,12 +643,23 @@ def _entry(out: Any, func: Any) -> tuple:
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 
-def _remote(stream: OpStream, made: tuple) -> RemoteTensor:
-    """RemoteTensor(...) from a meta-cache entry's precomputed layout: the hot path of every op."""
+def _remote(
+    stream: OpStream, made: tuple, cls: Any = None, rid: int | None = None, requires_grad: bool = False
+) -> RemoteTensor:
+    """A remote tensor laid out as `made` says (shape, strides, offset, dtype, interned layout; a
+    meta-cache entry has it ready): the hot path of every op, and RemoteTensor(...)'s body."""
     shape, stride, offset, dtype, layout = made
-    r = _make_wrapper(RemoteTensor, shape, strides=stride, storage_offset=offset, dtype=dtype, device=stream.device)
-    r._rid = rid = next(_ids)
-    r._ref = Ref(rid)
+    r = _make_wrapper(
+        cls or RemoteTensor,
+        shape,
+        strides=stride,
+        storage_offset=offset,
+        dtype=dtype,
+        device=stream.device,
+        requires_grad=requires_grad,
+    )
+    r._rid = rid = next(_ids) if rid is None else rid
+    r._ref = Ref(rid)  # how ops name it (one object, so a batch pickles it once)
     r._stream = stream
     r._handle = _Handle(stream, rid)
     r._layout = layout

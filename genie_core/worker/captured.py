@@ -35,7 +35,9 @@ class CapturedGraph:
             if record[0] in _ONCE:
                 executor.step(record)
         store = executor.store
-        self.memory: dict[int, torch.Tensor] = {rid: store[rid] for rid in uploaded}  # (their frees come later)
+        # the uploads are the graph's (they live in its memory, not the store, and their frees are moot)
+        self.memory: dict[int, torch.Tensor] = {rid: store.pop(rid) for rid in uploaded}
+        executor.graph_memory.update(self.memory)  # (read from there by the capture below already)
         self.dropped: set[int] = set()  # made ids the client let go: out of the store after a replay
         self.cuda_graph: Any = None
         if executor.device.type == "cuda":

@@ -16,6 +16,7 @@ import torch
 from ..protocol import fx_graph
 from ..protocol.tensor_ops import HostTensor, Ref
 from .cpu_shims import shim_graph
+from .kept_graphs import run_keeping_graph
 
 
 class _Graph:
@@ -60,7 +61,7 @@ class CompiledGraphs:
 
     def run(self, key: str, args: list[Any], graph: int | None, needs: list[bool] | None) -> list[Any]:
         """The graph's tensor outputs for these inputs; with `graph`, its autograd graph is kept
-        under that id for the backward (`aten_backward`), inputs needing a gradient as its leaves."""
+        under that id for the backward (kept_graphs.py)."""
         entry = self._graphs.get(key)
         if entry is None:
             raise RuntimeError(f"compiled graph {key} is not on the server (sent to another session?)")
@@ -71,20 +72,5 @@ class CompiledGraphs:
         if graph is None:
             with torch.no_grad():
                 out = function(*args)
-            return [o for o in _flat(out) if isinstance(o, torch.Tensor)]
-        tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-        inputs: list[Any] = []
-        args = list(args)
-        for i, need in zip(tensors, needs or [], strict=True):
-            if need:
-                args[i] = args[i].detach().requires_grad_(True)
-            inputs.append(args[i] if need else None)
-        with torch.enable_grad():
-            out = function(*args)
-        outs = [o for o in _flat(out) if isinstance(o, torch.Tensor)]
-        self.store[graph] = (outs, inputs)
-        return [o.detach() for o in outs]
-
-
-def _flat(out: Any) -> list[Any]:
-    return list(out) if isinstance(out, (tuple, list)) else [out]
+            return [o for o in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(o, torch.Tensor)]
+        return run_keeping_graph(lambda leaves: function(*leaves), args, needs or [], graph, self.store)

@@ -16,7 +16,7 @@ from ..errors import LimitExceeded, size_text
 from ..protocol.contents import OpBatch, TensorReply
 from ..protocol.tensor_ops import MemoryFormat, Ref, RemoteDevice, StorageOf
 from ..serialize import serialize_namespace
-from . import device_answers
+from . import device_answers, kept_graphs
 from .captured import CapturedGraph
 from .compiled import CompiledGraphs
 from .cpu_shims import CPU_SHIMS
@@ -251,9 +251,10 @@ class TensorExecutor:
             try:
                 out = self.step(record)
                 if request.get("eager_last") and index == len(records) - 1:
-                    eager = (
-                        {"value": out} if kind == "ask" else self._describe(out, record[4]) if kind == "op" else None
-                    )
+                    if kind == "ask":
+                        eager = {"value": out}
+                    elif kind == "op":
+                        eager = self._describe(out, record[4])
             except Exception as exc:
                 failure = {"op": record[1] if kind in ("op", "call") else kind, "index": index, "error": exc}
                 self._poison(record, record[1] if kind in ("op", "call") else kind, exc)
@@ -344,7 +345,7 @@ class TensorExecutor:
                 torch.set_rng_state(record[1])
         elif kind == "graph":  # a graph torch.compile captured on the client, by content hash
             self.graphs.define(record[1], record[2], record[3])
-        elif kind == "capture":  # ops captured as a graph (torch.remote_accelerator.graph): run once, kept
+        elif kind == "capture":  # ops captured as a graph (torch.remote_accelerator.graph): kept to replay
             self.store[record[1]] = CapturedGraph(self, record[2])
         elif kind == "replay":
             found = self.store.get(record[1])
@@ -469,21 +470,7 @@ def run_call(name: str, args: tuple, kwargs: dict, store: Any) -> list[Any]:
         return _run_whole(args, kwargs, store)
     if name == "aten_backward":
         graph, grads = args
-        found = store.get(graph)
-        if not isinstance(found, tuple):
-            raise RuntimeError("the graph for this backward is gone (backward through it twice without retain_graph?)")
-        outs, inputs = found
-        pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad and g is not None]
-        wanted = [t for t in inputs if t is not None]
-        # (a compiled graph's backward keeps its graph only when the client's does: Inductor's
-        # donated buffers refuse retain_graph, as they would on the client's own device)
-        retain = kwargs.get("retain", True)
-        got = iter(
-            torch.autograd.grad(
-                [o for o, _ in pairs], wanted, [g for _, g in pairs], retain_graph=retain, materialize_grads=True
-            )
-        )
-        return [next(got) if t is not None else None for t in inputs]
+        return kept_graphs.backward(store, graph, grads, kwargs.get("retain", True))
     raise ValueError(f"unknown server call {name!r}")
 
 
@@ -509,14 +496,9 @@ def _run_whole(args: tuple, kwargs: dict, store: Any) -> list[Any]:
             op_args, op_kwargs = tree_unflatten(leaves, spec)
             out = op(*op_args, **op_kwargs)
         return list(out) if isinstance(out, (tuple, list)) else [out]
-    tensors = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    inputs: list[Any] = []
-    for i, need in zip(tensors, needs, strict=True):
-        leaves[i] = leaves[i].detach().requires_grad_(need)
-        inputs.append(leaves[i] if need else None)
-    call_args, call_kwargs = tree_unflatten(leaves, spec)
-    with torch.enable_grad():
-        out = op(*call_args, **call_kwargs)
-    outs = list(out) if isinstance(out, (tuple, list)) else [out]
-    store[graph] = (outs, inputs)
-    return [o.detach() for o in outs]
+
+    def run(leaves: list[Any]) -> Any:
+        call_args, call_kwargs = tree_unflatten(leaves, spec)
+        return op(*call_args, **call_kwargs)
+
+    return kept_graphs.run_keeping_graph(run, leaves, needs, graph, store)
