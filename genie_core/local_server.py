@@ -21,17 +21,18 @@ def start_server_process(
     connection_file: str | os.PathLike[str] | None = None,
     stderr: Any = subprocess.PIPE,
     prefix: tuple[str, ...] = (),
+    python: str = sys.executable,
 ) -> tuple[subprocess.Popen[str], ConnectionInfo, str]:
-    """Run `genie serve ARGS` as a child process (behind `prefix`, e.g. `ip netns exec NS`); return
-    it, its connection info and its ready line once it is ready (for tests, benchmarks and scripts
-    that want a server of their own)."""
+    """Run `genie serve ARGS` as a child process (behind `prefix`, e.g. `ip netns exec NS`; under
+    another `python`, e.g. a venv with another torch); return it, its connection info and its ready
+    line once it is ready (for tests, benchmarks and scripts that want a server of their own)."""
     cf = (
         Path(connection_file)
         if connection_file
         else runtime_dir() / f"genie-child-{os.getpid()}-{os.urandom(3).hex()}.json"
     )
     proc = subprocess.Popen(
-        [*prefix, sys.executable, "-m", "genie_core", "serve", "--connection-file", str(cf), *args],
+        [*prefix, python, "-m", "genie_core", "serve", "--connection-file", str(cf), *args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=stderr,

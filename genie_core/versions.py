@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import torch_compat
 from .protocol import PROTOCOL
 from .version import __version__
 
@@ -98,6 +99,13 @@ def compare(client: dict[str, str | None], server: dict[str, str | None], where:
             f"torch versions differ: {both('torch')}; remote tensors record this client's operators, which the "
             "server's torch may name differently"
         )
+    for side, versions in (("this client", client), (f"the server at {where}", server)):
+        torch_version = versions.get("torch")
+        if torch_version and not torch_compat.is_supported(torch_version):
+            verdict.warnings.append(
+                f"{side} runs torch {torch_version}, outside the releases Genie is tested with "
+                f"({torch_compat.SUPPORTED[0]} to {torch_compat.SUPPORTED[1]}): remote tensors may fail there"
+            )
     if client.get("cuda") and server.get("cuda") and _minor(client["cuda"]) != _minor(server["cuda"]):
         verdict.warnings.append(f"CUDA builds differ: {both('cuda')}")
     return verdict

@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -123,6 +124,11 @@ class RunningServer:
         sweep_dead()
 
 
+# The server's Python: another venv's (another torch) when the torch-range lane runs client and
+# server on different torch versions (scripts/test-torch-range)
+SERVER_PYTHON = os.environ.get("GENIE_TEST_SERVER_PYTHON") or sys.executable
+
+
 def start_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> RunningServer:
     cf = tmp_path / f"server-{os.urandom(3).hex()}.json"
     full_env = dict(
@@ -130,7 +136,9 @@ def start_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None) 
     )
     full_env.update(env or {})
     with open(tmp_path / f"{cf.stem}.log", "w") as log:  # read by nobody while running: a file never fills up
-        proc, info, line = start_server_process("--port", "0", *args, env=full_env, connection_file=cf, stderr=log)
+        proc, info, line = start_server_process(
+            "--port", "0", *args, env=full_env, connection_file=cf, stderr=log, python=SERVER_PYTHON
+        )
     return RunningServer(proc, info, cf, line)
 
 
@@ -276,8 +284,10 @@ def _write_slowest() -> None:
         "| --- | --- |",
         *[f"| {seconds:.1f} | `{path}` |" for path, seconds in _by_file()[:15]],
     ]
-    out = Path(__file__).resolve().parents[1] / "test-artifacts" / "slowest.md"
-    out.parent.mkdir(exist_ok=True)
+    from reliability import ARTIFACTS
+
+    out = ARTIFACTS / "slowest.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
 
 

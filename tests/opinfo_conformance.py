@@ -350,13 +350,41 @@ def _reason(exc: BaseException) -> str:
     return " ".join(line.strip() for line in text[:3])[:300]
 
 
+def compare_cpu_exemption(op: Any, device_type: str | None = None, dtype: Any = None) -> str | None:
+    """Why OpInfo does not compare this op's results with the CPU's (its skips and expected failures
+    of TestCommon.test_compare_cpu, for all devices or `device_type`, all dtypes or `dtype`), or None."""
+    for info in op.decorators:
+        if getattr(info, "cls_name", None) != "TestCommon" or info.test_name != "test_compare_cpu":
+            continue
+        if info.device_type not in (None, device_type) or (info.dtypes is not None and dtype not in info.dtypes):
+            continue
+        if info.active_if is not None and not info.active_if:
+            continue
+        for decorator in info.decorators:
+            cells = [c.cell_contents for c in getattr(decorator, "__closure__", None) or ()]
+            reasons = [c for c in cells if isinstance(c, str)]
+            return reasons[0] if reasons else getattr(decorator, "__name__", "declared")
+    return None
+
+
+# The ops whose output is uninitialized memory, as torch 2.15's OpInfo flags them
+# (has_nondeterministic_output), for an OpInfo without the flag (torch 2.11's)
+UNINITIALIZED = frozenset({"empty", "empty_like", "empty_permuted", "empty_strided", "new_empty", "new_empty_strided"})
+
+
+def _nondeterministic(op: Any) -> bool:
+    """Whether the op's output is not a function of its inputs (uninitialized memory)."""
+    flag = getattr(op, "has_nondeterministic_output", None)
+    return bool(flag) if flag is not None else op.name in UNINITIALIZED
+
+
 def run_op(op: Any) -> dict[str, Any]:
     import torch
 
     result: dict[str, Any] = {
         "op": _op_id(op),
         "random": False,
-        "nondeterministic": bool(op.has_nondeterministic_output),
+        "nondeterministic": _nondeterministic(op),
     }
     forward: dict[str, Any] = {"status": "skip", "samples": 0, "exact": True, "dtypes": []}
     supported = op.supported_dtypes("cpu")

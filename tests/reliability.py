@@ -12,18 +12,20 @@ from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STORE = ROOT / "test-artifacts" / "reliability.json"
+# What a run writes (another folder for each run of scripts/test-torch-range)
+ARTIFACTS = ROOT / os.environ.get("GENIE_ARTIFACTS", "test-artifacts")
+STORE = ARTIFACTS / "reliability.json"
 
 
 def measured_doc(name: str) -> Path:
     """Where a test writes a document of measured figures: docs/NAME when GENIE_WRITE_DOCS=1 (the run
-    whose figures are committed: `GENIE_WRITE_DOCS=1 scripts/test`), else test-artifacts/NAME,
+    whose figures are committed: `GENIE_WRITE_DOCS=1 scripts/test`), else test-artifacts/NAME (GENIE_ARTIFACTS),
     begun from the committed one, so that an ordinary test run leaves tracked files as they are."""
     committed = ROOT / "docs" / name
     if os.environ.get("GENIE_WRITE_DOCS") == "1":
         return committed
-    scratch = ROOT / "test-artifacts" / name
-    scratch.parent.mkdir(exist_ok=True)
+    scratch = ARTIFACTS / name
+    scratch.parent.mkdir(parents=True, exist_ok=True)
     if not scratch.exists() and committed.exists():
         shutil.copyfile(committed, scratch)
     return scratch
@@ -37,7 +39,7 @@ BY_HAND = "<!-- Below: measured outside the test run, by the commands given; kep
 @contextmanager
 def _locked():
     """Test processes (pytest-xdist workers) record into one store: one at a time."""
-    STORE.parent.mkdir(exist_ok=True)
+    STORE.parent.mkdir(parents=True, exist_ok=True)
     with open(STORE.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield

@@ -26,6 +26,7 @@ BASE = {
     "protocol",
     "versions",
     "partfiles",
+    "torch_compat",
 }
 ALLOWED = {
     "protocol": {"errors", "threads"},

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .. import torch_compat
 from ..protocol import fx_graph
 from ..protocol.tensor_ops import HostTensor
 from .after_import import after_import
@@ -324,6 +325,7 @@ def register() -> None:
 
     wrapper.__call__ = call  # type: ignore[method-assign]
     after_import("torch._dynamo", _leave_alone)
+    after_import("torch._subclasses.fake_tensor", torch_compat.fake_tensors_take_plain_wrappers)
     _registered = True
 
 

@@ -54,6 +54,7 @@ class OpStream:
         self.server_seconds = 0.0  # time the worker spent running what was sent
         self.wait_seconds = 0.0  # time spent here waiting for the last batch of each flush
         self.device_kind = "cuda" if (getattr(client, "node", None) or {}).get("gpus") else "cpu"
+        self.versions = _versions_if_they_differ(getattr(client, "server_versions", None) or {}, torch.__version__)
         self.imported: set[str] = set()  # modules defining custom ops, imported on the server
         self.graphs: set[str] = set()  # compiled graphs the server holds, by content hash (compiler.py)
         # On a small machine the server and this kernel share the cores: overlapping them costs more
@@ -179,9 +180,8 @@ class OpStream:
             raise RuntimeError(f"{op} failed during backward: {type(error).__name__}: {error}") from error
         if failure is not None:
             bad, n = failure
-            raise error_from(
-                bad, f"remote op {bad.get('op')} (op {bad.get('index', 0) + 1} of {n} sent together) failed: "
-            )
+            where = f"op {bad.get('index', 0) + 1} of {n} sent together"
+            raise error_from(bad, f"remote op {bad.get('op')} ({where}) failed{self.versions}: ")
         if content.get("fetch"):
             content["values"] = deserialize_namespace(
                 content["fetch"], reply.buffers, allow_pickle=False
@@ -198,3 +198,14 @@ class OpStream:
 
     def fetch(self, rid: int) -> Any:
         return self.flush([rid])["values"][str(rid)]
+
+
+def _versions_if_they_differ(server: dict[str, Any], mine: str) -> str:
+    """What a failed op's error adds where client and server run different torch releases: ops
+    are recorded by this client's torch and run by the server's, and may differ between them."""
+    from ..torch_compat import release
+
+    theirs = server.get("torch")
+    if not theirs or release(theirs) == release(mine):
+        return ""
+    return f" (this client runs torch {mine}, the server torch {theirs})"

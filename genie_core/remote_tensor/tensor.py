@@ -711,12 +711,17 @@ def _padded_output(t: Any, padding: float, output_size: Any = None) -> Any:
     return torch.empty(output_size, dtype=t.dtype, device="meta")
 
 
+def _like_source(src: Any, *args: Any, **kwargs: Any) -> Any:
+    return torch.empty_like(src)
+
+
 # The nested tensors of nn.TransformerEncoder's inference fast path (`enable_nested_tensor`): the
 # server holds the nested tensor, and here it has its padded shape (the source's), the shape that
-# `_transformer_encoder_layer_fwd`'s meta kernel and `to_padded_tensor` then work with.
+# each encoder layer (a meta kernel of its own from torch 2.13) and `to_padded_tensor` work with.
 _SHAPE_RULES = {
     aten._nested_tensor_from_mask.default: _padded_from_mask,
     aten.to_padded_tensor.default: _padded_output,
+    aten._transformer_encoder_layer_fwd.default: _like_source,
 }
 
 

@@ -372,7 +372,10 @@ class TensorExecutor:
         func = self._ops.get(name)
         if func is None:
             namespace, op, overload = name.split(".")
-            func = getattr(getattr(getattr(torch.ops, namespace), op), overload)
+            try:
+                func = getattr(getattr(getattr(torch.ops, namespace), op), overload)
+            except AttributeError:
+                raise RuntimeError(f"the server's torch {torch.__version__} has no op {name}") from None
             if self.device.type == "cpu":
                 func = CPU_SHIMS.get(name, func)
             self._ops[name] = func
