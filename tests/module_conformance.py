@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from opinfo_conformance import DEV, _compare, _differentiable, _RandomOps, _reason, _Skip, _to_remote
+from opinfo_conformance import DEV, GPU, _compare, _differentiable, _RandomOps, _reason, _Skip, _to_remote
 
 SAMPLES = 3
 
@@ -159,6 +159,9 @@ def _run_dtype(
             forward.setdefault("notes", []).append(f"{mode}: no samples ({type(exc).__name__})")
             continue
         for sample in samples[:SAMPLES]:
+            if GPU and _draws_random_numbers(info, sample, training):  # CUDA's generator is not the CPU's
+                result["random"] = result["draws_random"] = True
+                return
             try:
                 exact, grad_exact = _sample(info, sample, training)
             except _Skip:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -89,3 +90,22 @@ def test_an_op_the_servers_torch_lacks_is_one_error_naming_its_release(remote):
         with pytest.raises(RemoteError, match=rf"this client runs torch {re.escape(torch.__version__)}, the server"):
             (out + 1).cpu()
     assert torch.equal((x + 1).cpu(), torch.full((3,), 2.0))
+
+
+def test_cells_import_from_the_servers_environment_whatever_virtual_env_names(tmp_path):
+    """IPython puts `$VIRTUAL_ENV`'s packages ahead of the running Python's: a server started from
+    one venv in a shell that activated another ran its cells on that one's torch."""
+    from conftest import run, start_server, stdout_of
+
+    other = tmp_path / "other-venv"
+    site = other / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+    site.mkdir(parents=True)
+    (site / "genie_only_in_the_other_venv.py").write_text("")
+    srv = start_server(tmp_path, env={"VIRTUAL_ENV": str(other)})
+    client = srv.client()
+    try:
+        code = "import importlib.util; print(importlib.util.find_spec('genie_only_in_the_other_venv') is None)"
+        assert stdout_of(run(client, code)) == "True\n"
+    finally:
+        client.close()
+        srv.stop()

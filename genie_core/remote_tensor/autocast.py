@@ -1,41 +1,65 @@
 """`torch.autocast("remote_accelerator", dtype=...)`: the server device's own autocast policy.
 
 PyTorch's autocast kernels (which ops run in lower precision, which in float32, which promote)
-exist per device type and only cast tensors of that device. Here, for each op reaching the
-`AutocastPrivateUse1` key, the policy of the server's device type (CPU or CUDA) is read by
-running the op's real autocast kernel on data-less probe tensors of that device; the casts it
-asks for are applied to the remote tensors and recorded like any other op. The server thus
-runs exactly the casts its own autocast would, and shapes and dtypes stay known locally.
+exist per device type and only act on tensors of that device. Here, for each op reaching the
+`AutocastPrivateUse1` key, the policy of the server's device type (CPU or CUDA) is read from the
+running torch by running that device's real autocast kernel on data-less probe tensors of that
+device type, below autograd: the probes note the casts it makes and the call it then makes (the
+same op, or another overload or argument: CUDA runs `log_softmax` with `dtype=float32`, and `norm`
+with a dtype appended, instead of casting). That plan is applied to the remote tensors and
+recorded like any other op, so the server runs what its own autocast would, and shapes and dtypes
+stay known here.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-_EXCLUDE = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)  # type: ignore[attr-defined]  # not in torch's stubs
-_plans: dict[Any, tuple[Any, ...]] = {}
+_AUTOCAST = torch._C.DispatchKey.AutocastPrivateUse1  # type: ignore[attr-defined]  # not in torch's stubs
+_EXCLUDE = torch._C.DispatchKeySet(_AUTOCAST)
+aten = torch.ops.aten
+# What an autocast kernel casts an argument with (`cached_cast`: `.to(dtype)`)
+_CASTS = frozenset({aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default})
+_plans: dict[Any, Plan | str | None] = {}
 _lib: Any = None
 
 
+class Slot(NamedTuple):
+    """An argument of the autocast kernel's call: the op's leaf argument at `leaf` (as cast)."""
+
+    leaf: int
+
+
+class Plan(NamedTuple):
+    """What the device's autocast kernel does with an op's arguments: the dtype it casts each leaf
+    argument to (None: left as it is), then the call it makes, its tensors as `Slot`s."""
+
+    casts: tuple[torch.dtype | None, ...]
+    op: Any
+    args: tuple
+    kwargs: dict
+
+
 class _Stop(Exception):
-    """The autocast kernel has cast its arguments and moved on: the plan is known."""
+    """The autocast kernel has made its call: the plan is known."""
 
 
 class _Probe(torch.Tensor):
-    """A data-less tensor of the server's device type, that notes the casts made of it."""
+    """A data-less tensor of the server's device type standing for one leaf argument (`slot`), that
+    notes what the autocast kernel does with it in `seen`."""
 
     _slot: int | None
-    _casts: dict[int, torch.dtype]
+    _seen: dict[str, Any]
 
     @staticmethod
-    def __new__(cls, like: torch.Tensor, device: str, slot: int | None, casts: dict[int, torch.dtype]):
+    def __new__(cls, like: Any, device: str, slot: int | None, seen: dict[str, Any], dtype: Any = None):
         p = torch.Tensor._make_wrapper_subclass(
-            cls, like.shape, strides=like.stride(), dtype=like.dtype, device=torch.device(device)
+            cls, like.shape, strides=like.stride(), dtype=dtype or like.dtype, device=torch.device(device)
         )
-        p._slot, p._casts = slot, casts
+        p._slot, p._seen = slot, seen
         return p
 
     # PyTorch's own idiom for a subclass without __torch_function__ (typed unlike Tensor's classmethod)
@@ -43,17 +67,34 @@ class _Probe(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from .tensor import _map
+
         kwargs = kwargs or {}
         src = args[0] if args else None
-        if (
-            func is torch.ops.aten._to_copy.default
-            and isinstance(src, _Probe)
-            and src._slot is not None
-            and "dtype" in kwargs
-        ):
-            src._casts[src._slot] = kwargs["dtype"]
-            return _Probe(src, src.device.type, None, src._casts)
+        target = kwargs.get("dtype", args[1] if func is aten.to.dtype and len(args) > 1 else None)
+        if func in _CASTS and isinstance(src, _Probe) and src._slot is not None and isinstance(target, torch.dtype):
+            src._seen["casts"][src._slot] = target
+            return _Probe(src, src.device.type, src._slot, src._seen, dtype=target)
+        slotted = True
+
+        def slot(a: Any) -> Any:
+            nonlocal slotted
+            if isinstance(a, _Probe):
+                slotted = slotted and a._slot is not None
+                return Slot(a._slot) if a._slot is not None else None
+            return a
+
+        call_args, call_kwargs = _map(slot, args, kwargs)
+        if slotted:
+            seen = next(iter(_probes_of(args, kwargs)))._seen
+            seen["call"] = (func, call_args, call_kwargs)
         raise _Stop
+
+
+def _probes_of(args: tuple, kwargs: dict) -> list[_Probe]:
+    from .tensor import _leaves
+
+    return [a for a in _leaves(args, kwargs) if isinstance(a, _Probe)]
 
 
 def _server_device_type() -> str:
@@ -62,58 +103,111 @@ def _server_device_type() -> str:
     return server_device_type()
 
 
-def _plan(op: Any, args: tuple, kwargs: dict, leaves: list[Any], device: str, dtype: torch.dtype) -> tuple[Any, ...]:
-    """For each leaf argument, the dtype the server's autocast would cast it to (or None)."""
+_BELOW_AUTOGRAD = torch._C._AutoDispatchBelowAutograd
+_disable_current_modes = torch.utils._python_dispatch._disable_current_modes
+
+
+_NO_KERNEL = "no kernel"  # the device's autocast has no kernel for the op: it falls through
+
+
+def plan(op: Any, args: tuple, kwargs: dict, device: str, dtype: torch.dtype) -> Plan | str | None:
+    """What `device`'s autocast to `dtype` does with this call: a Plan; None where it has a kernel
+    that changes nothing; _NO_KERNEL. Read from the running torch once per op and arguments
+    (tensors by dtype)."""
+    from .tensor import _leaves, typed_key
+
+    leaves = _leaves(args, kwargs)
+    try:
+        key: Any = (
+            op,
+            device,
+            dtype,
+            tuple(a.dtype if isinstance(a, torch.Tensor) else typed_key(a) for a in leaves),
+            tuple(kwargs),
+        )
+        return _plans[key]
+    except KeyError:
+        pass
+    except TypeError:  # something unhashable among the arguments: no caching
+        key = None
+    found: Plan | str | None = _NO_KERNEL
+    if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "AutocastCUDA" if device == "cuda" else "AutocastCPU"):
+        found = _probe(op, args, kwargs, leaves, device, dtype)
+    if key is not None:
+        _plans[key] = found
+    return found
+
+
+def _probe(op: Any, args: tuple, kwargs: dict, leaves: list[Any], device: str, dtype: torch.dtype) -> Plan | None:
+    """Run the device's autocast kernel of `op` on probes: the casts it makes and the call it then
+    makes, or None where that is the op as it was called."""
     from .tensor import _map
 
-    key = (op, device, dtype, tuple(a.dtype if isinstance(a, torch.Tensor) else None for a in leaves))
-    plan = _plans.get(key)
-    if plan is not None:
-        return plan
-    autocast_key = "AutocastCUDA" if device == "cuda" else "AutocastCPU"
-    casts: dict[int, torch.dtype] = {}
-    if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), autocast_key):
-        slots = iter(range(len(leaves)))
+    seen: dict[str, Any] = {"casts": {}, "call": None}
+    slots = iter(range(len(leaves)))
 
-        def probe(a: Any) -> Any:
-            slot = next(slots)
-            return _Probe(a, device, slot, casts) if isinstance(a, torch.Tensor) else a
+    def probe(a: Any) -> Any:
+        index = next(slots)
+        return _Probe(a, device, index, seen) if isinstance(a, torch.Tensor) else a
 
-        args, kwargs = _map(probe, args, kwargs)
-        was_on, was_dtype = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
-        torch.set_autocast_enabled(device, True)
-        torch.set_autocast_dtype(device, dtype)
-        try:
-            op(*args, **kwargs)
-        except _Stop:
-            pass
-        finally:
-            torch.set_autocast_enabled(device, was_on)
-            torch.set_autocast_dtype(device, was_dtype)
-    plan = tuple(casts.get(i) for i in range(len(leaves)))
-    _plans[key] = plan
-    return plan
+    probe_args, probe_kwargs = _map(probe, args, kwargs)
+    was_on, was_dtype = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
+    torch.set_autocast_enabled(device, True)
+    torch.set_autocast_dtype(device, dtype)
+    try:
+        # below autograd, so that the kernel's own call reaches the probes whole, not decomposed;
+        # without the modes of whoever called (a fake tensor mode while Dynamo traces)
+        with _BELOW_AUTOGRAD(), _disable_current_modes():
+            op(*probe_args, **probe_kwargs)
+    except _Stop:
+        pass
+    finally:
+        torch.set_autocast_enabled(device, was_on)
+        torch.set_autocast_dtype(device, was_dtype)
+    if seen["call"] is None:
+        return None
+    call, call_args, call_kwargs = seen["call"]
+    casts = tuple(seen["casts"].get(i) for i in range(len(leaves)))
+    if any(casts) or call is not op or (call_args, call_kwargs) != _map(_as_slot(leaves), args, kwargs):
+        return Plan(casts, call, call_args, call_kwargs)
+    return None
 
 
-def _kernel(op: Any, *args: Any, **kwargs: Any) -> Any:
-    """The AutocastPrivateUse1 kernel: cast as the server's autocast would, then run the op."""
+def _as_slot(leaves: list[Any]) -> Any:
+    """The arguments as a plan that changes nothing would give them (tensors as their slots)."""
+    positions = {id(a): i for i, a in enumerate(leaves) if isinstance(a, torch.Tensor)}
+
+    def slot(a: Any) -> Any:
+        return Slot(positions[id(a)]) if isinstance(a, torch.Tensor) else a
+
+    return slot
+
+
+def _kernel(op: Any, keyset: Any, *args: Any, **kwargs: Any) -> Any:
+    """The AutocastPrivateUse1 kernel: do what the server's autocast would. As in PyTorch's own
+    kernels, what the op calls in turn is not cast again; an op the server's device type has no
+    kernel for passes through, and what it calls in turn is."""
     from .tensor import _leaves, _map
 
-    device = _server_device_type()
-    dtype = torch.get_autocast_dtype("remote_accelerator")
     leaves = _leaves(args, kwargs)
+    found: Plan | str | None = _NO_KERNEL
+    if any(isinstance(a, torch.Tensor) and a.is_floating_point() for a in leaves):
+        found = plan(op, args, kwargs, _server_device_type(), torch.get_autocast_dtype("remote_accelerator"))
+    if found is _NO_KERNEL:
+        return op.redispatch(keyset.remove(_AUTOCAST), *args, **kwargs)
     with torch._C._ExcludeDispatchKeyGuard(_EXCLUDE):
-        if any(isinstance(a, torch.Tensor) and a.is_floating_point() for a in leaves):
-            plan = _plan(op, args, kwargs, leaves, device, dtype)
-            if any(plan):
-                casts = iter(plan)
+        if not isinstance(found, Plan):
+            return op(*args, **kwargs)
+        values = [
+            a.to(cast) if cast is not None and isinstance(a, torch.Tensor) else a
+            for a, cast in zip(leaves, found.casts, strict=True)
+        ]
 
-                def cast(a: Any) -> Any:
-                    target = next(casts)
-                    return a.to(target) if target is not None and isinstance(a, torch.Tensor) else a
+        def fill(a: Any) -> Any:
+            return values[a.leaf] if type(a) is Slot else a
 
-                args, kwargs = _map(cast, args, kwargs)
-        return op(*args, **kwargs)
+        call_args, call_kwargs = _map(fill, found.args, found.kwargs)
+        return found.op(*call_args, **call_kwargs)
 
 
 def supported_dtypes() -> list[torch.dtype]:
@@ -133,7 +227,7 @@ def register() -> None:
             continue
         packet, _, overload = name.removeprefix("aten::").partition(".")
         op = getattr(getattr(torch.ops.aten, packet), overload or "default")
-        _lib.impl(name.removeprefix("aten::"), functools.partial(_kernel, op), "AutocastPrivateUse1")
+        _lib.impl(name.removeprefix("aten::"), functools.partial(_kernel, op), "AutocastPrivateUse1", with_keyset=True)
     _fallthrough = torch.library.Library("_", "IMPL")
     _fallthrough.fallback(torch.library.fallthrough_kernel, "AutocastPrivateUse1")
 

@@ -68,9 +68,10 @@ def device_count() -> int:
 
 
 def server_device_type() -> str:
-    """What `remote_accelerator` is on the server: "cuda" or "cpu"."""
-    client = _connected()
-    return "cuda" if client is not None and (client.node.get("gpus") or []) else "cpu"
+    """What `remote_accelerator` is on the current session's server: "cuda" or "cpu"."""
+    from .stream import device_type_of
+
+    return device_type_of(_connected())
 
 
 _current_client: Callable[[], Any] = lambda: None  # noqa: E731 (genie_core's connection, set by set_client)

@@ -53,7 +53,8 @@ class OpStream:
         self.server_tensors = 0  # tensors the server held after the last flush
         self.server_seconds = 0.0  # time the worker spent running what was sent
         self.wait_seconds = 0.0  # time spent here waiting for the last batch of each flush
-        self.device_kind = "cuda" if (getattr(client, "node", None) or {}).get("gpus") else "cpu"
+        self.device_kind = device_type_of(client)  # what its server computes on: "cuda" or "cpu"
+        self.meta_cache: dict[Any, Any] = {}  # each op signature's outputs on that device (tensor.py)
         self.versions = _versions_if_they_differ(getattr(client, "server_versions", None) or {}, torch.__version__)
         self.imported: set[str] = set()  # modules defining custom ops, imported on the server
         self.graphs: set[str] = set()  # compiled graphs the server holds, by content hash (compiler.py)
@@ -209,3 +210,10 @@ def _versions_if_they_differ(server: dict[str, Any], mine: str) -> str:
     if not theirs or release(theirs) == release(mine):
         return ""
     return f" (this client runs torch {mine}, the server torch {theirs})"
+
+
+def device_type_of(client: Any) -> str:
+    """What `remote_accelerator` computes on at `client`'s server: "cuda" where it has GPUs, else
+    "cpu" (simulated GPUs, `--simulate-gpus`, are readings only: their worker computes on the CPU)."""
+    node = getattr(client, "node", None) or {}
+    return "cuda" if node.get("gpus") and not node.get("simulated_gpus") else "cpu"

@@ -12,7 +12,7 @@ import torch
 from torch.utils._mode_utils import no_dispatch
 
 from ..protocol.tensor_ops import HostTensor, Ref, RemoteDevice, StorageOf, encode_value
-from . import serialization
+from . import device_model, serialization
 from .stream import OpStream, _ids, new_id, new_ids
 
 aten = torch.ops.aten
@@ -24,7 +24,6 @@ _TO_COPY = aten._to_copy.default
 _COPY = aten.copy_.default
 _SET_STORAGE = (aten.set_.source_Storage, aten.set_.source_Storage_storage_offset)
 
-_meta_cache: dict[Any, Any] = {}
 _alias_cache: dict[Any, dict[int, Any]] = {}  # op -> {output position: the argument it writes}
 # A remote tensor's (placeholder) storage, by the storage's address: `x.set_(y.untyped_storage())`.
 _storage_owners: dict[int, Any] = {}
@@ -422,7 +421,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     outputs = None
     if not info.learn:
         try:
-            outputs = _meta_cache.get((info, *sig, *kwargs) if kwargs else (info, *sig))
+            outputs = stream.meta_cache.get((info, *sig, *kwargs) if kwargs else (info, *sig))
         except TypeError:  # something unhashable in the arguments (_output_specs: no caching)
             pass
         if outputs is not None and outputs[4] is not None and not local:  # one fresh tensor out: the common case
@@ -681,8 +680,9 @@ class _Learn(tuple):
     per new signature; see _DEVICE_DEPENDENT)."""
 
 
-# Ops whose outputs' metadata, or whether they run at all, differs between devices (PyTorch's meta
-# kernels follow CUDA): the CPU kernels give reduced-precision statistics the input's dtype, empty
+# Ops whose outputs' metadata, or whether they run at all, differs between devices, and that the
+# device model (device_model.py) does not get right on every device: the CPU kernels give
+# reduced-precision statistics the input's dtype (but float32 beside float32 weights), empty
 # statistics or offset2bag in some modes, and a float32 grouped_mm that CUDA refuses. The first
 # call with a signature runs eagerly and its outputs' shapes and dtypes, as the server's device
 # made them, are cached for later calls.
@@ -737,13 +737,14 @@ def _import_on_server(func, stream: OpStream) -> None:
 
 
 def _output_specs(func, sig: list[Any], args: tuple, kwargs: dict, stream: OpStream, info: Any = None) -> Any:
-    """Output shapes from the op's meta kernel (cached), None when they depend on data, or a
-    _Learn key when the device must say (see _DEVICE_DEPENDENT)."""
+    """Output shapes as the server's device type makes them (device_model.py; cached per stream),
+    None when they depend on data, or a _Learn key when the device must say (see _DEVICE_DEPENDENT)."""
+    meta_cache = stream.meta_cache
     try:
         key = (info if info is not None else func, *sig, *kwargs)
         if info.learn if info is not None else func in _DEVICE_DEPENDENT:
-            key = _Learn((*key, stream.device_kind))
-        cached = _meta_cache.get(key)
+            key = _Learn(key)
+        cached = meta_cache.get(key)
     except TypeError:  # something unhashable in the arguments: no caching
         key, cached = None, None
     if cached is None and isinstance(key, _Learn):
@@ -751,8 +752,12 @@ def _output_specs(func, sig: list[Any], args: tuple, kwargs: dict, stream: OpStr
     if cached is None:
         margs, mkwargs = _map(_to_meta, args, kwargs)
         try:
-            out = _SHAPE_RULES.get(func, func)(*margs, **mkwargs)
-        except NotImplementedError:
+            rule: Any = _SHAPE_RULES.get(func)
+            if rule is not None:
+                out = rule(*margs, **mkwargs)
+            else:
+                out = device_model.outputs(func, margs, mkwargs, stream.device_kind)
+        except (NotImplementedError, *device_model.NOT_KNOWN_HERE):
             return None  # no meta kernel, or a data-dependent output shape: run it on the server now
         except RuntimeError as exc:
             if "meta" in str(exc).lower() and ("cannot" in str(exc).lower() or "not implemented" in str(exc).lower()):
@@ -767,9 +772,9 @@ def _output_specs(func, sig: list[Any], args: tuple, kwargs: dict, stream: OpStr
             )
         cached = _entry(out, func)
         if key is not None:
-            if len(_meta_cache) > 50_000:
-                _meta_cache.clear()
-            _meta_cache[key] = cached
+            if len(meta_cache) > 50_000:
+                meta_cache.clear()
+            meta_cache[key] = cached
     return cached
 
 
@@ -812,7 +817,7 @@ def _run_eagerly(
             for r in results
         ]
         out = (metas if is_list else tuple(metas)) if described["tuple"] else metas[0]
-        _meta_cache[learn] = _entry(out, func)
+        stream.meta_cache[learn] = _entry(out, func)
     if described["tuple"]:
         return results if is_list else tuple(results)
     return results[0]

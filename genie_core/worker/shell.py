@@ -94,6 +94,12 @@ class WorkerShell(InteractiveShell):
         finally:
             self.on_user_code(False)
 
+    def init_virtualenv(self) -> None:
+        """IPython puts the site-packages of `$VIRTUAL_ENV` ahead on sys.path when that is not the
+        running Python's: a server started from one venv inside a shell that activated another would
+        have its cells import that one's packages (another torch). A worker runs in its server's
+        environment, whatever the shell around the server had activated."""
+
     def init_displayhook(self) -> None:
         super().init_displayhook()
         cast(WorkerDisplayHook, self.displayhook).emit = lambda kind, content: self.emit(kind, content)
