@@ -27,13 +27,20 @@ def fake_tensors_take_plain_wrappers() -> None:
     """torch 2.11 (2.12 untried): Dynamo's `is_fake` raises "got mixed fake and real tensors!" and
     `maybe_get_fake_mode` an IndexError for a wrapper subclass with no inner tensors (a remote
     tensor holds none: its values are on the server), where 2.13 and later answer False and None.
-    Made to answer as 2.13 does; found by trying, not by version number."""
+    Each is made to answer as 2.13 does where it fails, found by trying it, not by version number."""
     from torch._subclasses import fake_tensor
 
-    if _is_fake_answers_plain_wrappers():
+    try:
+        plain = _plain_wrapper()
+    except Exception:  # cannot even try: leave torch as it is
         return
-    _answer_for_plain_wrappers(fake_tensor, "is_fake", _is_fake)
-    _answer_for_plain_wrappers(fake_tensor, "maybe_get_fake_mode", _maybe_get_fake_mode)
+    for name, answer, code in (("is_fake", False, _is_fake), ("maybe_get_fake_mode", None, _maybe_get_fake_mode)):
+        try:
+            fails = getattr(fake_tensor, name)(plain) is not answer
+        except (AssertionError, IndexError):
+            fails = True
+        if fails:
+            _answer_for_plain_wrappers(fake_tensor, name, code)
 
 
 def _answer_for_plain_wrappers(module: Any, name: str, code: Any) -> None:
@@ -64,11 +71,11 @@ def _maybe_get_fake_mode(t: Any) -> Any:
     return _genie_maybe_get_fake_mode(t)  # type: ignore[name-defined]  # noqa: F821
 
 
-def _is_fake_answers_plain_wrappers() -> bool:
+def _plain_wrapper() -> Any:
+    """A wrapper subclass with no inner tensors, as a remote tensor is."""
     import torch
-    from torch._subclasses.fake_tensor import is_fake
 
-    class Empty(torch.Tensor):
+    class Plain(torch.Tensor):
         @staticmethod
         def __new__(cls) -> Any:
             return torch.Tensor._make_wrapper_subclass(cls, (1,), dtype=torch.float32, device=torch.device("meta"))
@@ -86,7 +93,4 @@ def _is_fake_answers_plain_wrappers() -> bool:
         ) -> Any:
             raise NotImplementedError
 
-    try:
-        return is_fake(Empty()) is False
-    except AssertionError:
-        return False
+    return Plain()

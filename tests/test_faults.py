@@ -16,9 +16,21 @@ import genie_core
 from genie_core.errors import ConnectionLost
 
 
+def _transfer(client, direction: str, big: torch.Tensor, remote: torch.Tensor | None) -> None:
+    if direction == "push":
+        client.push({"big": big})
+    elif direction == "pull":
+        client.pull(["big"])
+    elif direction == "to(remote)":
+        big.to("remote_accelerator:0").sum().item()
+    else:
+        assert remote is not None
+        remote.cpu()
+
+
 @pytest.mark.repeat(STRESS)
 @pytest.mark.parametrize("backend", ["tcp", "shm", "zmq"])
-@pytest.mark.parametrize("direction", ["push", "pull"])
+@pytest.mark.parametrize("direction", ["push", "pull", "to(remote)", "cpu()"])
 def test_server_killed_mid_transfer_is_a_clear_error(tmp_path, backend, direction):
     srv = start_server(tmp_path)
     try:
@@ -26,11 +38,12 @@ def test_server_killed_mid_transfer_is_a_clear_error(tmp_path, backend, directio
         big = torch.ones(1 << 28, dtype=torch.uint8)  # 256 MiB
         if direction == "pull":
             state.client.push({"big": big})
+        remote = big.to("remote_accelerator:0") if direction == "cpu()" else None
         threading.Timer(0.05, srv.proc.send_signal, args=(signal.SIGKILL,)).start()
         start = time.monotonic()
         with pytest.raises(ConnectionLost, match=f"127.0.0.1:{srv.info.port}"):
             for _ in range(50):  # until the kill lands
-                state.client.push({"big": big}) if direction == "push" else state.client.pull(["big"])
+                _transfer(state.client, direction, big, remote)
         took = time.monotonic() - start
         assert took < 8
         record(

@@ -161,6 +161,11 @@ def test_models_on_a_gpu_server(gpu_server, kind):
     opt_local.step(), opt.step()
     for (name, p), q in zip(local.named_parameters(), model.parameters(), strict=True):
         _close(q, p, f"{name} after an AdamW step", rtol=0.0, atol=LR)
+        if p.grad is not None:  # the step's moments are the gradients' (and their squares'): checked as they are
+            scale = max(p.grad.abs().max().item(), 1e-12)
+            mine, theirs = opt_local.state[p], opt.state[q]
+            _close(theirs["exp_avg"], mine["exp_avg"], f"{name}'s first moment", rtol=0.0, atol=1e-3 * scale)
+            _close(theirs["exp_avg_sq"], mine["exp_avg_sq"], f"{name}'s second moment", rtol=0.0, atol=2e-3 * scale**2)
     if kind in ("gpt2", "llama", "qwen2", "t5"):
         local.eval(), model.eval()
         prompt = {k: v for k, v in inputs.items() if k != "labels"}

@@ -84,6 +84,25 @@ def test_pushes_over_the_limit(limited):
     gc.collect()
 
 
+def test_an_upload_over_the_limit_is_refused_before_a_byte_moves(limited):
+    held = torch.arange(1.0, device=DEV)
+    before = limited.segments()
+    with pytest.raises(
+        LimitExceeded, match=r"remote_accelerator tensor of 80\.0 MiB is more than the server lets a session hold"
+    ) as caught:
+        torch.ones(20 * MiB).to(DEV)  # (its empty destination is refused first)
+    with pytest.raises(LimitExceeded, match=r"upload to remote_accelerator of 80\.0 MiB is more than"):
+        held + torch.ones(20 * MiB)  # (a CPU argument travels with the op)
+    record(
+        SECTION,
+        "80 MiB .to(remote) (--max-session-bytes 64MiB)",
+        f"LimitExceeded before a byte was sent: {caught.value}",
+    )
+    assert limited.segments() <= before
+    assert held.cpu().tolist() == [0.0]  # the session and what it held go on
+    assert torch.ones(MiB).to(DEV).sum().item() == MiB
+
+
 def test_limits_are_per_session(limited):
     kept = [torch.ones(2, device=DEV) for _ in range(35)]
     kept[0].cpu()

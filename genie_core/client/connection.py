@@ -63,6 +63,7 @@ class Request:
         self.sent = time.monotonic()
         self.summary = ""  # a few words on what it does, should it be lost
         self.background = False  # a job: it follows itself after a lost connection (client/jobs.py)
+        self.data: Any = None  # where its bytes went over the data plane, for its sender to free if it fails
         self._queue: queue.SimpleQueue[Message | Closed] = queue.SimpleQueue()
         self.done = False
 

@@ -64,14 +64,7 @@ class Transfers:
         progress: Any = None,
     ) -> list[str]:
         metas, buffers = serialize_namespace(values)
-        size = sum(memoryview(b).nbytes for b in buffers)
-        limits = self.connection.node.get("limits")
-        limit = limits.get("session_bytes") if limits else None
-        if limit is not None and size > limit:  # said before a byte is sent
-            raise LimitExceeded(
-                f"this push of {size_text(size)} is more than the server lets a session hold "
-                f"({size_text(limit)}, --max-session-bytes)"
-            )
+        self.refuse_over_limit(sum(memoryview(b).nbytes for b in buffers), "this push")
         content = contents.Push(values=metas, gpu=gpu, device=device)
         reply = cast(contents.PushReply, self.send(T.PUSH, content, buffers, progress=progress, timeout=timeout))
         return list(reply.get("names", []))
@@ -115,6 +108,51 @@ class Transfers:
         if answer.get("status") != "ok":
             raise error_from(answer)
         return answer
+
+    def request(self, kind: MessageType, content: Mapping[str, Any], head: list[Any], buffers: list[Any]) -> Any:
+        """A request not waited for here (remote tensors' op batches): its `buffers`, after the `head`
+        frames, go over the data plane when big, ahead of it, so that they are there when the worker
+        reads it. Returns the pending request."""
+        ref = None
+        if self.goes_by_data_plane(sum(memoryview(b).nbytes for b in buffers)):
+            with self._lock, self._data_errors(str(kind)):
+                ref = self.channel.put(buffers)
+                self.channel.after()  # (shared memory: the next segment of that size, faulted in meanwhile)
+        if ref is None:
+            return self.connection.request(Message(kind, content, [*head, *buffers]))
+        try:
+            request = self.connection.request(Message(kind, {**content, "data": ref}, head))
+        except BaseException:
+            self.channel.discard(ref)  # nobody will adopt it
+            raise
+        request.data = ref
+        return request
+
+    def failed(self, request: Any) -> None:
+        """A request sent with `request` failed (or its connection did): free what its bytes left
+        on the data plane, if nobody adopted it."""
+        if request.data is not None:
+            self.channel.discard(request.data)
+            request.data = None
+
+    def goes_by_data_plane(self, size: int) -> bool:
+        """Whether a transfer of `size` bytes would take the data plane (else it goes inline)."""
+        return size >= DATA_THRESHOLD and self.channel.staged
+
+    def receive(self, ref: contents.DataRef, what: str) -> list[Any]:
+        """The buffers a worker staged for a reply (a request's `staged` said this client fetches them)."""
+        with self._lock, self._data_errors(what):
+            return self.channel.get(ref)
+
+    def refuse_over_limit(self, size: int, what: str) -> None:
+        """More bytes than the server lets a session hold: said before a byte is sent."""
+        limits = self.connection.node.get("limits")
+        limit = limits.get("session_bytes") if limits else None
+        if limit is not None and size > limit:
+            raise LimitExceeded(
+                f"{what} of {size_text(size)} is more than the server lets a session hold "
+                f"({size_text(limit)}, --max-session-bytes)"
+            )
 
     def fetch(
         self,

@@ -214,9 +214,11 @@ class Pull(ToWorker):
 
 
 class TensorOps(ToWorker):
-    """Its first buffer is the pickled `OpBatch`, the others that pickle's out-of-band buffers."""
+    """Its first buffer is the pickled `OpBatch`, the others that pickle's out-of-band buffers
+    (or, when they went over the data plane, `data` says where they are)."""
 
     n: int  # ops in the batch
+    staged: NotRequired[bool]  # the client fetches big values over its data plane: stage them
 
 
 class OpBatch(TypedDict):
@@ -323,8 +325,8 @@ class PullReply(Staged):
     values: NotRequired[list[dict[str, Any]]]
 
 
-class TensorReply(Reply):
-    """Its buffers are the bytes of the tensors fetched."""
+class TensorReply(Staged):
+    """Its buffers are the bytes of the tensors fetched (or `data` says where they wait)."""
 
     stored: int  # tensors the worker holds for the session
     eager: NotRequired[Any]  # what the batch's last op made, when asked (its description, or an answer)

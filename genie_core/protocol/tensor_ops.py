@@ -62,7 +62,10 @@ class HostTensor:
 
     __slots__ = ("tensor",)
 
-    def __init__(self, tensor: Any) -> None:
+    def __init__(self, tensor: Any, snapshot: bool = True) -> None:
+        """`snapshot`: copy the values now, so that later local changes do not leak in; without,
+        the tensor's own memory is sent (when it is dense and whole: else it is copied), by a
+        caller that sends it before the user's code can change it."""
         import torch
 
         t = tensor.detach().resolve_conj().resolve_neg()
@@ -72,7 +75,8 @@ class HostTensor:
             )
         if t.is_quantized:
             raise NotImplementedError("quantized tensors are not supported on remote_accelerator")
-        self.tensor = t.clone()  # a snapshot (later local changes must not leak in); dense, offset 0
+        whole = t.is_contiguous() and not t.storage_offset() and t.untyped_storage().nbytes() == t.nbytes
+        self.tensor = t if whole and not snapshot else t.clone()  # dense, offset 0
 
     def __reduce__(self) -> tuple[Any, ...]:
         import pickle
@@ -139,3 +143,6 @@ def encode_value(value: Any) -> Any:
 #   ("clock", id)                         read the device's clock when it gets here (Event(enable_timing=True))
 #   ("ask", question, args)               a question about the device (memory, properties, elapsed time);
 #                                         the answer comes back as the batch's "eager" {"value": ...}
+#   ("load", first_id, path)              a checkpoint on the server's disk onto the device, its tensors
+#                                         from first_id on; answered as "ask" (its structure, each leaf)
+#   ("read", path)                        a small text file on the server's disk (config.json), as "ask"

@@ -3,7 +3,8 @@
 PyTorch's autocast kernels (which ops run in lower precision, which in float32, which promote)
 exist per device type and only act on tensors of that device. Here, for each op reaching the
 `AutocastPrivateUse1` key, the policy of the server's device type (CPU or CUDA) is read from the
-running torch by running that device's real autocast kernel on data-less probe tensors of that
+client's torch (the server's too, where the releases match) by running that device type's real
+autocast kernel on data-less probe tensors of that
 device type, below autograd: the probes note the casts it makes and the call it then makes (the
 same op, or another overload or argument: CUDA runs `log_softmax` with `dtype=float32`, and `norm`
 with a dtype appended, instead of casting). That plan is applied to the remote tensors and
@@ -51,11 +52,11 @@ class _Probe(torch.Tensor):
     """A data-less tensor of the server's device type standing for one leaf argument (`slot`), that
     notes what the autocast kernel does with it in `seen`."""
 
-    _slot: int | None
+    _slot: int
     _seen: dict[str, Any]
 
     @staticmethod
-    def __new__(cls, like: Any, device: str, slot: int | None, seen: dict[str, Any], dtype: Any = None):
+    def __new__(cls, like: Any, device: str, slot: int, seen: dict[str, Any], dtype: Any = None):
         p = torch.Tensor._make_wrapper_subclass(
             cls, like.shape, strides=like.stride(), dtype=dtype or like.dtype, device=torch.device(device)
         )
@@ -72,22 +73,11 @@ class _Probe(torch.Tensor):
         kwargs = kwargs or {}
         src = args[0] if args else None
         target = kwargs.get("dtype", args[1] if func is aten.to.dtype and len(args) > 1 else None)
-        if func in _CASTS and isinstance(src, _Probe) and src._slot is not None and isinstance(target, torch.dtype):
+        if func in _CASTS and isinstance(src, _Probe) and isinstance(target, torch.dtype):
             src._seen["casts"][src._slot] = target
             return _Probe(src, src.device.type, src._slot, src._seen, dtype=target)
-        slotted = True
-
-        def slot(a: Any) -> Any:
-            nonlocal slotted
-            if isinstance(a, _Probe):
-                slotted = slotted and a._slot is not None
-                return Slot(a._slot) if a._slot is not None else None
-            return a
-
-        call_args, call_kwargs = _map(slot, args, kwargs)
-        if slotted:
-            seen = next(iter(_probes_of(args, kwargs)))._seen
-            seen["call"] = (func, call_args, call_kwargs)
+        call_args, call_kwargs = _map(lambda a: Slot(a._slot) if isinstance(a, _Probe) else a, args, kwargs)
+        next(iter(_probes_of(args, kwargs)))._seen["call"] = (func, call_args, call_kwargs)
         raise _Stop
 
 
@@ -134,6 +124,8 @@ def plan(op: Any, args: tuple, kwargs: dict, device: str, dtype: torch.dtype) ->
     if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "AutocastCUDA" if device == "cuda" else "AutocastCPU"):
         found = _probe(op, args, kwargs, leaves, device, dtype)
     if key is not None:
+        if len(_plans) > 50_000:  # (a number that changes each step makes a key each step)
+            _plans.clear()
         _plans[key] = found
     return found
 

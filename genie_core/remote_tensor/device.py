@@ -4,6 +4,7 @@ needs."""
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -58,6 +59,9 @@ def _factory_kernels(lib: Any) -> None:
                         made.clear()
                     made[key] = spec
             stream = stream_for(device.index if device is not None else None)
+            if stream.max_bytes is not None:
+                shape, _, _, dtype, _ = spec[0]
+                stream.refuse_over_limit(math.prod(shape) * dtype.itemsize, f"a {DEVICE_TYPE} tensor")
             r = remote(stream, spec[0])
             enc_kwargs = {k: encode_value(v) for k, v in kwargs.items()}
             enc_kwargs["device"] = RemoteDevice()

@@ -13,6 +13,7 @@ the server checks every output against what was said here.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -27,10 +28,12 @@ from torch._subclasses.fake_tensor import (
 # no meta kernel: both are run on the server instead (one round trip)
 NOT_KNOWN_HERE = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
 
-_mode: FakeTensorMode | None = None
-# The dispatcher's thread-local state outside any kernel: fake tensors need the Python keys, which
-# a kernel reached below Python dispatch (the device's `_copy_from`) runs with excluded
-_OUTSIDE = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
+# One fake tensor mode a thread: a mode keeps state while it runs an op (autograd runs backward
+# on a thread of its own for each device)
+_modes = threading.local()
+# Fake tensors need the Python keys, which a kernel reached below Python dispatch (the device's
+# `_copy_from`) runs with excluded
+_PYTHON_KEYS = [torch._C.DispatchKey.Python, torch._C.DispatchKey.PythonTLSSnapshot]
 
 
 def outputs(func: Any, margs: tuple, mkwargs: dict, device_type: str) -> Any:
@@ -38,10 +41,12 @@ def outputs(func: Any, margs: tuple, mkwargs: dict, device_type: str) -> Any:
     device) on a server of `device_type`: fake CUDA tensors, or meta tensors."""
     if device_type != "cuda" or _has_storage(margs, mkwargs):
         return func(*margs, **mkwargs)  # (storages cannot be made fake from meta ones)
-    global _mode
-    if _mode is None:
-        _mode = FakeTensorMode(allow_fallback_kernels=False)  # never runs a real kernel
-    mode = _mode
+    mode = getattr(_modes, "mode", None)
+    if mode is None:
+        mode = _modes.mode = FakeTensorMode(allow_fallback_kernels=False)  # never runs a real kernel
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in _PYTHON_KEYS:
+        exclude = exclude.remove(key)
     device = torch.device("cuda", 0)
 
     def fake(a: Any) -> Any:
@@ -55,7 +60,7 @@ def outputs(func: Any, margs: tuple, mkwargs: dict, device_type: str) -> Any:
 
     fargs, fkwargs = fake(margs), {k: fake(v) for k, v in mkwargs.items()}
     try:
-        with torch._C._ForceDispatchKeyGuard(*_OUTSIDE), mode:
+        with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), mode:
             return func(*fargs, **fkwargs)
     except NOT_KNOWN_HERE:
         raise

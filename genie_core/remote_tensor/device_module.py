@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from . import captured
+from . import captured, server_files
 from .connection import DEVICE_TYPE, _connected, _index, current_index, device_count, set_current_index, stream_for
 
 
@@ -181,6 +181,8 @@ class _DeviceModule:
     """`torch.remote_accelerator`: what `torch.cuda` offers, for the remote devices."""
 
     CUDAGraph = captured.CUDAGraph
+    load = staticmethod(server_files.load)  # a checkpoint on the server's disk, loaded there
+    from_pretrained = staticmethod(server_files.from_pretrained)
     graph = captured.graph
     make_graphed_callables = staticmethod(captured.make_graphed_callables)
     graph_pool_handle = staticmethod(captured.graph_pool_handle)

@@ -10,11 +10,12 @@ import threading
 import time
 from typing import Any, cast
 
-from ..errors import ConnectionLost
+from ..errors import ConnectionLost, LimitExceeded, size_text
 from ..protocol import Message, MessageType, contents, error_from
 from ..serialize import deserialize_namespace
 
 _ids = itertools.count(1)
+EMPTY_FACTORIES = frozenset({"aten.empty.memory_format", "aten.empty_strided.default"})  # (their record names)
 _BLOCK = 1 << 20
 _blocks = itertools.count(1 << 44, _BLOCK)  # far above any single id
 
@@ -55,6 +56,8 @@ class OpStream:
         self.wait_seconds = 0.0  # time spent here waiting for the last batch of each flush
         self.device_kind = device_type_of(client)  # what its server computes on: "cuda" or "cpu"
         self.meta_cache: dict[Any, Any] = {}  # each op signature's outputs on that device (tensor.py)
+        limits = (getattr(client, "node", None) or {}).get("limits") or {}
+        self.max_bytes: int | None = limits.get("session_bytes")  # what a session may hold, if limited
         self.versions = _versions_if_they_differ(getattr(client, "server_versions", None) or {}, torch.__version__)
         self.imported: set[str] = set()  # modules defining custom ops, imported on the server
         self.graphs: set[str] = set()  # compiled graphs the server holds, by content hash (compiler.py)
@@ -66,6 +69,7 @@ class OpStream:
             not is_loopback(str(getattr(client, "host", "127.0.0.1"))) or (os.cpu_count() or 1) >= self.SPARE_CORES
         )
         self._deferred: tuple[str, BaseException] | None = None
+        self._borrowed = False  # a recorded upload reads a tensor's memory: send before returning
         self._uncaptured: list[tuple] | None = None  # while a graph is captured: the records before it
         self.profile: dict[str, list[float]] | None = None  # set to {} to have the worker time each op (benchmarks)
 
@@ -85,11 +89,46 @@ class OpStream:
         if full:
             self._submit()
 
+    def upload(self, rid: int, tensor: Any) -> None:
+        """Record a CPU tensor's values going to the server as `rid`. One that goes by the data
+        plane (1 MiB and up, a data plane chosen) is refused first when it is more than the session
+        may hold, and is not copied here: the batch goes out at the end of the op that records it
+        (`send_uploads`), the bytes read from the tensor's own memory as they are sent."""
+        from ..protocol.tensor_ops import HostTensor
+
+        transfers = getattr(self.client, "transfers", None)
+        nbytes = tensor.numel() * tensor.element_size()
+        self.refuse_over_limit(nbytes, "this upload to remote_accelerator")
+        borrow = transfers is not None and transfers.goes_by_data_plane(nbytes) and self._uncaptured is None
+        self.record(("put", rid, HostTensor(tensor, snapshot=not borrow)))
+        self._borrowed |= borrow
+
+    def refuse_over_limit(self, nbytes: int, what: str) -> None:
+        """One tensor bigger than the session may hold in all (--max-session-bytes) can never be
+        made: refused here, before anything is recorded or sent, so that nothing is left half done."""
+        if self.max_bytes is not None and nbytes > self.max_bytes:
+            raise LimitExceeded(
+                f"{what} of {size_text(nbytes)} is more than the server lets a session hold "
+                f"({size_text(self.max_bytes)}, --max-session-bytes)"
+            )
+
+    def send_uploads(self) -> None:
+        """Send now what was recorded, if it reads a tensor's memory (see upload)."""
+        if self._borrowed:
+            self._borrowed = False
+            self._submit()
+
     def free(self, rid: int) -> None:
         """Called when a remote tensor is garbage-collected here (any thread). (A stream whose session
         ended keeps what it is told until it is dropped: no check on the hot path.)"""
         with self._lock:
             self._records.append(("free", rid))
+
+    def made_empty_last(self, rid: int) -> bool:
+        """Whether the last op recorded (and not yet sent) made `rid` empty (an empty factory)."""
+        with self._lock:
+            last = self._records[-1] if self._records else None
+        return last is not None and last[0] == "op" and last[1] in EMPTY_FACTORIES and list(last[4]) == [rid]
 
     def pending(self) -> int:
         return len(self._records)
@@ -129,9 +168,12 @@ class OpStream:
         payload = pickle.dumps(request, protocol=5, buffer_callback=oob.append)
         self.messages += 1
         self.ops_sent += n
-        return self.client.request(
-            Message(MessageType.TENSOR_OPS, contents.TensorOps(gpu=self.index, n=n), [payload, *(b.raw() for b in oob)])
-        )
+        transfers = getattr(self.client, "transfers", None)
+        content = contents.TensorOps(gpu=self.index, n=n, staged=transfers is not None and transfers.channel.staged)
+        raws = [b.raw() for b in oob]
+        if transfers is None:
+            return self.client.request(Message(MessageType.TENSOR_OPS, content, [payload, *raws]))
+        return transfers.request(MessageType.TENSOR_OPS, content, [payload], raws)  # (big bytes: the data plane)
 
     def _submit(self) -> None:
         """Send what was recorded; the reply is read at the next flush."""
@@ -139,6 +181,7 @@ class OpStream:
             return  # a graph's records go at the end of its capture
         with self._lock:
             records, self._records = self._records, []
+            self._borrowed = False
         if records:
             self._inflight.append(
                 (
@@ -157,21 +200,22 @@ class OpStream:
             )
         with self._lock:
             records, self._records = self._records, []
+            self._borrowed = False
         request = self._send(
             {"ops": records, "fetch": list(fetch or []), "eager_last": eager, "sync": sync}, len(records)
         )
         earlier, self._inflight = self._inflight, []
         failure: tuple[contents.TensorReply, int] | None = None
         for sent, n in earlier:  # answered before the last one: the worker runs batches in order
-            content = cast(contents.TensorReply, sent.wait().content)
+            content = self._wait(sent).content
             self._account(content)
             if failure is None and content.get("status") != "ok":
                 failure = (content, n)
         waited = time.perf_counter()
-        reply = request.wait()
+        reply = self._wait(request)
         self.wait_seconds += time.perf_counter() - waited
         self.round_trips += 1
-        content = cast(contents.TensorReply, reply.content)
+        content = reply.content
         self.server_tensors = int(content.get("stored", 0))
         self._account(content)
         if failure is None and content.get("status") != "ok":
@@ -184,10 +228,27 @@ class OpStream:
             where = f"op {bad.get('index', 0) + 1} of {n} sent together"
             raise error_from(bad, f"remote op {bad.get('op')} ({where}) failed{self.versions}: ")
         if content.get("fetch"):
-            content["values"] = deserialize_namespace(
-                content["fetch"], reply.buffers, allow_pickle=False
-            )  # tensors and numbers only
+            ref = content.get("data")  # staged by the worker: fetched over the data plane
+            buffers = self.client.transfers.receive(ref, "fetch of remote tensors") if ref else reply.buffers
+            content["values"] = deserialize_namespace(content["fetch"], buffers, allow_pickle=False)  # tensors, numbers
         return content
+
+    def _wait(self, request: Any) -> Any:
+        """A batch's reply. One that failed, or whose connection did, frees the bytes it sent over
+        the data plane if the worker never took them (a segment nobody would remove)."""
+        try:
+            reply = request.wait()
+        except BaseException:
+            self._failed(request)
+            raise
+        if cast(contents.TensorReply, reply.content).get("status") != "ok":
+            self._failed(request)
+        return reply
+
+    def _failed(self, request: Any) -> None:
+        transfers = getattr(self.client, "transfers", None)
+        if transfers is not None:
+            transfers.failed(request)
 
     def _account(self, content: contents.TensorReply) -> None:
         self.server_seconds += float(content.get("run_s", 0.0))

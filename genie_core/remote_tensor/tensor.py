@@ -11,7 +11,7 @@ from typing import Any, SupportsIndex
 import torch
 from torch.utils._mode_utils import no_dispatch
 
-from ..protocol.tensor_ops import HostTensor, Ref, RemoteDevice, StorageOf, encode_value
+from ..protocol.tensor_ops import Ref, RemoteDevice, StorageOf, encode_value
 from . import device_model, serialization
 from .stream import OpStream, _ids, new_id, new_ids
 
@@ -23,6 +23,7 @@ _LOCAL_SCALAR = aten._local_scalar_dense.default
 _TO_COPY = aten._to_copy.default
 _COPY = aten.copy_.default
 _SET_STORAGE = (aten.set_.source_Storage, aten.set_.source_Storage_storage_offset)
+_SET_TENSOR = aten.set_.source_Tensor
 
 _alias_cache: dict[Any, dict[int, Any]] = {}  # op -> {output position: the argument it writes}
 # A remote tensor's (placeholder) storage, by the storage's address: `x.set_(y.untyped_storage())`.
@@ -410,11 +411,15 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
             device = kwargs.get("device")
             if device is not None and not _is_remote_device(device):
                 local_copy = stream.fetch(args[0]._rid)
+                if _already_as_asked(local_copy, args[0], kwargs):
+                    return local_copy  # fetched into memory of its own: the user's now (no second copy)
                 return func(local_copy, **kwargs)
         if func is _COPY:
             dst, src = args[0], args[1]
             if type(dst) is not RemoteTensor:  # remote -> local
                 return dst.copy_(stream.fetch(src._rid))
+            if local and _takes_storage(dst, src, stream):  # `.to()`, `torch.tensor(data, device=...)`
+                return dispatch(_SET_TENSOR, (dst, src), {})
 
     if info.foreign:
         _import_on_server(func, stream)
@@ -461,11 +466,40 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     stream.record(("op", info.name, enc_args, enc_kwargs, out_ids, expect))
     for rid in uploads:
         stream.record(("free", rid))
+    stream.send_uploads()
     for target, m in reshaped:
         set_metadata(target, m.shape, m.stride(), m.storage_offset())
     if type(out_meta) not in (tuple, list):
         return results[0]
     return type(out_meta)(results)
+
+
+def _already_as_asked(fetched: torch.Tensor, remote: Any, kwargs: dict) -> bool:
+    """Whether the values fetched for `.to(cpu)`/`.cpu()` are already the copy it asks for: laid
+    out as the remote tensor (`preserve_format`), in its dtype, plain CPU memory, nothing shared."""
+    return (
+        fetched.device.type == "cpu"
+        and kwargs.get("dtype") in (None, fetched.dtype)
+        and kwargs.get("memory_format") in (None, torch.preserve_format)
+        and not kwargs.get("pin_memory")
+        and kwargs.get("layout") in (None, torch.strided)
+        and fetched.stride() == remote.stride()
+        and not fetched.storage_offset()
+    )
+
+
+def _takes_storage(dst: RemoteTensor, src: Any, stream: OpStream) -> bool:
+    """Whether a CPU tensor's copy into `dst` can instead make the uploaded values `dst`'s own
+    (`set_`): `dst` was made empty by the last op recorded, so nothing has seen it (`.to()` makes
+    its destination so), and the source is laid out as it is. The bytes that arrived are then the
+    tensor's on a CPU server (no copy there), and a GPU server's copy to the device is the only one."""
+    return (
+        type(src) is torch.Tensor
+        and src.device.type == "cpu"
+        and (src.dtype, src.shape, src.stride()) == (dst.dtype, dst.shape, dst.stride())
+        and src.is_contiguous()
+        and stream.made_empty_last(dst._rid)
+    )
 
 
 def _split(enc: list[Any], args: tuple, kwargs: dict) -> tuple[tuple, dict | None]:
@@ -528,7 +562,7 @@ def _encoder(stream: OpStream, uploads: list[int]) -> Any:
             if a.device.type == "meta":
                 raise RuntimeError("meta tensors cannot be mixed with remote tensors")
             rid = new_id()
-            stream.record(("put", rid, HostTensor(a)))  # a snapshot: later local changes must not leak in
+            stream.upload(rid, a)  # a snapshot, or sent at the end of the op: later local changes must not leak in
             uploads.append(rid)
             return Ref(rid)
         if _is_remote_device(a):
@@ -562,6 +596,7 @@ def record_call(
     )
     for rid in uploads:
         stream.record(("free", rid))
+    stream.send_uploads()
     return outs, stream
 
 
@@ -575,7 +610,7 @@ def _encode_storage(storage: Any, stream: OpStream) -> StorageOf:
     if loaded is not None:  # torch.load onto the device: the bytes go up once per storage
         if loaded.rid is None or loaded.stream is not stream:
             loaded.rid, loaded.stream = new_id(), stream
-            stream.record(("put", loaded.rid, HostTensor(torch.empty(0, dtype=torch.uint8).set_(loaded.cpu))))
+            stream.upload(loaded.rid, torch.empty(0, dtype=torch.uint8).set_(loaded.cpu))
         return StorageOf(Ref(loaded.rid))
     raise RuntimeError(
         f"set_: this {storage.device} storage is not the storage of a remote tensor; use a remote tensor's "

@@ -53,8 +53,8 @@ class ClientRequests:
         handlers: dict[MessageType, Handler] = {
             T.EXECUTE: self._on_execute,
             T.PULL: self._to_worker,
-            T.TENSOR_OPS: self._to_worker,
-            T.PUSH: self._on_push,
+            T.TENSOR_OPS: self._with_data,
+            T.PUSH: self._with_data,
             T.INTERRUPT: self._on_interrupt,
             T.OUTCOME: self._on_outcome,
             T.INFO: self._on_info,
@@ -183,8 +183,10 @@ class ClientRequests:
         if problem:
             self._refuse(session, msg, "ValueError", problem)
 
-    def _on_push(self, session: Session, msg: Message) -> None:
-        problem = self.data.check_ref(cast(contents.Push, msg.content).get("data"), session.id)
+    def _with_data(self, session: Session, msg: Message) -> None:
+        """A request whose bytes may have come over the data plane (a push, a batch of tensor ops):
+        the segment it names must be this session's."""
+        problem = self.data.check_ref(cast(contents.ToWorker, msg.content).get("data"), session.id)
         if problem:
             self._refuse(session, msg, "PermissionError", problem)
             return

@@ -309,19 +309,26 @@ class Worker:
             )
             return
         metas, buffers = serialize_namespace({n: self.shell.user_ns[n] for n in names})
-        total = sum(memoryview(b).nbytes for b in buffers)
-        if pull.get("staged") and total >= DATA_THRESHOLD:  # the client fetches it over its data plane
-            for old in self.staged:  # staged earlier and never collected: the client went away
-                old.unlink()
-            segment = self.spares.take(total, refill=False)  # the client (or the data port) adopts it
-            sizes = pack_into(segment.view, buffers)
-            segment.close()
-            self.staged = [segment]
-            staged = contents.DataRef(segment=segment.name, sizes=sizes)
+        staged = self._stage(buffers) if pull.get("staged") else None
+        if staged is not None:
             self.send(T.PULL_REPLY, contents.PullReply(status="ok", values=metas, data=staged))
-            self.spares.refill(total)
+            self.spares.refill(sum(staged["sizes"]))
             return
         self.send(T.PULL_REPLY, contents.PullReply(status="ok", values=metas), buffers)
+
+    def _stage(self, buffers: list[Any]) -> contents.DataRef | None:
+        """Big reply bytes into a segment the client (or the data port) adopts, for the client to
+        fetch over its data plane; None when they are small enough to go inline."""
+        total = sum(memoryview(b).nbytes for b in buffers)
+        if total < DATA_THRESHOLD:
+            return None
+        for old in self.staged:  # staged earlier and never collected: the client went away
+            old.unlink()
+        segment = self.spares.take(total, refill=False)
+        sizes = pack_into(segment.view, buffers)
+        segment.close()
+        self.staged = [segment]
+        return contents.DataRef(segment=segment.name, sizes=sizes)
 
     # -- files (%genie_upload, %genie_download) ------------------------------------------------
     def on_file_stat(self, msg: Message) -> None:
@@ -368,8 +375,19 @@ class Worker:
             from .tensors import TensorExecutor
 
             self.tensors = TensorExecutor(self.max_tensors, self.max_bytes)
-        content, buffers = self.tensors.run(msg.buffers)
+        ops = cast(contents.TensorOps, msg.content)
+        frames = msg.buffers
+        ref = ops.get("data")
+        if ref:  # uploads came by the data plane: their tensors are built on that memory, no copy
+            frames = [frames[0], *split(Segment.adopt(ref["segment"]), [int(n) for n in ref["sizes"]])]
+        content, buffers = self.tensors.run(frames)
+        staged = self._stage(buffers) if ops.get("staged") else None
+        if staged is not None:
+            content["data"] = staged
+            buffers = []
         self.send(T.TENSOR_REPLY, content, buffers)
+        if staged is not None:
+            self.spares.refill(sum(staged["sizes"]))
 
 
 def main(argv: list[str] | None = None) -> None:

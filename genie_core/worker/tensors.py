@@ -16,7 +16,7 @@ from ..errors import LimitExceeded, size_text
 from ..protocol.contents import OpBatch, TensorReply
 from ..protocol.tensor_ops import MemoryFormat, Ref, RemoteDevice, StorageOf
 from ..serialize import serialize_namespace
-from . import device_answers, kept_graphs
+from . import checkpoints, device_answers, kept_graphs
 from .captured import CapturedGraph
 from .compiled import CompiledGraphs
 from .cpu_shims import CPU_SHIMS
@@ -251,7 +251,7 @@ class TensorExecutor:
             try:
                 out = self.step(record)
                 if request.get("eager_last") and index == len(records) - 1:
-                    if kind == "ask":
+                    if kind in ("ask", "load", "read"):
                         eager = {"value": out}
                     elif kind == "op":
                         eager = self._describe(out, record[4])
@@ -358,6 +358,12 @@ class TensorExecutor:
             self.clocks[record[1]] = device_answers.clock(self.device)
         elif kind == "ask":
             return device_answers.answer(record[1], record[2], self.device, self._held_bytes, self.clocks)
+        elif kind == "load":  # a checkpoint on this machine's disk (torch.remote_accelerator.load)
+            loaded = checkpoints.load(record[2], self.device, record[1], self.store)
+            self._check_limits(f"the checkpoint {record[2]}")
+            return loaded
+        elif kind == "read":  # a small text file on this machine's disk (a model's config.json)
+            return checkpoints.read_text(record[1])
         return None
 
     def adopt(self, graph: CapturedGraph) -> None:

@@ -1,0 +1,172 @@
+"""A remote tensor's bytes take the data plane the session chose (shared memory on one host, tcp
+across hosts), both ways, in order with the op stream: uploads (`.to()`, `copy_`, `torch.tensor`,
+`model.to`, `load_state_dict`, `torch.load(map_location=...)`) and fetches (`.cpu()`, `.numpy()`,
+`state_dict()` to the CPU). Small tensors stay inline."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+
+import genie_core
+from genie_core.errors import RemoteError
+
+DEV = "remote_accelerator:0"
+MiB = 1 << 20
+
+
+@pytest.fixture
+def moved(remote):
+    """What the session's data channel carried: the sizes put and the number of gets."""
+    channel = genie_core.get_cluster_state().client.transfers.channel
+    assert channel.name == "shm", "on one host discovery chooses shared memory"
+    seen: dict[str, list[int]] = {"put": [], "get": []}
+    put, get = channel.put, channel.get
+
+    def counting_put(buffers, progress=None):
+        seen["put"].append(sum(memoryview(b).nbytes for b in buffers))
+        return put(buffers, progress)
+
+    def counting_get(ref, progress=None):
+        seen["get"].append(sum(int(n) for n in ref["sizes"]))
+        return get(ref, progress)
+
+    channel.put, channel.get = counting_put, counting_get
+    yield seen
+    del channel.put, channel.get
+
+
+def test_big_tensors_go_by_the_data_plane_both_ways_and_small_ones_inline(moved):
+    x = torch.randn(2 * MiB)  # 8 MiB
+    y = x.to(DEV)
+    assert moved["put"] == [8 * MiB]  # sent at the end of the op, not at the next value
+    assert torch.equal(y.cpu(), x) and moved["get"] == [8 * MiB]
+    assert torch.equal(torch.from_numpy((y * 2).numpy()), x * 2) and len(moved["get"]) == 2
+    small = torch.arange(10.0)
+    assert torch.equal(small.to(DEV).cpu(), small)
+    assert len(moved["put"]) == 1 and len(moved["get"]) == 2
+
+
+def test_an_upload_is_the_values_at_the_time_of_the_call(moved):
+    """The bytes are read from the tensor's own memory as they are sent, before the call returns:
+    what the user changes afterwards never reaches the server."""
+    x = torch.zeros(MiB)
+    y = x.to(DEV)
+    x.fill_(1.0)
+    into = torch.empty(MiB, device=DEV)
+    into.copy_(x)
+    x.fill_(2.0)
+    made = torch.tensor(x, device=DEV)
+    x.fill_(3.0)
+    assert y.sum().item() == 0 and into.sum().item() == MiB and made.sum().item() == 2 * MiB
+    view = torch.arange(4.0 * MiB).view(MiB, 4)[:, 1]  # not dense: copied here, then sent
+    assert torch.equal(view.to(DEV).cpu(), view)
+    assert len(moved["put"]) == 4
+
+
+def test_models_and_checkpoints_move_by_the_data_plane(moved):
+    torch.manual_seed(0)
+    local = nn.Sequential(nn.Linear(1024, 512), nn.ReLU(), nn.Linear(512, 1024))  # 4 MiB of weights
+    model = nn.Sequential(nn.Linear(1024, 512), nn.ReLU(), nn.Linear(512, 1024)).to(DEV)
+    model.load_state_dict(local.state_dict())
+    for name, value in model.state_dict().items():
+        assert torch.equal(value.cpu(), local.state_dict()[name]), name
+    buffer = io.BytesIO()
+    torch.save(local.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, map_location=DEV)
+    assert all(v.device == torch.device(DEV) for v in loaded.values())
+    inp = torch.randn(8, 1024)
+    twin = nn.Sequential(nn.Linear(1024, 512), nn.ReLU(), nn.Linear(512, 1024)).to(DEV)
+    twin.load_state_dict(loaded)
+    assert torch.equal(twin(inp.to(DEV)).cpu(), local(inp))
+    assert sum(moved["put"]) >= 2 * 4 * MiB and moved["get"]
+
+
+def _server(code: str) -> None:
+    reply = genie_core.get_cluster_state().client.execute(code).wait(120).content
+    assert reply["status"] == "ok", reply
+
+
+@pytest.fixture
+def uploads(remote):
+    """The tensors this client uploads, by size (any size: inline ones too)."""
+    from genie_core.remote_tensor.connection import stream_for
+
+    stream = stream_for(0)
+    sizes: list[int] = []
+    upload = stream.upload
+
+    def counting(rid, tensor):
+        sizes.append(tensor.numel() * tensor.element_size())
+        return upload(rid, tensor)
+
+    stream.upload = counting
+    yield sizes
+    del stream.upload
+
+
+def _server_folder() -> str:
+    """A fresh folder on the server (its own /tmp: a sandboxed worker sees no other)."""
+    _server("import tempfile\n_genie_folder = tempfile.mkdtemp()")
+    return genie_core.get_cluster_state().client.pull(["_genie_folder"])["_genie_folder"]
+
+
+def test_a_checkpoint_on_the_servers_disk_loads_there(uploads):
+    """torch.save and safetensors files a remote cell wrote load onto the device with no byte of them
+    through the client; their structure comes back whole."""
+    tmp_path = _server_folder()
+    _server(f"""
+import torch, torch.nn as nn
+from safetensors.torch import save_file
+torch.manual_seed(0)
+m = nn.Sequential(nn.Linear(1024, 512), nn.ReLU(), nn.Linear(512, 1024))
+state = m.state_dict()
+torch.save({{"model": state, "step": 3, "betas": (0.9, 0.99)}}, "{tmp_path}/ckpt.pt")
+save_file(state, "{tmp_path}/ckpt.safetensors")
+""")
+    expected = genie_core.get_cluster_state().client.pull(["state"])["state"]
+    ckpt = torch.remote_accelerator.load(f"{tmp_path}/ckpt.pt")
+    assert ckpt["step"] == 3 and ckpt["betas"] == (0.9, 0.99)
+    flat = torch.remote_accelerator.load(f"{tmp_path}/ckpt.safetensors")
+    assert uploads == []  # nothing went up
+    for name, value in expected.items():
+        for got in (ckpt["model"][name], flat[name]):
+            assert got.device == torch.device(DEV) and torch.equal(got.cpu(), value), name
+    model = nn.Sequential(nn.Linear(1024, 512), nn.ReLU(), nn.Linear(512, 1024)).to(DEV)
+    model.load_state_dict(flat)
+    with pytest.raises(RemoteError, match=r"FileNotFoundError: .*no checkpoint at .*missing\.pt on the server"):
+        torch.remote_accelerator.load(f"{tmp_path}/missing.pt")
+    assert torch.equal(model[0].weight.cpu(), expected["0.weight"])  # the session goes on
+
+
+@pytest.mark.parametrize("auto", [False, True], ids=["GPT2LMHeadModel", "AutoModelForCausalLM"])
+def test_from_pretrained_of_a_model_directory_on_the_server(uploads, auto):
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    tmp_path = _server_folder()
+    _server(f"""
+import torch, transformers
+transformers.logging.set_verbosity_error()
+torch.manual_seed(0)
+config = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, n_positions=64, vocab_size=4096)
+saved = transformers.GPT2LMHeadModel(config)
+saved.save_pretrained("{tmp_path}/gpt2")
+state = saved.state_dict()
+""")
+    local = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, n_positions=64, vocab_size=4096)
+    )
+    local.load_state_dict(genie_core.get_cluster_state().client.pull(["state"])["state"])
+    local.eval()
+    kind = transformers.AutoModelForCausalLM if auto else transformers.GPT2LMHeadModel
+    model = torch.remote_accelerator.from_pretrained(kind, f"{tmp_path}/gpt2")
+    assert type(model) is transformers.GPT2LMHeadModel and not model.training
+    assert max(uploads, default=0) < 1024, "the weights went up from here"  # (a few small ones made here)
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied, as transformers ties them
+    ids = torch.randint(0, 4096, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(model(ids.to(DEV)).logits.cpu(), local(ids).logits)
