@@ -21,6 +21,7 @@ ALL = [
     "monitor_overhead",
     "remote_tensors",
     "bulk_transfer",
+    "tensor_bytes",
     "cell_roundtrip",
     "connect_time",
     "failure_detection",
@@ -44,6 +45,7 @@ QUICK_SECONDS = {
     "sandbox": 6,
     "monitor_overhead": 5,
     "remote_tensors": 5,
+    "tensor_bytes": 8,
     "message_signing": 5,
 }
 IPYPARALLEL_USERS = {"bulk_transfer", "cell_roundtrip", "connect_time"}

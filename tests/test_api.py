@@ -128,3 +128,20 @@ def test_server_role_serves_from_python():
     client.close()
     genie_core.shutdown_sync()
     assert wait_until(lambda: not server.connection_file.exists(), 5)
+
+
+def test_connecting_and_running_a_cell_never_import_torch(server):
+    """torch takes seconds to import: a notebook that never touches remote tensors must not pay for
+    it at %genie_init; the device registers once torch is imported."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, genie_core\n"
+        f"genie_core.init_sync('127.0.0.1:{server.info.port}', token='{server.info.token}', timeout=20)\n"
+        "assert genie_core.get_cluster_state().client.execute('x = 1').wait(30).content['status'] == 'ok'\n"
+        "print('torch' in sys.modules)\n"
+        "genie_core.shutdown_sync()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]

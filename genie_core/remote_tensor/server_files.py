@@ -10,9 +10,6 @@ import posixpath
 import warnings
 from typing import Any
 
-import torch
-from torch.utils._pytree import tree_unflatten, treespec_loads
-
 from .connection import _index, stream_for
 from .stream import new_ids
 
@@ -22,6 +19,9 @@ def load(path: str, device: Any = None) -> Any:
     safetensors file, or a transformers model directory: its state dict, shards merged), its tensors
     on `device` (default: the current `remote_accelerator`). A relative path is the server's, as a
     `%%remote` cell of the session sees it."""
+    import torch
+    from torch.utils._pytree import tree_unflatten, treespec_loads
+
     from .tensor import RemoteTensor
 
     stream = stream_for(_index(device) if device is not None else None)
@@ -50,6 +50,7 @@ def from_pretrained(model_class: Any, path: str, *, device: Any = None, **config
     its weights loaded there and put in place (`load_state_dict(..., assign=True)`). `model_class`:
     a model class or an Auto class (`AutoModelForCausalLM`); `config_changes` update the config.
     Returns the model in eval mode, as transformers' `from_pretrained` does."""
+    import torch
     import transformers
 
     target = torch.device(device if device is not None else "remote_accelerator")
