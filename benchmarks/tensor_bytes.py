@@ -33,26 +33,31 @@ def _server(code: str) -> dict:
     return client.pull(["_bench"])["_bench"]
 
 
-def _each_backend(nbytes: int, rounds: int, backends: list[str]) -> dict[str, list[float]]:
+def _each_backend(address: str, token: str, nbytes: int, rounds: int, backends: list[str]) -> dict[str, list[float]]:
+    """A session on each backend in turn (a warm-up transfer first: the first of a size makes and
+    faults in fresh shared memory), each round beside a local clone of the same bytes."""
     x = torch.randn(nbytes // 4)
     times: dict[str, list[float]] = {}
-    client = genie_core.get_cluster_state().client
-    for _ in range(rounds):
-        start = time.perf_counter()
-        copy = x.clone()
-        times.setdefault("local_clone", []).append(time.perf_counter() - start)
-        del copy
-        for backend in backends:
-            client.select_backend(backend)
-            start = time.perf_counter()
-            y = x.to(DEV)
-            torch.remote_accelerator.synchronize()
-            times.setdefault(f"{backend}_to_remote", []).append(time.perf_counter() - start)
-            start = time.perf_counter()
-            back = y.cpu()
-            times.setdefault(f"{backend}_cpu", []).append(time.perf_counter() - start)
-            assert back.shape == x.shape
-            del y, back
+    for backend in backends:
+        genie_core.init_sync(address, token=token, backend=backend, timeout=30)
+        try:
+            x.to(DEV).cpu()
+            for _ in range(rounds):
+                start = time.perf_counter()
+                copy = x.clone()
+                times.setdefault("local_clone", []).append(time.perf_counter() - start)
+                del copy
+                start = time.perf_counter()
+                y = x.to(DEV)
+                torch.remote_accelerator.synchronize()
+                times.setdefault(f"{backend}_to_remote", []).append(time.perf_counter() - start)
+                start = time.perf_counter()
+                back = y.cpu()
+                times.setdefault(f"{backend}_cpu", []).append(time.perf_counter() - start)
+                assert back.shape == x.shape
+                del y, back
+        finally:
+            genie_core.shutdown_sync()
     return times
 
 
@@ -86,18 +91,16 @@ del m, moved
 def _load_where_it_lies(config: dict) -> tuple[float, float]:
     """Seconds for `torch.remote_accelerator.load` of a safetensors checkpoint the worker wrote,
     and for the worker's own `load_file` of it onto its device."""
-    folder = _server(
-        """
+    folder = _server(f"""
 import tempfile, torch, transformers
 from safetensors.torch import save_file
 transformers.logging.set_verbosity_error()
-m = transformers.GPT2LMHeadModel(transformers.GPT2Config(**%r))
+m = transformers.GPT2LMHeadModel(transformers.GPT2Config(**{config!r}))
 _bench = tempfile.mkdtemp()
-save_file({k: v.contiguous() for k, v in m.state_dict().items() if k != "lm_head.weight"}, _bench + "/w.safetensors")
-del m
-"""
-        % (config,)
-    )
+weights = {{k: v.contiguous() for k, v in m.state_dict().items() if k != "lm_head.weight"}}  # (tied)
+save_file(weights, _bench + "/w.safetensors")
+del m, weights
+""")
     start = time.perf_counter()
     state = torch.remote_accelerator.load(f"{folder}/w.safetensors")
     torch.remote_accelerator.synchronize()
@@ -136,13 +139,16 @@ def run(quick: bool = False) -> dict:
     rounds = 2 if quick else 5
     small = {"n_layer": 2, "n_embd": 128, "n_head": 4} if quick else {}  # full: GPT-2 small (124M)
     proc, info = _servers.start()
-    genie_core.init_sync(f"{info.ip}:{info.port}", token=info.token, timeout=30)
+    address = f"{info.ip}:{info.port}"
     try:
+        genie_core.init_sync(address, token=info.token, timeout=30)
         client = genie_core.get_cluster_state().client
         on_gpu = bool(client.node.get("gpus")) and not client.node.get("simulated_gpus")
         backends = [c.name for c in client.transfers.report.candidates if c.available and c.name in ("shm", "tcp")]
-        times = _each_backend(nbytes, rounds, [*backends, "zmq"])
-        client.select_backend("auto")
+        genie_core.shutdown_sync()
+        times = _each_backend(address, info.token, nbytes, rounds, [*backends, "zmq"])
+        genie_core.init_sync(address, token=info.token, timeout=30)
+        torch.ones(1, device=DEV).cpu()  # the session's worker up, torch imported there
         rate = {k: nbytes / statistics.median(v) / GIB for k, v in times.items()}
         out: dict = {
             "name": "tensor_bytes",
