@@ -10,10 +10,10 @@ import io
 import pytest
 import torch
 import torch.nn as nn
+from conftest import session_on, start_server
 
 import genie_core
 from genie_core.errors import RemoteError
-from conftest import session_on, start_server
 
 DEV = "remote_accelerator:0"
 MiB = 1 << 20
