@@ -5,8 +5,12 @@ what a naive RPC-per-op design costs). Targets (issue 5): recording at most 30 u
 
 from __future__ import annotations
 
+import json
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -24,7 +28,17 @@ def _chain(n: int) -> torch.Tensor:
     return x
 
 
+def _floors(quick: bool) -> dict:
+    """What `x + 1` costs locally, through a do-nothing `__torch_dispatch__` subclass and through a
+    do-nothing C++ PrivateUse1 fallback (benchmarks/_dispatch_floors.py, in a process of its own)."""
+    args = [sys.executable, "-m", "benchmarks._dispatch_floors", *(["--quick"] if quick else [])]
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(args, capture_output=True, text=True, timeout=900, check=True, cwd=root)
+    return {f"floor_{k}": v for k, v in json.loads(done.stdout).items() if k != "torch"}
+
+
 def run(quick: bool = False) -> dict:
+    floors = _floors(quick)
     proc, info = _servers.start()
     genie_core.init_sync(f"{info.ip}:{info.port}", token=info.token, timeout=30)
     stats = torch.remote_accelerator.stats
@@ -85,6 +99,7 @@ def run(quick: bool = False) -> dict:
         "mlp_step_ms_p50": round(1000 * statistics.median(step_s), 1),
         "mlp_step_round_trips": max(step_trips),
         "mlp_step_ops_recorded": statistics.median(step_ops),
+        **floors,
         "target": "record <= 30 us/op; 10,000-op chain in 1 round trip",
         "met": statistics.median(record_us) <= 30 and max(trips) == 1,
     }

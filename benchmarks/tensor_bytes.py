@@ -61,6 +61,41 @@ def _each_backend(address: str, token: str, nbytes: int, rounds: int, backends: 
     return times
 
 
+def _crossover(address: str, token: str, backend: str, sizes: list[int], rounds: int) -> dict[int, dict[str, float]]:
+    """Median seconds for `.to(remote)` and `.cpu()` of each size, inline (in the op stream's
+    messages) and over the data plane, the threshold that picks between them moved in this client
+    and in the session's worker (a cell runs in the worker's process): where the data plane starts
+    to win is where DATA_THRESHOLD belongs."""
+    import genie_core.client.transfers as client_side
+
+    kept = client_side.DATA_THRESHOLD
+    out: dict[int, dict[str, float]] = {}
+    genie_core.init_sync(address, token=token, backend=backend, timeout=30)
+    try:
+        for way, threshold in (("inline", 1 << 62), ("data_plane", 1)):
+            client_side.DATA_THRESHOLD = threshold
+            _server(f"import genie_core.worker.main as m; m.DATA_THRESHOLD = {threshold}; _bench = 0")
+            for size in sizes:
+                x = torch.randn(size // 4)
+                x.to(DEV).cpu()  # warm: the first of a size makes fresh memory
+                up, down = [], []
+                for _ in range(rounds):
+                    start = time.perf_counter()
+                    y = x.to(DEV)
+                    torch.remote_accelerator.synchronize()
+                    up.append(time.perf_counter() - start)
+                    start = time.perf_counter()
+                    y.cpu()
+                    down.append(time.perf_counter() - start)
+                    del y
+                out.setdefault(size, {})[f"{way}_to"] = statistics.median(up)
+                out[size][f"{way}_cpu"] = statistics.median(down)
+    finally:
+        client_side.DATA_THRESHOLD = kept
+        genie_core.shutdown_sync()
+    return out
+
+
 def _model_to(config: dict, dtype: torch.dtype) -> tuple[float, float, int]:
     """Seconds for `model.to(remote)` of a GPT-2 of this shape, and for the server's own `.to()` of
     the same weights onto its device (CUDA: `.cuda()`; a CPU server: a clone); its bytes."""
@@ -147,6 +182,8 @@ def run(quick: bool = False) -> dict:
         backends = [c.name for c in client.transfers.report.candidates if c.available and c.name in ("shm", "tcp")]
         genie_core.shutdown_sync()
         times = _each_backend(address, info.token, nbytes, rounds, [*backends, "zmq"])
+        sizes = [64 << 10, 1 << 20, 4 << 20] if quick else [16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
+        crossover = {b: _crossover(address, info.token, b, sizes, 3 if quick else 15) for b in backends}
         genie_core.init_sync(address, token=info.token, timeout=30)
         torch.ones(1, device=DEV).cpu()  # the session's worker up, torch imported there
         rate = {k: nbytes / statistics.median(v) / GIB for k, v in times.items()}
@@ -161,6 +198,12 @@ def run(quick: bool = False) -> dict:
         for backend in backends:
             out[f"{backend}_to_remote_vs_clone"] = round(rate[f"{backend}_to_remote"] / anchor, 2)
             out[f"{backend}_cpu_vs_clone"] = round(rate[f"{backend}_cpu"] / anchor, 2)
+        for backend, by_size in crossover.items():  # the data plane's time over inline's, per size
+            for size, t in by_size.items():
+                label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
+                out[f"{backend}_vs_inline_{label}"] = (
+                    f"to {t['data_plane_to'] / t['inline_to']:.2f}, cpu {t['data_plane_cpu'] / t['inline_cpu']:.2f}"
+                )
         remote, server, size = _model_to(small, torch.float32)
         out["gpt2_small_mib"] = size >> 20
         out["gpt2_small_model_to_remote_s"] = round(remote, 3)

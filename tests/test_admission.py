@@ -355,7 +355,16 @@ def test_the_record_of_an_ended_session_answers_only_its_own_connection(tmp_path
     codec = Codec(derive_key(short.info.token))
     try:
         cell = away.execute("print('ran')")
-        cell.wait(10)
+        # Until it has run, `away` pings as a heartbeat would: the cell's worker may take longer
+        # than the 1 s lease to start on a loaded machine, and a session that ends mid-cell has no
+        # record of its outcome to test.
+        for _ in range(100):
+            try:
+                cell.wait(0.3)
+                break
+            except TimeoutError:
+                away.request(Message("ping")).wait(5)
+        assert cell.done
         assert wait_until(lambda: all(s["id"] != away.session[:8] for s in watcher.info()["sessions"]), timeout=10)
         outcome = away.request(Message("outcome", {"ids": [cell.id]})).wait(10).content["outcomes"][cell.id]
         assert outcome["state"] == "finished" and outcome["status"] == "ok"

@@ -127,7 +127,7 @@ def test_interrupt_button_interrupts_the_remote_cell(connected):
     km.interrupt_kernel()
     reply = kc.get_shell_msg(timeout=10)
     assert reply["parent_header"]["msg_id"] == msg_id
-    assert time.monotonic() - start < 1.5
+    assert time.monotonic() - start < 5  # (the cell sleeps 60 s) about 0.2 s idle; 1.8 s seen in a loaded suite
     assert reply["content"]["status"] == "error"
     assert "KeyboardInterrupt" in plain("\n".join(reply["content"]["traceback"]))
     while True:  # drain this cell's IOPub

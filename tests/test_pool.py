@@ -107,7 +107,7 @@ class Seat:
         self.pool_client.close()
 
 
-def _wait_free(pool: Pool, gpus: int, timeout: float = 10.0) -> None:
+def _wait_free(pool: Pool, gpus: int, timeout: float = 30.0) -> None:
     """Sessions whose clients left are ended and their GPUs free again, within seconds."""
     deadline = time.monotonic() + timeout
     while pool.status()["free"] < gpus and time.monotonic() < deadline:

@@ -14,7 +14,13 @@ from test_kernel import execute, init_summary, stdout
 
 from genie_core.errors import ConnectionFailed, ConnectionLost
 
-STEPS = "import time\nfor i in range(30):\n    print('step', i, flush=True)\n    time.sleep(0.1)\n"
+
+def steps(go) -> str:
+    """A job that waits (at most 60 s) for the test to create the file `go`, then prints 30 steps:
+    still running when a new kernel reattaches, however long the machine takes to start one."""
+    wait = f"import os, time\nfor _ in range(600):\n    if os.path.exists({str(go)!r}):\n        break\n"
+    wait += "    time.sleep(0.1)\n"
+    return wait + "for i in range(30):\n    print('step', i, flush=True)\n"
 
 
 @pytest.fixture
@@ -34,13 +40,14 @@ def init_line(srv, name: str) -> str:
     return f"%genie_init 127.0.0.1:{srv.info.port} --token {srv.info.token} --session {name}"
 
 
-def test_a_job_survives_its_kernel_being_killed_and_a_new_kernel_reattaches(srv):
+def test_a_job_survives_its_kernel_being_killed_and_a_new_kernel_reattaches(srv, tmp_path):
+    go = tmp_path / "go"
     km, kc = kernel()
     try:
         reply, msgs = execute(kc, init_line(srv, "work"))
         assert reply["status"] == "ok" and "new session 'work'" in init_summary(msgs)
         assert execute(kc, "%%remote\nx = 'made in the first kernel'")[0]["status"] == "ok"
-        reply, msgs = execute(kc, "%%remote --bg --name train\n" + STEPS)
+        reply, msgs = execute(kc, "%%remote --bg --name train\n" + steps(go))
         assert reply["status"] == "ok" and "started background job 'train'" in stdout(msgs)
         time.sleep(0.5)
         km.signal_kernel(signal.SIGKILL)
@@ -53,6 +60,7 @@ def test_a_job_survives_its_kernel_being_killed_and_a_new_kernel_reattaches(srv)
         assert reply["status"] == "ok", msgs
         text = init_summary(msgs)
         assert "reattached to session 'work'" in text and "1 job running" in text, text
+        go.touch()  # the job goes on (a cell waits for it: they share the session's worker)
         reply, msgs = execute(kc, "%remote print(x)")
         assert reply["status"] == "ok" and stdout(msgs) == "made in the first kernel\n"
         reply, msgs = execute(
