@@ -95,7 +95,12 @@ class Seat:
         except BaseException:
             self.pool_client.close()
             raise
-        self.client = Client(self.placed["host"], self.placed["port"], self.placed["token"], timeout=30).connect()
+        # Placement is what these tests check, not how soon silence counts as loss (test_faults and
+        # the node-loss tests here measure that): 15 s, since two test processes and a Ray cluster
+        # on two cores have starved a session's server of the CPU for 5 s.
+        self.client = Client(
+            self.placed["host"], self.placed["port"], self.placed["token"], timeout=30, heartbeat_timeout=15
+        ).connect()
 
     def run(self, code: str) -> str:
         return "".join(
@@ -644,7 +649,12 @@ def test_the_embedded_pool_from_the_command_line(tmp_path):
 
     import genie_core
 
-    env = dict(os.environ, GENIE_STATE_DIR=str(tmp_path / "state"))
+    # A home where an earlier `ray.init()` left its ~/.ray/auth_token (Ray then turns token mode on
+    # in `ray start --head` but not in `ray.init(address=...)`): the pool's head has a token of its own.
+    home = tmp_path / "home"
+    (home / ".ray").mkdir(parents=True)
+    (home / ".ray" / "auth_token").write_text("a-token-of-some-earlier-ray-init")
+    env = dict(os.environ, GENIE_STATE_DIR=str(tmp_path / "state"), HOME=str(home))
     env.pop("RAY_ADDRESS", None)
     genie = [sys.executable, "-m", "genie_core"]
     token = subprocess.run([*genie, "pool", "user", "add", "erin"], env=env, capture_output=True, text=True)

@@ -62,24 +62,27 @@ def _user(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from .head import LOCAL_ONLY, RAY_START_HEALTH_CHECKS, node_loss_seconds, start_local_head
+    from .head import LOCAL_ONLY, RAY_START_HEALTH_CHECKS, local_auth, node_loss_seconds, start_local_head
 
-    if args.ray_address is None:
-        os.environ.update(LOCAL_ONLY)  # read when ray is imported
+    head = _head_file()
+    known = json.loads(head.read_text()) if args.ray_address is None and head.exists() else {}
+    known = known if Path(known.get("folder", "")).is_dir() else {}
+    if args.ray_address is None:  # read when ray is imported, and by the head's processes
+        os.environ.update(LOCAL_ONLY)
+        if not known or known.get("auth") == "token":  # (a head started before genie gave it a token has none)
+            os.environ.update(local_auth(head.with_name("ray-auth-token")))
 
     from .endpoint import Pool
 
     address = args.ray_address
     if address is None:  # the local head an earlier `up` started, else a new one
-        head = _head_file()
-        known = json.loads(head.read_text()) if head.exists() else {}
-        if known and Path(known.get("folder", "")).is_dir():
+        if known:
             address = known["address"]
         else:
             began = time.monotonic()
             _progress("starting a local Ray head")
             address, folder = start_local_head(args.simulate_gpus or 0)
-            head.write_text(json.dumps({"address": address, "folder": folder}))
+            head.write_text(json.dumps({"address": address, "folder": folder, "auth": "token"}))
             _progress(f"a local Ray head at {address} started in {time.monotonic() - began:.1f} s")
     _progress(f"joining Ray at {address}")
     pool = Pool(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -56,6 +57,19 @@ RAY_START_HEALTH_CHECKS = f"--system-config='{json.dumps(HEALTH_CHECKS, separato
 # clusters are off, as they are on Windows and macOS; then every address is the loopback. A local
 # head is for one machine (and Ray's ports have no authentication), so it runs that way.
 LOCAL_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def local_auth(token_file: Path) -> dict[str, str]:
+    """The environment that gives a local head of genie's own, and every process that joins it,
+    Ray's token authentication with a token of its own (made once, readable by its owner only).
+    Left to Ray's defaults, a ~/.ray/auth_token that any earlier `ray.init()` leaves behind turns
+    token mode on in `ray start --head` but not in `ray.init(address=...)`, which is then refused."""
+    if not token_file.exists():
+        token_file.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file)}
 
 
 def _free_port() -> int:
