@@ -91,7 +91,7 @@ class OpStream:
 
     def upload(self, rid: int, tensor: Any) -> None:
         """Record a CPU tensor's values going to the server as `rid`. One that goes by the data
-        plane (1 MiB and up, a data plane chosen) is refused first when it is more than the session
+        plane (64 KiB and up, a data plane chosen) is refused first when it is more than the session
         may hold, and is not copied here: the batch goes out at the end of the op that records it
         (`send_uploads`), the bytes read from the tensor's own memory as they are sent."""
         from ..protocol.tensor_ops import HostTensor
