@@ -180,6 +180,7 @@ def run(quick: bool = False) -> dict:
         client = genie_core.get_cluster_state().client
         on_gpu = bool(client.node.get("gpus")) and not client.node.get("simulated_gpus")
         backends = [c.name for c in client.transfers.report.candidates if c.available and c.name in ("shm", "tcp")]
+        chosen = client.transfers.channel.name  # what discovery chose: the targets are judged on it
         genie_core.shutdown_sync()
         times = _each_backend(address, info.token, nbytes, rounds, [*backends, "zmq"])
         sizes = [64 << 10, 1 << 20, 4 << 20] if quick else [16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
@@ -225,7 +226,8 @@ def run(quick: bool = False) -> dict:
             "one host (CPU server): .to() and .cpu() >= 0.5 x a local clone; GPU server: >= 1.0 x the worker's "
             "own pageable .cuda() / .cpu(), model.to(remote) <= 1.5 x .cuda() on the server"
         )
-        best = max(backends, key=lambda b: rate[f"{b}_to_remote"]) if backends else "zmq"
+        best = chosen if f"{chosen}_to_remote" in rate else "zmq"
+        out["chosen_backend"] = best
         if on_gpu:
             out["met"] = {
                 "to_vs_pageable_cuda": rate[f"{best}_to_remote"] >= gpu["pageable_cuda"],
