@@ -76,6 +76,37 @@ def test_an_upload_is_the_values_at_the_time_of_the_call(moved):
     assert len(moved["put"]) == 4
 
 
+def test_a_fetch_is_the_cpu_tensor_that_was_asked_for(moved):
+    """`.cpu()` hands over the fetched memory only where it is already what was asked: another
+    dtype, memory format or layout of strides is made from it as a CPU tensor would be."""
+    x = torch.randn(4, 64, 32, 32)  # 1 MiB
+    y = x.to(DEV)
+    cases = {
+        "cpu()": (y.cpu(), x.cpu()),
+        "float64": (y.to("cpu", dtype=torch.float64), x.to("cpu", dtype=torch.float64)),
+        "channels_last": (y.to("cpu", memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)),
+    }
+    for name, (got, want) in cases.items():
+        assert (got.dtype, got.stride()) == (want.dtype, want.stride()), name
+        assert torch.equal(got, want), name
+    # (a transposed remote tensor comes back dense in its new order, where CUDA keeps the strides)
+    assert torch.equal(y.transpose(1, 3).cpu(), x.transpose(1, 3))
+
+
+def test_a_copy_into_a_tensor_something_has_seen_writes_into_its_memory(moved):
+    """An upload becomes its destination's storage only where nothing can have seen that storage
+    (an empty tensor made by the op just before); a view of it must see the copied values."""
+    x = torch.randn(MiB)
+    filled = torch.zeros(MiB, device=DEV)
+    tail = filled[1:]
+    filled.copy_(x)
+    empty = torch.empty(MiB, device=DEV)
+    head = empty[:10]
+    empty.copy_(x)
+    assert torch.equal(tail.cpu(), x[1:]) and torch.equal(head.cpu(), x[:10])
+    assert torch.equal(filled.cpu(), x) and torch.equal(empty.cpu(), x)
+
+
 def test_models_and_checkpoints_move_by_the_data_plane(moved):
     torch.manual_seed(0)
     local = nn.Sequential(nn.Linear(1024, 512), nn.ReLU(), nn.Linear(512, 1024))  # 4 MiB of weights

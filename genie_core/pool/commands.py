@@ -11,6 +11,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from ..config import state_dir
 from ..errors import ConfigError
@@ -65,18 +66,17 @@ def _up(args: argparse.Namespace) -> int:
     from .head import LOCAL_ONLY, RAY_START_HEALTH_CHECKS, local_auth, node_loss_seconds, start_local_head
 
     head = _head_file()
-    known = json.loads(head.read_text()) if args.ray_address is None and head.exists() else {}
-    known = known if Path(known.get("folder", "")).is_dir() else {}
+    known = _running_head(head) if args.ray_address is None else None
     if args.ray_address is None:  # read when ray is imported, and by the head's processes
         os.environ.update(LOCAL_ONLY)
-        if not known or known.get("auth") == "token":  # (a head started before genie gave it a token has none)
+        if known is None or known.get("auth") == "token":  # (a head started before genie gave it a token has none)
             os.environ.update(local_auth(head.with_name("ray-auth-token")))
 
     from .endpoint import Pool
 
     address = args.ray_address
     if address is None:  # the local head an earlier `up` started, else a new one
-        if known:
+        if known is not None:
             address = known["address"]
         else:
             began = time.monotonic()
@@ -127,6 +127,14 @@ def _progress(line: str) -> None:
 
 def _head_file() -> Path:
     return state_dir("pool") / "local-head.json"
+
+
+def _running_head(head: Path) -> dict[str, Any] | None:
+    """The record of the local head an earlier `up` started, if its files are still there."""
+    if not head.exists():
+        return None
+    known: dict[str, Any] = json.loads(head.read_text())
+    return known if Path(known["folder"]).is_dir() else None
 
 
 def _down(args: argparse.Namespace) -> int:

@@ -59,9 +59,8 @@ def _factory_kernels(lib: Any) -> None:
                         made.clear()
                     made[key] = spec
             stream = stream_for(device.index if device is not None else None)
-            if stream.max_bytes is not None:
-                shape, _, _, dtype, _ = spec[0]
-                stream.refuse_over_limit(math.prod(shape) * dtype.itemsize, f"a {DEVICE_TYPE} tensor")
+            shape, _, _, dtype, _ = spec[0]
+            stream.transfers.refuse_over_limit(math.prod(shape) * dtype.itemsize, f"a {DEVICE_TYPE} tensor")
             r = remote(stream, spec[0])
             enc_kwargs = {k: encode_value(v) for k, v in kwargs.items()}
             enc_kwargs["device"] = RemoteDevice()

@@ -19,21 +19,15 @@ def load(path: str, device: Any = None) -> Any:
     safetensors file, or a transformers model directory: its state dict, shards merged), its tensors
     on `device` (default: the current `remote_accelerator`). A relative path is the server's, as a
     `%%remote` cell of the session sees it."""
-    import torch
     from torch.utils._pytree import tree_unflatten, treespec_loads
 
-    from .tensor import RemoteTensor
+    from .tensor import described_tensor
 
     stream = stream_for(_index(device) if device is not None else None)
     first = new_ids().start
     stream.record(("load", first, str(path)))
     answer = stream.flush(eager=True)["eager"]["value"]
-    leaves = [
-        RemoteTensor(d["shape"], d["stride"], d["offset"], getattr(torch, d["dtype"]), stream, rid=d["id"])
-        if "id" in d
-        else d["value"]
-        for d in answer["leaves"]
-    ]
+    leaves = [described_tensor(d, stream) if "id" in d else d["value"] for d in answer["leaves"]]
     return tree_unflatten(leaves, treespec_loads(answer["spec"]))
 
 

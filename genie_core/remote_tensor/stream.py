@@ -10,8 +10,8 @@ import threading
 import time
 from typing import Any, cast
 
-from ..errors import ConnectionLost, LimitExceeded, size_text
-from ..protocol import Message, MessageType, contents, error_from
+from ..errors import ConnectionLost
+from ..protocol import MessageType, contents, error_from
 from ..serialize import deserialize_namespace
 
 _ids = itertools.count(1)
@@ -56,8 +56,7 @@ class OpStream:
         self.wait_seconds = 0.0  # time spent here waiting for the last batch of each flush
         self.device_kind = device_type_of(client)  # what its server computes on: "cuda" or "cpu"
         self.meta_cache: dict[Any, Any] = {}  # each op signature's outputs on that device (tensor.py)
-        limits = (getattr(client, "node", None) or {}).get("limits") or {}
-        self.max_bytes: int | None = limits.get("session_bytes")  # what a session may hold, if limited
+        self.transfers = client.transfers  # its bytes' data plane, and the session's byte limit
         self.versions = _versions_if_they_differ(getattr(client, "server_versions", None) or {}, torch.__version__)
         self.imported: set[str] = set()  # modules defining custom ops, imported on the server
         self.graphs: set[str] = set()  # compiled graphs the server holds, by content hash (compiler.py)
@@ -96,21 +95,11 @@ class OpStream:
         (`send_uploads`), the bytes read from the tensor's own memory as they are sent."""
         from ..protocol.tensor_ops import HostTensor
 
-        transfers = getattr(self.client, "transfers", None)
         nbytes = tensor.numel() * tensor.element_size()
-        self.refuse_over_limit(nbytes, "this upload to remote_accelerator")
-        borrow = transfers is not None and transfers.goes_by_data_plane(nbytes) and self._uncaptured is None
+        self.transfers.refuse_over_limit(nbytes, "this upload to remote_accelerator")
+        borrow = self.transfers.goes_by_data_plane(nbytes) and self._uncaptured is None
         self.record(("put", rid, HostTensor(tensor, snapshot=not borrow)))
         self._borrowed |= borrow
-
-    def refuse_over_limit(self, nbytes: int, what: str) -> None:
-        """One tensor bigger than the session may hold in all (--max-session-bytes) can never be
-        made: refused here, before anything is recorded or sent, so that nothing is left half done."""
-        if self.max_bytes is not None and nbytes > self.max_bytes:
-            raise LimitExceeded(
-                f"{what} of {size_text(nbytes)} is more than the server lets a session hold "
-                f"({size_text(self.max_bytes)}, --max-session-bytes)"
-            )
 
     def send_uploads(self) -> None:
         """Send now what was recorded, if it reads a tensor's memory (see upload)."""
@@ -168,12 +157,9 @@ class OpStream:
         payload = pickle.dumps(request, protocol=5, buffer_callback=oob.append)
         self.messages += 1
         self.ops_sent += n
-        transfers = getattr(self.client, "transfers", None)
-        content = contents.TensorOps(gpu=self.index, n=n, staged=transfers is not None and transfers.channel.staged)
+        content = contents.TensorOps(gpu=self.index, n=n, staged=self.transfers.channel.staged)
         raws = [b.raw() for b in oob]
-        if transfers is None:
-            return self.client.request(Message(MessageType.TENSOR_OPS, content, [payload, *raws]))
-        return transfers.request(MessageType.TENSOR_OPS, content, [payload], raws)  # (big bytes: the data plane)
+        return self.transfers.request(MessageType.TENSOR_OPS, content, [payload], raws)  # (big bytes: the data plane)
 
     def _submit(self) -> None:
         """Send what was recorded; the reply is read at the next flush."""
@@ -229,7 +215,7 @@ class OpStream:
             raise error_from(bad, f"remote op {bad.get('op')} ({where}) failed{self.versions}: ")
         if content.get("fetch"):
             ref = content.get("data")  # staged by the worker: fetched over the data plane
-            buffers = self.client.transfers.receive(ref, "fetch of remote tensors") if ref else reply.buffers
+            buffers = self.transfers.receive(ref, "fetch of remote tensors") if ref else reply.buffers
             content["values"] = deserialize_namespace(content["fetch"], buffers, allow_pickle=False)  # tensors, numbers
         return content
 
@@ -239,16 +225,11 @@ class OpStream:
         try:
             reply = request.wait()
         except BaseException:
-            self._failed(request)
+            self.transfers.failed(request)
             raise
         if cast(contents.TensorReply, reply.content).get("status") != "ok":
-            self._failed(request)
+            self.transfers.failed(request)
         return reply
-
-    def _failed(self, request: Any) -> None:
-        transfers = getattr(self.client, "transfers", None)
-        if transfers is not None:
-            transfers.failed(request)
 
     def _account(self, content: contents.TensorReply) -> None:
         self.server_seconds += float(content.get("run_s", 0.0))

@@ -813,6 +813,13 @@ def _output_specs(func, sig: list[Any], args: tuple, kwargs: dict, stream: OpStr
     return cached
 
 
+def described_tensor(item: dict[str, Any], stream: OpStream) -> RemoteTensor:
+    """The remote tensor the worker described (its id and layout: worker/tensors.py `_described`)."""
+    return RemoteTensor(
+        item["shape"], item["stride"], item["offset"], getattr(torch, item["dtype"]), stream, rid=item["id"]
+    )
+
+
 def _run_eagerly(
     func, stream: OpStream, args: tuple, kwargs: dict, encode, uploads: list[int], learn: Any = None
 ) -> Any:
@@ -837,11 +844,7 @@ def _run_eagerly(
             stream.record(("free", item["id"]))
             results.append(target)
         else:
-            results.append(
-                RemoteTensor(
-                    item["shape"], item["stride"], item["offset"], getattr(torch, item["dtype"]), stream, rid=item["id"]
-                )
-            )
+            results.append(described_tensor(item, stream))
     if learn is not None:
         metas = [
             torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device="meta").as_strided(

@@ -17,27 +17,11 @@ MAX_TEXT = 16 << 20  # a text file read for the client (a model's config.json): 
 _WEIGHTS = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json", "pytorch_model.bin")
 
 
-def load(path: str, device: torch.device, first_id: int, store: Any) -> dict[str, Any]:
-    """Load `path` onto `device`; its tensors go into `store` from `first_id` on. Returns how the
-    client rebuilds it: the structure (a pytree spec) and each leaf (a tensor's id and layout, or
-    a plain value)."""
+def load(path: str, device: torch.device) -> tuple[list[Any], str]:
+    """Load `path` onto `device`: its leaves (tensors and plain values) and its structure, as a
+    pytree spec the client rebuilds it with."""
     leaves, spec = tree_flatten(_read(Path(path), device))
-    described: list[dict[str, Any]] = []
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, torch.Tensor):
-            store[first_id + i] = leaf
-            described.append(
-                {
-                    "id": first_id + i,
-                    "shape": list(leaf.shape),
-                    "stride": list(leaf.stride()),
-                    "offset": leaf.storage_offset(),
-                    "dtype": str(leaf.dtype).removeprefix("torch."),
-                }
-            )
-        else:
-            described.append({"value": leaf})
-    return {"spec": treespec_dumps(spec), "leaves": described}
+    return leaves, treespec_dumps(spec)
 
 
 def read_text(path: str) -> str:

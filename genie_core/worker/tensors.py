@@ -359,9 +359,13 @@ class TensorExecutor:
         elif kind == "ask":
             return device_answers.answer(record[1], record[2], self.device, self._held_bytes, self.clocks)
         elif kind == "load":  # a checkpoint on this machine's disk (torch.remote_accelerator.load)
-            loaded = checkpoints.load(record[2], self.device, record[1], self.store)
+            leaves, spec = checkpoints.load(record[2], self.device)
+            ids = range(record[1], record[1] + len(leaves))
+            for rid, leaf in zip(ids, leaves, strict=True):
+                if isinstance(leaf, torch.Tensor):
+                    self.store[rid] = leaf
             self._check_limits(f"the checkpoint {record[2]}")
-            return loaded
+            return {"spec": spec, "leaves": [_described(rid, leaf) for rid, leaf in zip(ids, leaves, strict=True)]}
         elif kind == "read":  # a small text file on this machine's disk (a model's config.json)
             return checkpoints.read_text(record[1])
         return None
@@ -430,19 +434,21 @@ class TensorExecutor:
                     f"it made a {value.layout} tensor: sparse and other non-strided layouts are not "
                     "supported on remote_accelerator"
                 )
-            if isinstance(value, torch.Tensor):
-                described.append(
-                    {
-                        "id": rid,
-                        "shape": list(value.shape),
-                        "stride": list(value.stride()),
-                        "offset": value.storage_offset(),
-                        "dtype": str(value.dtype).removeprefix("torch."),
-                    }
-                )
-            else:
-                described.append({"value": value})
+            described.append(_described(rid, value))
         return {"outputs": described, "tuple": isinstance(out, (tuple, list))}
+
+
+def _described(rid: int | None, value: Any) -> dict[str, Any]:
+    """A tensor as the client makes its remote tensor from it (its id and layout), or a plain value."""
+    if not isinstance(value, torch.Tensor):
+        return {"value": value}
+    return {
+        "id": rid,
+        "shape": list(value.shape),
+        "stride": list(value.stride()),
+        "offset": value.storage_offset(),
+        "dtype": str(value.dtype).removeprefix("torch."),
+    }
 
 
 def run_call(name: str, args: tuple, kwargs: dict, store: Any) -> list[Any]:
