@@ -121,28 +121,4 @@ def encode_value(value: Any) -> Any:
     return value
 
 
-# Op records, in order: (kind, ...) tuples.
-#   ("op", name, args, kwargs, out_ids, expect)   run torch.ops.<name> (kwargs None: none), store tensor
-#                                         outputs under out_ids (a list, tuple, or a range for a list op),
-#                                         each checked against expect (shape, strides, offset, dtype)
-#   ("put", id, HostTensor)               a CPU tensor uploaded by the client (its bytes travel out of band)
-#   ("free", id)                          the client dropped its last reference
-#   ("fail", ids, op, message)            outputs of an op that failed on the client during backward
-#   ("seed", value)                       torch.manual_seed on the worker
-#   ("call", name, args, kwargs, out_ids, expect)   one of the server's own functions: "sdpa" and
-#                                         "sdpa_backward" (attention.py), "aten" (whole_ops.py),
-#                                         "graph" (a compiled graph: kwargs key, graph, needs) and
-#                                         "aten_backward" (the backward of "aten" and "graph" calls;
-#                                         kwargs retain: whether the autograd graph is kept)
-#   ("graph", key, nodes, how)            define a graph torch.compile captured (protocol/fx_graph.py),
-#                                         by content hash; `how`: compiler, options, dynamic, static inputs
-#   ("capture", id, records)              a captured graph (torch.remote_accelerator.graph): these records
-#   ("replay", id)                        run a captured graph again
-#   ("rng_get", id) / ("rng_set", HostTensor)   the device generator's state (fork_rng, checkpointing)
-#   ("import", module)                    import the module defining a custom op (torch.library) before using it
-#   ("clock", id)                         read the device's clock when it gets here (Event(enable_timing=True))
-#   ("ask", question, args)               a question about the device (memory, properties, elapsed time);
-#                                         the answer comes back as the batch's "eager" {"value": ...}
-#   ("load", first_id, path)              a checkpoint on the server's disk onto the device, its tensors
-#                                         from first_id on; answered as "ask" (its structure, each leaf)
-#   ("read", path)                        a small text file on the server's disk (config.json), as "ask"
+# The records these values travel in: protocol/op_records.py.

@@ -12,6 +12,7 @@ from typing import Any, cast
 
 from ..errors import ConnectionLost
 from ..protocol import MessageType, contents, error_from
+from ..protocol.op_records import Record
 from ..serialize import deserialize_namespace
 
 _ids = itertools.count(1)
@@ -45,7 +46,7 @@ class OpStream:
         import torch
 
         self.device = torch.device("remote_accelerator", index)
-        self._records: list[tuple] = []
+        self._records: list[Record] = []
         self._lock = threading.Lock()
         self._inflight: list[tuple[Any, int]] = []  # batches sent without waiting: (request, ops)
         self.round_trips = 0  # batches waited for
@@ -69,7 +70,7 @@ class OpStream:
         )
         self._deferred: tuple[str, BaseException] | None = None
         self._borrowed = False  # a recorded upload reads a tensor's memory: send before returning
-        self._uncaptured: list[tuple] | None = None  # while a graph is captured: the records before it
+        self._uncaptured: list[Record] | None = None  # while a graph is captured: the records before it
         self.profile: dict[str, list[float]] | None = None  # set to {} to have the worker time each op (benchmarks)
 
     def defer(self, op: str, error: BaseException) -> None:
@@ -81,7 +82,7 @@ class OpStream:
     def alive(self) -> bool:
         return not self.client.closed
 
-    def record(self, entry: tuple) -> None:
+    def record(self, entry: Record) -> None:
         with self._lock:
             self._records.append(entry)
             full = self.pipelined and len(self._records) >= self.SUBMIT_EVERY
@@ -133,7 +134,7 @@ class OpStream:
         with self._lock:
             self._uncaptured, self._records = self._records, []
 
-    def end_capture(self) -> list[tuple]:
+    def end_capture(self) -> list[Record]:
         """The records since begin_capture; recording goes on where it was."""
         if self._uncaptured is None:
             raise RuntimeError("no graph is being captured on this device")

@@ -99,7 +99,7 @@ class RemoteTensor(torch.Tensor):
             _streams_of([self, value])  # raises, saying which devices or sessions
         torch.Tensor.data.__set__(self, value)  # type: ignore[attr-defined]  # the shape, strides and offset
         rid = new_id()
-        self._stream.record(("op", "aten.alias.default", (value._ref,), {}, [rid]))
+        self._stream.record(("op", "aten.alias.default", (value._ref,), None, [rid], None))
         self._rid, self._ref, self._handle = rid, Ref(rid), _Handle(self._stream, rid)
         self._layout = value._layout
 
@@ -829,7 +829,7 @@ def _run_eagerly(
     is_list = any(isinstance(r.type, torch.ListType) for r in returns)
     out_ids: Any = new_ids() if is_list else [new_id() for _ in returns]
     enc_args, enc_kwargs = _map(encode, args, kwargs)
-    stream.record(("op", str(func), enc_args, enc_kwargs, out_ids))
+    stream.record(("op", str(func), enc_args, enc_kwargs, out_ids, None))
     described = stream.flush(eager=True)["eager"]
     for rid in uploads:
         stream.record(("free", rid))

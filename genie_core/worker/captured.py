@@ -19,15 +19,17 @@ from typing import Any
 
 import torch
 
+from ..protocol.op_records import Expect, Record, name_of
+
 _ONCE = frozenset({"put", "seed", "rng_set", "import", "graph", "fail", "clock"})
 
 
 class CapturedGraph:
     """One capture: what it does once, done now; its ops, recorded (GPU) or kept to run (CPU)."""
 
-    def __init__(self, executor: Any, records: list[tuple[Any, ...]]) -> None:
+    def __init__(self, executor: Any, records: list[Record]) -> None:
         self.executor = executor
-        self.made = {rid for r in records if r[0] in ("op", "call") for rid in r[4] if rid is not None}
+        self.made = {rid for r in records if r[0] == "op" or r[0] == "call" for rid in r[4] if rid is not None}
         uploaded = {r[1] for r in records if r[0] == "put"}
         self.ops = [r for r in records if r[0] not in _ONCE and (r[0] != "free" or r[1] in self.made)]
         before_free = [r for r in records if r[0] == "free" and r[1] not in self.made and r[1] not in uploaded]
@@ -48,8 +50,8 @@ class CapturedGraph:
         else:  # what the graph makes and the client keeps, made now with nothing in it (as CUDA's capture does)
             transient = {r[1] for r in self.ops if r[0] == "free"}
             for r in self.ops:
-                if r[0] in ("op", "call"):
-                    for rid, want in zip(r[4], r[5] if len(r) > 5 and r[5] else (), strict=False):
+                if r[0] == "op" or r[0] == "call":
+                    for rid, want in zip(r[4], r[5] or (), strict=False):
                         if rid is not None and want is not None and rid not in transient:
                             store[rid] = self.memory[rid] = _empty(want, executor.device)
         for record in before_free:  # a tensor of before the capture, let go during it
@@ -61,10 +63,8 @@ class CapturedGraph:
             try:
                 self.executor.step(record)
             except Exception as exc:
-                name = record[1] if record[0] in ("op", "call") else record[0]
-                raise RuntimeError(
-                    f"{name} (op {index + 1} of {len(self.ops)} in the graph) failed: {type(exc).__name__}: {exc}"
-                ) from exc
+                where = f"op {index + 1} of {len(self.ops)} in the graph"
+                raise RuntimeError(f"{name_of(record)} ({where}) failed: {type(exc).__name__}: {exc}") from exc
 
     def replay(self) -> None:
         if self.cuda_graph is not None:
@@ -89,7 +89,7 @@ class CapturedGraph:
         self.memory = {}
 
 
-def _empty(want: tuple[Any, ...], device: torch.device) -> torch.Tensor:
+def _empty(want: Expect, device: torch.device) -> torch.Tensor:
     """A tensor laid out as an op's output will be (shape, strides, offset, dtype), nothing in it."""
     shape, stride, offset, dtype = want
     size = offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) if all(shape) else offset

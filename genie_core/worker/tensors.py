@@ -7,19 +7,23 @@ import gc
 import importlib
 import pickle
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple, cast
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_loads
+from torch.utils._pytree import tree_flatten
 
 from ..errors import LimitExceeded, size_text
 from ..protocol.contents import OpBatch, TensorReply
+from ..protocol.op_records import CallRecord, Expect, Expects, OpRecord, Record, name_of
 from ..protocol.tensor_ops import MemoryFormat, Ref, RemoteDevice, StorageOf
 from ..serialize import serialize_namespace
-from . import checkpoints, device_answers, kept_graphs
+from . import checkpoints, device_answers
 from .captured import CapturedGraph
 from .compiled import CompiledGraphs
 from .cpu_shims import CPU_SHIMS
+from .held import HeldTensors, UncountedTensors
+from .server_calls import run_call
 
 
 class _Failed:
@@ -28,6 +32,14 @@ class _Failed:
     def __init__(self, op: str, error: BaseException) -> None:
         self.op = op
         self.error = error
+
+
+class _Failure(NamedTuple):
+    """The first record of a batch that failed: its name, its place in the batch, the error."""
+
+    op: str
+    at: int
+    error: BaseException
 
 
 def _layout(t: torch.Tensor) -> tuple:
@@ -42,7 +54,21 @@ def _layout(t: torch.Tensor) -> tuple:
     )
 
 
-def _agree(name: str, value: torch.Tensor, want: tuple, inputs: Any) -> torch.Tensor:
+def _laid_out(value: torch.Tensor, want: Expect) -> bool:
+    """Whether a tensor is exactly as the client expects it (as it nearly always is): _agree's test
+    of the common case, by itself because it runs for every op."""
+    try:
+        return (
+            value.dtype == want[3]
+            and value.shape == want[0]
+            and value.stride() == want[1]
+            and value.storage_offset() == want[2]
+        )
+    except RuntimeError:  # a nested tensor has no strides: _agree says what to do
+        return False
+
+
+def _agree(name: str, value: torch.Tensor, want: Expect, inputs: Any) -> torch.Tensor:
     """The output the client expects (shape, strides, offset, dtype from the op's meta kernel).
     Values laid out differently in a fresh tensor are copied into the expected layout; a different
     shape or dtype (or layout of a view) fails the op: guessing would give wrong results later."""
@@ -77,60 +103,9 @@ def _agree(name: str, value: torch.Tensor, want: tuple, inputs: Any) -> torch.Te
     )
 
 
-class HeldTensors(dict):
-    """id -> tensor, counting the bytes of the distinct storages held (views share their base's)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bytes_held = 0
-        self._storages: dict[tuple[bool, int], list[int]] = {}  # (on a GPU, address) -> [bytes, users]
-
-    @staticmethod
-    def _key(value: Any) -> tuple[tuple[bool, int], int] | None:
-        if not isinstance(value, torch.Tensor):
-            return None
-        storage = value.untyped_storage()
-        address = storage.data_ptr()  # 0 for meta tensors and empty storages
-        return ((value.is_cuda, address), storage.nbytes()) if address else None
-
-    def __setitem__(self, rid: int, value: Any) -> None:
-        if rid in self:
-            self.pop(rid, None)
-        super().__setitem__(rid, value)
-        found = self._key(value)
-        if found is not None:
-            entry = self._storages.setdefault(found[0], [found[1], 0])
-            if entry[1] == 0:
-                self.bytes_held += entry[0]
-            entry[1] += 1
-
-    def pop(self, rid: int, default: Any = None) -> Any:
-        value = super().pop(rid, default)
-        found = self._key(value)
-        if found is not None and found[0] in self._storages:
-            entry = self._storages[found[0]]
-            entry[1] -= 1
-            if entry[1] <= 0:
-                del self._storages[found[0]]
-                self.bytes_held -= entry[0]
-        return value
-
-
-class UncountedTensors(dict):
-    """id -> tensor, when no byte limit needs the count (it costs a storage lookup per tensor)."""
-
-    bytes_held = 0
-
-
-def _note_time(timing: dict[str, list[float]], record: tuple, since: float) -> None:
-    name = record[1] if record[0] in ("op", "call") else record[0]
-    entry = timing.setdefault(name, [0.0, 0])
-    entry[0] += time.perf_counter() - since
-    entry[1] += 1
-
-
 _PLACEHOLDERS = frozenset({Ref, RemoteDevice, StorageOf, MemoryFormat})
 _NESTED = frozenset({tuple, list, dict})
+_SWAPPED = _PLACEHOLDERS | _NESTED  # what _one replaces (or looks inside)
 
 
 class TensorExecutor:
@@ -144,6 +119,8 @@ class TensorExecutor:
         self.graphs = CompiledGraphs(self.device, self.store)
         self.graph_memory: dict[int, torch.Tensor] = {}  # what captured graphs made (captured.py)
         self.graph_of: dict[int, CapturedGraph] = {}  # the captured graph that makes an id
+        self.eager: Any = None  # the batch's answer to its last record, when asked for (eager_last)
+        self.timing: dict[str, list[float]] | None = None  # record name -> [seconds, calls], when profiled
         gc.freeze()  # what this worker imported lives as long as it does: keep it out of every collection
 
     @property
@@ -231,36 +208,76 @@ class TensorExecutor:
 
     def _run(self, frames: list[Any], start: float) -> tuple[TensorReply, list[Any]]:
         request: OpBatch = pickle.loads(frames[0], buffers=frames[1:])
-        failure: dict[str, Any] | None = None
-        eager: Any = None
-        records = request["ops"]
-        timing: dict[str, list[float]] | None = {} if request.get("profile") else None  # op -> [seconds, calls]
-        tick = start
+        records: list[Record] = request["ops"]
+        if request.get("profile"):
+            return self._reply(request, self._run_timed(records), start)
+        failure: _Failure | None = None
+        eager_last = request.get("eager_last")
+        last = len(records) - 1
         for index, record in enumerate(records):
-            kind = record[0]
-            if timing is not None:
-                if index:
-                    _note_time(timing, records[index - 1], tick)
-                tick = time.perf_counter()
-            if kind == "free" or kind == "fail":  # (even after a failure)
-                self.step(record)
+            # the two records of nearly every op, here rather than in step: the least Python per op
+            if record[0] == "free":  # (even after a failure)
+                self._free(record[1])
                 continue
-            if failure is not None:  # skip the rest, poisoning what they would have made
-                self._poison(record, failure["op"], failure["error"])
+            if failure is not None and record[0] != "fail":  # skip the rest, poisoning what they would have made
+                self._poison(record, failure.op, failure.error)
                 continue
             try:
-                out = self.step(record)
-                if request.get("eager_last") and index == len(records) - 1:
-                    if kind in ("ask", "load", "read"):
-                        eager = {"value": out}
-                    elif kind == "op":
-                        eager = self._describe(out, record[4])
+                out = self._run_op(record) if record[0] == "op" else self.step(record)
             except Exception as exc:
-                failure = {"op": record[1] if kind in ("op", "call") else kind, "index": index, "error": exc}
-                self._poison(record, record[1] if kind in ("op", "call") else kind, exc)
+                failure = _Failure(name_of(record), index, exc)
+                self._poison(record, failure.op, exc)
+            else:
+                if eager_last and index == last:
+                    self.eager = self._answer(record, out)
             self.ops_run += 1
+        return self._reply(request, failure, start)
+
+    def _run_timed(self, records: list[Record]) -> _Failure | None:
+        """_run's loop, with each record's time noted by name (benchmarks' profile)."""
+        self.timing = {}
+        failure: _Failure | None = None
+        for index, record in enumerate(records):
+            tick = time.perf_counter()
+            if record[0] == "free" or record[0] == "fail":
+                self.step(record)
+            elif failure is not None:
+                self._poison(record, failure.op, failure.error)
+            else:
+                try:
+                    self._run_op(record) if record[0] == "op" else self.step(record)
+                except Exception as exc:
+                    failure = _Failure(name_of(record), index, exc)
+                    self._poison(record, failure.op, exc)
+                self.ops_run += 1
+            entry = self.timing.setdefault(name_of(record), [0.0, 0])
+            entry[0] += time.perf_counter() - tick
+            entry[1] += 1
+        return failure
+
+    def _answer(self, record: Record, out: Any) -> Any:
+        """The batch's "eager" reply to its last record: a question's answer, or what an op made."""
+        if record[0] == "ask" or record[0] == "load" or record[0] == "read":
+            return {"value": out}
+        if record[0] == "op":
+            return self._describe(out, record[4])
+        return None
+
+    def _reply(self, request: OpBatch, failure: _Failure | None, start: float) -> tuple[TensorReply, list[Any]]:
+        eager, self.eager = self.eager, None
+        timing, self.timing = self.timing, None
         if self.device.type == "cuda" and request.get("sync"):
             torch.cuda.synchronize()
+        if failure is not None:
+            error = failure.error
+            return {
+                "status": "error",
+                "op": failure.op,
+                "index": failure.at,
+                "ename": type(error).__name__,
+                "evalue": str(error),
+                "stored": len(self.store),
+            }, []
         content: TensorReply = {
             "status": "ok",
             "eager": eager,
@@ -268,106 +285,101 @@ class TensorExecutor:
             "run_s": time.perf_counter() - start,
         }
         if timing is not None:
-            if records:
-                _note_time(timing, records[-1], tick)
             content["profile"] = timing
-        if failure is not None:
-            error = failure["error"]
-            content = {
-                "status": "error",
-                "op": failure["op"],
-                "index": failure["index"],
-                "ename": type(error).__name__,
-                "evalue": str(error),
-                "stored": len(self.store),
-            }
-            return content, []
-        fetch = {}
-        for rid in request.get("fetch", []):
-            value = self._resolve(Ref(rid))
-            fetch[str(rid)] = value
+        fetch = {str(rid): self._resolve(Ref(rid)) for rid in request.get("fetch", [])}
         metas, buffers = serialize_namespace(fetch)
         content["fetch"] = metas
         return content, buffers
 
-    def _poison(self, record: tuple, op: str, error: BaseException) -> None:
+    def _poison(self, record: Record, op: str, error: BaseException) -> None:
         """What a record that failed, or was skipped after a failure, would have made: later uses
         name the failure."""
-        kind = record[0]
-        if kind == "put":
+        if record[0] == "put":
             self.store[record[1]] = _Failed("put", error)
-        elif kind in ("op", "call") and not isinstance(record[4], range):  # (a range: a list op's ids)
-            for rid in record[4]:
-                if rid is not None:
-                    self.store[rid] = _Failed(op, error)
-        elif kind == "capture":
+        elif record[0] == "op" or record[0] == "call":
+            out_ids = record[4]
+            if not isinstance(out_ids, range):  # (a range: a list op's block of ids)
+                for rid in out_ids:
+                    if rid is not None:
+                        self.store[rid] = _Failed(op, error)
+        elif record[0] == "capture":
             for inner in record[2]:
                 self._poison(inner, op, error)
 
-    def step(self, record: tuple) -> Any:
-        """Run one record (a "free" or "fail" too, for captured graphs' lists): what an op made, or a
-        question's answer."""
-        kind = record[0]
-        if kind == "op":
-            out = self._run_op(record)
-            self._check_limits(f"remote op {record[1]}")
-            return out
-        if kind == "free":
-            found = self.store.pop(record[1], None)
-            if type(found) is CapturedGraph:
-                found.release()
-            owner = self.graph_of.get(record[1]) if self.graph_of else None
+    def _free(self, rid: int) -> None:
+        found = self.store.pop(rid, None)
+        if type(found) is CapturedGraph:
+            found.release()
+        if self.graph_of:
+            owner = self.graph_of.get(rid)
             if owner is not None:
-                owner.dropped.add(record[1])
-            if self.clocks:
-                self.clocks.pop(record[1], None)
-        elif kind == "call":
+                owner.dropped.add(rid)
+        if self.clocks:
+            self.clocks.pop(rid, None)
+
+    def step(self, record: Record) -> Any:
+        """Run one record (captured graphs run theirs through here): what an op made, or a
+        question's answer."""
+        if record[0] == "op":
+            return self._run_op(record)
+        if record[0] == "free":
+            self._free(record[1])
+        elif record[0] == "call":
             self._run_call(record)
-            self._check_limits(f"remote call {record[1]}")
-        elif kind == "put":
-            self.store[record[1]] = record[2].to(self.device)
+        elif record[0] == "put":
+            _, rid, host = record
+            self.store[rid] = cast(torch.Tensor, host).to(self.device)  # (a HostTensor unpickles as a tensor)
             self._check_limits("a tensor sent from here")
-        elif kind == "fail":  # outputs of an op that failed on the client during backward
-            for rid in record[1]:
-                self.store[rid] = _Failed(record[2], RuntimeError(record[3]))
-        elif kind == "seed":  # (torch.manual_seed also visits every other device type: milliseconds)
-            torch.default_generator.manual_seed(record[1])
+        elif record[0] == "fail":  # outputs of an op that failed on the client during backward
+            _, failed, op, message = record
+            for rid in failed:
+                self.store[rid] = _Failed(op, RuntimeError(message))
+        elif record[0] == "seed":  # (torch.manual_seed also visits every other device type: milliseconds)
+            seed = record[1]
+            torch.default_generator.manual_seed(seed)
             if self.device.type == "cuda":
-                torch.cuda.manual_seed(record[1])
-        elif kind == "rng_get":
+                torch.cuda.manual_seed(seed)
+        elif record[0] == "rng_get":
             self.store[record[1]] = (
                 torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
             )
-        elif kind == "rng_set":
+        elif record[0] == "rng_set":
+            state = record[1]
             if self.device.type == "cuda":
-                torch.cuda.set_rng_state(record[1], self.device)
+                torch.cuda.set_rng_state(cast(torch.Tensor, state), self.device)  # (a HostTensor unpickles as a tensor)
             else:
-                torch.set_rng_state(record[1])
-        elif kind == "graph":  # a graph torch.compile captured on the client, by content hash
-            self.graphs.define(record[1], record[2], record[3])
-        elif kind == "capture":  # ops captured as a graph (torch.remote_accelerator.graph): kept to replay
-            self.store[record[1]] = CapturedGraph(self, record[2])
-        elif kind == "replay":
+                torch.set_rng_state(cast(torch.Tensor, state))
+        elif record[0] == "graph":  # a graph torch.compile captured on the client, by content hash
+            _, key, nodes, how = record
+            self.graphs.define(key, nodes, how)
+        elif record[0] == "capture":  # ops captured as a graph (torch.remote_accelerator.graph): kept to replay
+            _, rid, records = record
+            self.store[rid] = CapturedGraph(self, records)
+        elif record[0] == "replay":
             found = self.store.get(record[1])
             if not isinstance(found, CapturedGraph):
                 raise RuntimeError("this captured graph is not on the server (reset, or captured in another session)")
             found.replay()
-        elif kind == "import":  # the module that defines a custom op used here (torch.library)
+        elif record[0] == "import":  # the module that defines a custom op used here (torch.library)
             importlib.import_module(record[1])
-        elif kind == "clock":
+        elif record[0] == "clock":
             self.clocks[record[1]] = device_answers.clock(self.device)
-        elif kind == "ask":
-            return device_answers.answer(record[1], record[2], self.device, self._held_bytes, self.clocks)
-        elif kind == "load":  # a checkpoint on this machine's disk (torch.remote_accelerator.load)
-            leaves, spec = checkpoints.load(record[2], self.device)
-            ids = range(record[1], record[1] + len(leaves))
+        elif record[0] == "ask":
+            _, question, args = record
+            return device_answers.answer(question, args, self.device, self._held_bytes, self.clocks)
+        elif record[0] == "load":  # a checkpoint on this machine's disk (torch.remote_accelerator.load)
+            _, first_id, path = record
+            leaves, spec = checkpoints.load(path, self.device)
+            ids = range(first_id, first_id + len(leaves))
             for rid, leaf in zip(ids, leaves, strict=True):
                 if isinstance(leaf, torch.Tensor):
                     self.store[rid] = leaf
-            self._check_limits(f"the checkpoint {record[2]}")
+            self._check_limits(f"the checkpoint {path}")
             return {"spec": spec, "leaves": [_described(rid, leaf) for rid, leaf in zip(ids, leaves, strict=True)]}
-        elif kind == "read":  # a small text file on this machine's disk (a model's config.json)
+        elif record[0] == "read":  # a small text file on this machine's disk (a model's config.json)
             return checkpoints.read_text(record[1])
+        else:
+            raise ValueError(f"unknown op record {record[0]!r}")
         return None
 
     def adopt(self, graph: CapturedGraph) -> None:
@@ -376,44 +388,59 @@ class TensorExecutor:
         for rid in graph.made:
             self.graph_of[rid] = graph
 
-    def _run_op(self, record: tuple) -> Any:
-        name, args, kwargs, out_ids = record[1:5]
-        expect = record[5] if len(record) > 5 else None
-        func = self._ops.get(name)
-        if func is None:
-            namespace, op, overload = name.split(".")
-            try:
-                func = getattr(getattr(getattr(torch.ops, namespace), op), overload)
-            except AttributeError:
-                raise RuntimeError(f"the server's torch {torch.__version__} has no op {name}") from None
-            if self.device.type == "cpu":
-                func = CPU_SHIMS.get(name, func)
-            self._ops[name] = func
-        args = self._resolve_all(args)
-        out = func(*args, **self._resolve_all(kwargs)) if kwargs else func(*args)
+    def _op(self, name: str) -> Any:
+        """torch.ops.<name>'s kernel entry, found once per op (without OpOverload.__call__'s frame)."""
+        namespace, packet, overload = name.split(".")
+        try:
+            found = getattr(getattr(getattr(torch.ops, namespace), packet), overload)
+        except AttributeError:
+            raise RuntimeError(f"the server's torch {torch.__version__} has no op {name}") from None
+        shim = CPU_SHIMS.get(name) if self.device.type == "cpu" else None
+        func = self._ops[name] = shim or getattr(found, "_op", found)
+        return func
+
+    def _run_op(self, record: OpRecord) -> Any:
+        _, name, args, kwargs, out_ids, expect = record
+        func = self._ops.get(name) or self._op(name)
+        store = self.store
+        inputs = []  # the arguments with the worker's tensors in (inline: this runs for every op)
+        for v in args:
+            if type(v) is Ref:
+                t = store.get(v.id)
+                inputs.append(t if t is not None and type(t) is not _Failed else self._resolve(v))
+            else:
+                inputs.append(self._one(v) if type(v) in _SWAPPED else v)
+        out = func(*inputs, **self._resolve_all(kwargs)) if kwargs else func(*inputs)
         if type(out) is torch.Tensor and len(out_ids) == 1:  # the common case: one tensor out
             rid = out_ids[0]
             if rid is not None:
-                self.store[rid] = (
-                    out if expect is None or expect[0] is None else _agree(name, out, expect[0], (args, kwargs))
-                )
-            return out
+                want = expect[0] if expect is not None else None
+                if want is not None and not _laid_out(out, want):
+                    out = _agree(name, out, want, (inputs, kwargs))
+                store[rid] = out
+        else:
+            self._store_outputs(name, out, out_ids, expect, (inputs, kwargs))
+        if len(store) > self.max_tensors or self.max_bytes is not None:
+            self._check_limits(f"remote op {name}")
+        return out
+
+    def _store_outputs(self, name: str, out: Any, out_ids: Any, expect: Expects | None, inputs: Any) -> None:
         outputs = list(out) if isinstance(out, (tuple, list)) else [out]
         # out_ids of an op run eagerly is a block of ids (a range) for a list of unknown length
         for i, (rid, value) in enumerate(zip(out_ids, outputs, strict=False)):
             if rid is None:
                 continue
-            if expect is not None and expect[i] is not None and isinstance(value, torch.Tensor):
-                value = _agree(name, value, expect[i], (args, kwargs))
+            want = expect[i] if expect is not None else None
+            if want is not None and isinstance(value, torch.Tensor):
+                value = _agree(name, value, want, inputs)
             elif isinstance(value, torch.Tensor) and value.layout != torch.strided:
                 raise NotImplementedError(
                     f"it made a {value.layout} tensor: sparse and other non-strided layouts are not "
                     "supported on remote_accelerator"
                 )
             self.store[rid] = value
-        return out
 
-    def _run_call(self, record: tuple) -> None:
+    def _run_call(self, record: CallRecord) -> None:
         _, name, args, kwargs, out_ids, expect = record
         args, kwargs = self._resolve_all(args), self._resolve_all(kwargs)
         if name == "graph":
@@ -422,9 +449,11 @@ class TensorExecutor:
             outs = run_call(name, args, kwargs, self.store)
         for i, (rid, value) in enumerate(zip(out_ids, outs, strict=True)):
             if rid is not None:
-                self.store[rid] = _agree(name, value, expect[i], (args, kwargs))
+                want = expect[i]
+                self.store[rid] = value if want is None else _agree(name, value, want, (args, kwargs))
+        self._check_limits(f"remote call {name}")
 
-    def _describe(self, out: Any, out_ids: list[int | None]) -> Any:
+    def _describe(self, out: Any, out_ids: Sequence[int | None]) -> Any:
         """Shapes and plain values of an op run eagerly (its output shape depended on data)."""
         outputs = list(out) if isinstance(out, (tuple, list)) else [out]
         described = []
@@ -449,71 +478,3 @@ def _described(rid: int | None, value: Any) -> dict[str, Any]:
         "offset": value.storage_offset(),
         "dtype": str(value.dtype).removeprefix("torch."),
     }
-
-
-def run_call(name: str, args: tuple, kwargs: dict, store: Any) -> list[Any]:
-    """The server's own functions a client records as one call: the attention forward (keeping its
-    graph under `graph`) or backward (see genie_core/remote_tensor/attention.py)."""
-    if name == "sdpa":
-        graph, needs = kwargs.pop("graph"), kwargs.pop("needs")
-        query, key, value, mask = args
-        if graph is None:
-            with torch.no_grad():
-                return [torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, **kwargs)]
-        inputs = [
-            t.detach().requires_grad_(n) if isinstance(t, torch.Tensor) else t for t, n in zip(args, needs, strict=True)
-        ]
-        with torch.enable_grad():
-            out = torch.nn.functional.scaled_dot_product_attention(
-                inputs[0], inputs[1], inputs[2], attn_mask=inputs[3], **kwargs
-            )
-        store[graph] = (out, inputs, needs)
-        return [out.detach()]
-    if name == "sdpa_backward":
-        graph, grad_out = args
-        found = store.get(graph)
-        if not isinstance(found, tuple):
-            raise RuntimeError(
-                "the attention graph for this backward is gone (backward through it twice without retain_graph?)"
-            )
-        out, inputs, needs = found
-        grads = iter(
-            torch.autograd.grad(out, [t for t, n in zip(inputs, needs, strict=True) if n], grad_out, retain_graph=True)
-        )
-        return [next(grads) if n else None for n in needs]
-    if name == "aten":
-        return _run_whole(args, kwargs, store)
-    if name == "aten_backward":
-        graph, grads = args
-        return kept_graphs.backward(store, graph, grads, kwargs.get("retain", True))
-    raise ValueError(f"unknown server call {name!r}")
-
-
-_specs: dict[str, Any] = {}
-
-
-def _spec(text: str) -> Any:
-    found = _specs.get(text)
-    if found is None:
-        found = _specs[text] = treespec_loads(text)
-    return found
-
-
-def _run_whole(args: tuple, kwargs: dict, store: Any) -> list[Any]:
-    """An aten op run whole with this device's kernels (genie_core/remote_tensor/whole_ops.py),
-    keeping its graph under `graph` for the backward when a gradient is wanted."""
-    graph, needs = kwargs["graph"], kwargs["needs"]
-    packet, overload = kwargs["op"].removeprefix("aten.").split(".")
-    op = getattr(getattr(torch.ops.aten, packet), overload)
-    leaves, spec = list(args), _spec(kwargs["spec"])
-    if graph is None:
-        with torch.no_grad():
-            op_args, op_kwargs = tree_unflatten(leaves, spec)
-            out = op(*op_args, **op_kwargs)
-        return list(out) if isinstance(out, (tuple, list)) else [out]
-
-    def run(leaves: list[Any]) -> Any:
-        call_args, call_kwargs = tree_unflatten(leaves, spec)
-        return op(*call_args, **call_kwargs)
-
-    return kept_graphs.run_keeping_graph(run, leaves, needs, graph, store)
