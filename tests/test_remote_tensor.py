@@ -507,3 +507,76 @@ def test_tensors_of_an_ended_session_say_so(tmp_path):
             torch.ones(2, device=DEV)
     finally:
         srv.stop()
+
+
+def _last_op(stream) -> tuple:
+    return next(r for r in reversed(stream._records) if r[0] == "op")
+
+
+def test_a_signature_is_checked_until_the_server_has_made_its_outputs_as_expected(remote):
+    """Each op carries what the server must find in its outputs until a batch has shown it for
+    that signature; then the worker is spared the check (output_specs.py)."""
+    x = torch.zeros(3, 5, device=DEV)
+    stream = x._stream
+    y = x * 3 + 0.25  # signatures this session has not sent yet
+    assert _last_op(stream)[5] is not None
+    y.cpu()
+    z = x * 3 + 0.25
+    assert _last_op(stream)[5] is None
+    z = z.t() * 3  # a new signature (transposed input): checked
+    assert _last_op(stream)[5] is not None
+    assert torch.equal(z.cpu(), (torch.zeros(3, 5) * 3 + 0.25).t() * 3)
+
+
+def test_an_output_the_server_had_to_lay_out_again_stays_checked(remote):
+    """When the server's kernel lays an output out otherwise than the client's meta kernel said,
+    the worker copies it into the promised layout and says so; that signature is checked at every
+    use after (unchecked, later views would read the kernel's own strides)."""
+    x = torch.arange(6.0, device=DEV).reshape(2, 3)
+    stream = x._stream
+    x.clone().cpu()  # the signature's spec, verified
+    spec = next(s for s in stream.meta_cache.values() if getattr(s, "op", None) == "aten.clone.default")
+    assert spec.verified
+    spec.expect = (((2, 3), (1, 2), 0, torch.float32),)  # as a meta kernel that disagrees would say
+    spec.verified = False
+    for _ in range(2):
+        w = x.clone()
+        assert _last_op(stream)[5] == spec.expect  # still checked
+        w.cpu()
+        assert not spec.verified
+    assert torch.equal(w.cpu(), torch.arange(6.0).reshape(2, 3))
+
+
+def test_the_worker_checks_each_output_it_is_asked_to():
+    """The worker's side, on records as a client writes them: an output laid out otherwise is
+    copied into the expected layout and named in the reply; a different shape fails the op; no
+    expectation, no check."""
+    import pickle
+
+    from genie_core.protocol.tensor_ops import HostTensor, Ref
+    from genie_core.worker.tensors import TensorExecutor
+
+    def run(executor, records):
+        request = {"ops": records, "fetch": [], "eager_last": False, "sync": False}
+        oob: list = []
+        frame = pickle.dumps(request, protocol=5, buffer_callback=oob.append)
+        return executor.run([frame, *[b.raw() for b in oob]])[0]
+
+    executor = TensorExecutor()
+    source = torch.arange(6.0).reshape(2, 3)
+    transposed = (((2, 3), (1, 2), 0, torch.float32),)
+    reply = run(
+        executor,
+        [
+            ("put", 1, HostTensor(source)),
+            ("op", "aten.clone.default", (Ref(1),), None, [2], transposed),
+            ("op", "aten.clone.default", (Ref(1),), None, [3], None),
+        ],
+    )
+    assert reply["status"] == "ok" and reply["relaid"] == ["aten.clone.default"]
+    assert executor.store[2].stride() == (1, 2) and torch.equal(executor.store[2], source)
+    assert executor.store[3].stride() == (3, 1)
+    reply = run(executor, [("op", "aten.clone.default", (Ref(1),), None, [4], (((3, 2), (2, 1), 0, torch.float32),))])
+    assert reply["status"] == "error" and "meta kernel promised" in reply["evalue"]
+    reply = run(executor, [("op", "aten.clone.default", (Ref(1),), None, [5], (((2, 3), (3, 1), 0, torch.float32),))])
+    assert reply["status"] == "ok" and "relaid" not in reply

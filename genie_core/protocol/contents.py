@@ -10,6 +10,7 @@ import sys
 from typing import Any, TypedDict
 
 from .messages import MessageType
+from .op_records import Record
 
 if sys.version_info >= (3, 11):  # noqa: UP036 - requires-python is >=3.10
     from typing import NotRequired
@@ -224,7 +225,7 @@ class TensorOps(ToWorker):
 class OpBatch(TypedDict):
     """What a `tensor_ops` request carries, pickled (protocol 5) in its first buffer."""
 
-    ops: list[tuple[Any, ...]]  # op records, in order (their kinds: protocol/tensor_ops.py)
+    ops: list[Record]  # op records, in order (protocol/op_records.py)
     fetch: list[int]  # ids of the remote tensors whose values come back
     eager_last: bool  # describe what the last op made (or answer the last question) in the reply
     sync: bool  # wait for the device before answering
@@ -335,6 +336,9 @@ class TensorReply(Staged):
     fetch: NotRequired[list[dict[str, Any]]]  # serialize_namespace's descriptions of what was fetched
     op: NotRequired[str]  # on failure: the op that failed, and its place in the batch
     index: NotRequired[int]
+    # ops whose output the worker had to lay out as the client expected (copied): their signatures
+    # stay checked at each use (OpStream.checked)
+    relaid: NotRequired[list[str]]
     values: NotRequired[dict[str, Any]]  # not sent: the fetched values, as remote_tensor.stream adds them
 
 

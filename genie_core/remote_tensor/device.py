@@ -29,8 +29,8 @@ def _factory_kernels(lib: Any) -> None:
     import torch
 
     from ..protocol.tensor_ops import RemoteDevice, encode_value
-    from .tensor import RemoteTensor, _expectations, typed_key
-    from .tensor import _entry as entry
+    from .output_specs import OutputSpec, expectations
+    from .tensor import RemoteTensor, typed_key
     from .tensor import _remote as remote
 
     def make(name: str, runs: str | None = None):
@@ -53,7 +53,7 @@ def _factory_kernels(lib: Any) -> None:
                 key, spec = None, None
             if spec is None:
                 out = op(*args, **dict(kwargs, device=torch.device("meta")))
-                spec = entry(out, op)[4], _expectations(out)
+                spec = OutputSpec(out, op).made, expectations(out)
                 if key is not None:
                     if len(made) > 10_000:
                         made.clear()

@@ -12,7 +12,7 @@ from typing import Any, cast
 
 from ..errors import ConnectionLost
 from ..protocol import MessageType, contents, error_from
-from ..protocol.op_records import Record
+from ..protocol.op_records import Expects, Record
 from ..serialize import deserialize_namespace
 
 _ids = itertools.count(1)
@@ -57,6 +57,7 @@ class OpStream:
         self.wait_seconds = 0.0  # time spent here waiting for the last batch of each flush
         self.device_kind = device_type_of(client)  # what its server computes on: "cuda" or "cpu"
         self.meta_cache: dict[Any, Any] = {}  # each op signature's outputs on that device (tensor.py)
+        self._checking: list[Any] = []  # output specs sent to be checked since the last flush (expect)
         self.transfers = client.transfers  # its bytes' data plane, and the session's byte limit
         self.versions = _versions_if_they_differ(getattr(client, "server_versions", None) or {}, torch.__version__)
         self.imported: set[str] = set()  # modules defining custom ops, imported on the server
@@ -113,6 +114,15 @@ class OpStream:
         ended keeps what it is told until it is dropped: no check on the hot path.)"""
         with self._lock:
             self._records.append(("free", rid))
+
+    def expect(self, spec: Any) -> Expects:
+        """What the server must find in the outputs of an op with this output spec (output_specs.py)
+        until it has: a flush whose batches all ran, with no output of that op re-laid to match,
+        marks the spec verified, and later ops with its signature are not checked (a kernel's output
+        layout follows from its inputs' layouts, which the signature holds)."""
+        if self._uncaptured is None:  # (a capture's ops run when it ends, or never: not counted)
+            self._checking.append(spec)
+        return spec.expect
 
     def made_empty_last(self, rid: int) -> bool:
         """Whether the last op recorded (and not yet sent) made `rid` empty (an empty factory)."""
@@ -188,14 +198,17 @@ class OpStream:
         with self._lock:
             records, self._records = self._records, []
             self._borrowed = False
+        checking, self._checking = self._checking, []
         request = self._send(
             {"ops": records, "fetch": list(fetch or []), "eager_last": eager, "sync": sync}, len(records)
         )
         earlier, self._inflight = self._inflight, []
         failure: tuple[contents.TensorReply, int] | None = None
+        relaid: set[str] = set()
         for sent, n in earlier:  # answered before the last one: the worker runs batches in order
             content = self._wait(sent).content
             self._account(content)
+            relaid.update(content.get("relaid") or ())
             if failure is None and content.get("status") != "ok":
                 failure = (content, n)
         waited = time.perf_counter()
@@ -207,6 +220,10 @@ class OpStream:
         self._account(content)
         if failure is None and content.get("status") != "ok":
             failure = (content, len(records))
+        if failure is None and self._deferred is None:
+            relaid.update(content.get("relaid") or ())
+            for spec in checking:
+                spec.verified = spec.op not in relaid
         if self._deferred is not None:  # the batch's own failures follow from it
             (op, error), self._deferred = self._deferred, None
             raise RuntimeError(f"{op} failed during backward: {type(error).__name__}: {error}") from error

@@ -13,6 +13,7 @@ from torch.utils._mode_utils import no_dispatch
 
 from ..protocol.tensor_ops import Ref, RemoteDevice, StorageOf, encode_value
 from . import device_model, serialization
+from .output_specs import Layout, OutputSpec, aliases, expectations, layout_of
 from .stream import OpStream, _ids, new_id, new_ids
 
 aten = torch.ops.aten
@@ -25,33 +26,8 @@ _COPY = aten.copy_.default
 _SET_STORAGE = (aten.set_.source_Storage, aten.set_.source_Storage_storage_offset)
 _SET_TENSOR = aten.set_.source_Tensor
 
-_alias_cache: dict[Any, dict[int, Any]] = {}  # op -> {output position: the argument it writes}
 # A remote tensor's (placeholder) storage, by the storage's address: `x.set_(y.untyped_storage())`.
 _storage_owners: dict[int, Any] = {}
-
-
-class Layout:
-    """A remote tensor's dtype, shape, strides and offset, interned: equal layouts are one object,
-    which the meta-shape cache hashes and compares by identity (reading them off a tensor costs
-    four calls into PyTorch per argument per op)."""
-
-    __slots__ = ("dtype", "offset", "shape", "stride")
-
-    def __init__(self, dtype: Any, shape: tuple, stride: tuple, offset: int) -> None:
-        self.dtype, self.shape, self.stride, self.offset = dtype, shape, stride, offset
-
-
-_layouts: dict[tuple, Layout] = {}
-
-
-def layout_of(dtype: Any, shape: Any, stride: Any, offset: int) -> Layout:
-    key = (dtype, tuple(shape), tuple(stride), offset)
-    found = _layouts.get(key)
-    if found is None:
-        if len(_layouts) > 200_000:  # (tensors keep theirs; equal new ones then miss the cache once)
-            _layouts.clear()
-        found = _layouts[key] = Layout(*key)
-    return found
 
 
 class _Handle:
@@ -311,7 +287,7 @@ class _OpInfo:
     def __init__(self, func) -> None:
         self.name = str(func)
         self.learn = func in _DEVICE_DEPENDENT
-        self.aliases = _aliases(func)
+        self.aliases = aliases(func)
         self.special = func in (_LOCAL_SCALAR, _TO_COPY, _COPY)
         self.foreign = func.namespace not in ("aten", "prims")
 
@@ -429,20 +405,21 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
             outputs = stream.meta_cache.get((info, *sig, *kwargs) if kwargs else (info, *sig))
         except TypeError:  # something unhashable in the arguments (_output_specs: no caching)
             pass
-        if outputs is not None and outputs[4] is not None and not local:  # one fresh tensor out: the common case
-            r = _remote(stream, outputs[4])
-            stream.record(("op", info.name, *_split(enc, args, kwargs), (r._rid,), outputs[2]))
+        if outputs is not None and outputs.made is not None and not local:  # one fresh tensor out: the common case
+            r = _remote(stream, outputs.made)
+            expect = None if outputs.verified else stream.expect(outputs)
+            stream.record(("op", info.name, *_split(enc, args, kwargs), (r._rid,), expect))
             return r
     if outputs is None:
         outputs = _output_specs(func, sig, args, kwargs, stream, info)
     uploads: list[int] = []
     if outputs is None or type(outputs) is _Learn:
         return _run_eagerly(func, stream, args, kwargs, _encoder(stream, uploads), uploads, outputs)
-    out_meta, aliases, expect, plain, made = outputs
+    out_meta = outputs.metas
     out_ids: list[int | None]
-    if plain:  # fresh outputs only, no conjugate or negative views
-        if made is not None:  # one tensor out
-            r = _remote(stream, made)
+    if outputs.plain:  # fresh outputs only, no conjugate or negative views
+        if outputs.made is not None:  # one tensor out
+            r = _remote(stream, outputs.made)
             results, out_ids = [r], [r._rid]
         elif type(out_meta) in (tuple, list):
             results = [
@@ -456,13 +433,14 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
             results, out_ids = [out_meta], [None]
         reshaped: list[tuple[Any, Any]] = []
     else:
-        results, out_ids, reshaped = _outputs(out_meta, aliases, args, kwargs, stream)
+        results, out_ids, reshaped = _outputs(out_meta, outputs.aliases, args, kwargs, stream)
     enc_args: tuple
     enc_kwargs: dict | None
     if local:
         enc_args, enc_kwargs = _map(_encoder(stream, uploads), args, kwargs)
     else:
         enc_args, enc_kwargs = _split(enc, args, kwargs)
+    expect = None if outputs.verified else stream.expect(outputs)
     stream.record(("op", info.name, enc_args, enc_kwargs, out_ids, expect))
     for rid in uploads:
         stream.record(("free", rid))
@@ -592,7 +570,7 @@ def record_call(
         outs.append(None if m is None else RemoteTensor(m.shape, m.stride(), m.storage_offset(), m.dtype, stream))
     enc_args, enc_kwargs = (args, kwargs) if encoded else _map(_encoder(stream, uploads), args, kwargs)
     stream.record(
-        ("call", name, enc_args, enc_kwargs, [None if r is None else r._rid for r in outs], _expectations(expected))
+        ("call", name, enc_args, enc_kwargs, [None if r is None else r._rid for r in outs], expectations(expected))
     )
     for rid in uploads:
         stream.record(("free", rid))
@@ -624,24 +602,6 @@ def _argument(alias: Any, args: tuple, kwargs: dict) -> Any:
     return kwargs[alias[-1]]
 
 
-def _aliases(func) -> dict[int, Any]:
-    """Which outputs are written-to arguments (in-place and out= ops), from the op's schema."""
-    found = _alias_cache.get(func)
-    if found is None:
-        found = {}
-        schema = func._schema
-        for i, ret in enumerate(schema.returns):
-            info = ret.alias_info
-            if info is None or not info.is_write:
-                continue
-            for pos, arg in enumerate(schema.arguments):
-                if arg.alias_info is not None and arg.alias_info.before_set == info.before_set:
-                    found[i] = ("kw", arg.name) if arg.kwarg_only else ("pos", pos, arg.name)
-                    break
-        _alias_cache[func] = found
-    return found
-
-
 def _to_meta(a: Any) -> Any:
     if isinstance(a, torch.Tensor):
         return (
@@ -656,22 +616,6 @@ def _to_meta(a: Any) -> Any:
     if isinstance(a, torch.UntypedStorage):
         return torch.UntypedStorage(a.nbytes(), device="meta")
     return a
-
-
-def _plain(out: Any, func: Any) -> bool:
-    """Whether all outputs are fresh tensors (or plain values) without conjugate/negative bits."""
-    outs = out if type(out) in (tuple, list) else (out,)
-    return not _aliases(func) and not any(isinstance(m, torch.Tensor) and (m.is_conj() or m.is_neg()) for m in outs)
-
-
-def _entry(out: Any, func: Any) -> tuple:
-    """A meta-cache entry: the outputs' metadata (meta tensors), which are written-to arguments,
-    what the server must find, whether all are fresh, and, for one fresh tensor out, what makes it."""
-    made = None
-    if isinstance(out, torch.Tensor) and _plain(out, func):
-        shape, stride, offset = tuple(out.shape), tuple(out.stride()), int(out.storage_offset())
-        made = (shape, stride, offset, out.dtype, layout_of(out.dtype, shape, stride, offset))
-    return (out, _aliases(func), _expectations(out), _plain(out, func), made)
 
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
@@ -698,16 +642,6 @@ def _remote(
     r._handle = _Handle(stream, rid)
     r._layout = layout
     return r
-
-
-def _expectations(out: Any) -> tuple:
-    """What the server must find in each output (shape, strides, offset, dtype): a meta kernel that
-    disagrees with the device's kernel then fails the op instead of giving a wrong result."""
-    outs = out if type(out) in (tuple, list) else (out,)
-    return tuple(
-        (tuple(m.shape), tuple(m.stride()), m.storage_offset(), m.dtype) if isinstance(m, torch.Tensor) else None
-        for m in outs
-    )
 
 
 class _Learn(tuple):
@@ -805,7 +739,7 @@ def _output_specs(func, sig: list[Any], args: tuple, kwargs: dict, stream: OpStr
             raise NotImplementedError(
                 f"{func}: sparse and other non-strided layouts are not supported on remote_accelerator"
             )
-        cached = _entry(out, func)
+        cached = OutputSpec(out, func)
         if key is not None:
             if len(meta_cache) > 50_000:
                 meta_cache.clear()
@@ -834,12 +768,12 @@ def _run_eagerly(
     for rid in uploads:
         stream.record(("free", rid))
     results = []
-    aliases = _aliases(func)
+    written = aliases(func)
     for position, item in enumerate(described["outputs"]):
         if "value" in item:
             results.append(item["value"])
-        elif position in aliases:  # in place: the result is the argument (its shape may have changed)
-            target = _argument(aliases[position], args, kwargs)
+        elif position in written:  # in place: the result is the argument (its shape may have changed)
+            target = _argument(written[position], args, kwargs)
             set_metadata(target, item["shape"], item["stride"], item["offset"])
             stream.record(("free", item["id"]))
             results.append(target)
@@ -855,7 +789,7 @@ def _run_eagerly(
             for r in results
         ]
         out = (metas if is_list else tuple(metas)) if described["tuple"] else metas[0]
-        stream.meta_cache[learn] = _entry(out, func)
+        stream.meta_cache[learn] = OutputSpec(out, func)
     if described["tuple"]:
         return results if is_list else tuple(results)
     return results[0]

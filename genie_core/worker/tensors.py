@@ -120,6 +120,7 @@ class TensorExecutor:
         self.graph_memory: dict[int, torch.Tensor] = {}  # what captured graphs made (captured.py)
         self.graph_of: dict[int, CapturedGraph] = {}  # the captured graph that makes an id
         self.eager: Any = None  # the batch's answer to its last record, when asked for (eager_last)
+        self.relaid: set[str] = set()  # ops of this batch whose output was copied to the expected layout
         self.timing: dict[str, list[float]] | None = None  # record name -> [seconds, calls], when profiled
         gc.freeze()  # what this worker imported lives as long as it does: keep it out of every collection
 
@@ -266,6 +267,7 @@ class TensorExecutor:
     def _reply(self, request: OpBatch, failure: _Failure | None, start: float) -> tuple[TensorReply, list[Any]]:
         eager, self.eager = self.eager, None
         timing, self.timing = self.timing, None
+        relaid, self.relaid = self.relaid, set()
         if self.device.type == "cuda" and request.get("sync"):
             torch.cuda.synchronize()
         if failure is not None:
@@ -286,6 +288,8 @@ class TensorExecutor:
         }
         if timing is not None:
             content["profile"] = timing
+        if relaid:
+            content["relaid"] = sorted(relaid)
         fetch = {str(rid): self._resolve(Ref(rid)) for rid in request.get("fetch", [])}
         metas, buffers = serialize_namespace(fetch)
         content["fetch"] = metas
@@ -416,13 +420,21 @@ class TensorExecutor:
             if rid is not None:
                 want = expect[0] if expect is not None else None
                 if want is not None and not _laid_out(out, want):
-                    out = _agree(name, out, want, (inputs, kwargs))
+                    out = self._agree(name, out, want, (inputs, kwargs))
                 store[rid] = out
         else:
             self._store_outputs(name, out, out_ids, expect, (inputs, kwargs))
         if len(store) > self.max_tensors or self.max_bytes is not None:
             self._check_limits(f"remote op {name}")
         return out
+
+    def _agree(self, name: str, value: torch.Tensor, want: Expect, inputs: Any) -> torch.Tensor:
+        """_agree, noting an op whose output had to be copied into the expected layout (the reply
+        says so: the client keeps checking that signature)."""
+        agreed = _agree(name, value, want, inputs)
+        if agreed is not value:
+            self.relaid.add(name)
+        return agreed
 
     def _store_outputs(self, name: str, out: Any, out_ids: Any, expect: Expects | None, inputs: Any) -> None:
         outputs = list(out) if isinstance(out, (tuple, list)) else [out]
@@ -432,7 +444,7 @@ class TensorExecutor:
                 continue
             want = expect[i] if expect is not None else None
             if want is not None and isinstance(value, torch.Tensor):
-                value = _agree(name, value, want, inputs)
+                value = self._agree(name, value, want, inputs)
             elif isinstance(value, torch.Tensor) and value.layout != torch.strided:
                 raise NotImplementedError(
                     f"it made a {value.layout} tensor: sparse and other non-strided layouts are not "

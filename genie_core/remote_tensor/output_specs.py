@@ -1,0 +1,95 @@
+"""What an op makes, worked out once per signature on the client: the layouts remote tensors
+carry (interned), which outputs are written-to arguments, what the server must find in each
+output, and the meta-cache entry (OutputSpec) that holds them for one op signature."""
+
+from __future__ import annotations
+
+from typing import Any, TypeAlias
+
+import torch
+
+from ..protocol.op_records import Expects
+
+_alias_cache: dict[Any, dict[int, Any]] = {}  # op -> {output position: the argument it writes}
+
+
+class Layout:
+    """A remote tensor's dtype, shape, strides and offset, interned: equal layouts are one object,
+    which the meta-shape cache hashes and compares by identity (reading them off a tensor costs
+    four calls into PyTorch per argument per op)."""
+
+    __slots__ = ("dtype", "offset", "shape", "stride")
+
+    def __init__(self, dtype: Any, shape: tuple, stride: tuple, offset: int) -> None:
+        self.dtype, self.shape, self.stride, self.offset = dtype, shape, stride, offset
+
+
+_layouts: dict[tuple, Layout] = {}
+
+
+def layout_of(dtype: Any, shape: Any, stride: Any, offset: int) -> Layout:
+    key = (dtype, tuple(shape), tuple(stride), offset)
+    found = _layouts.get(key)
+    if found is None:
+        if len(_layouts) > 200_000:  # (tensors keep theirs; equal new ones then miss the cache once)
+            _layouts.clear()
+        found = _layouts[key] = Layout(*key)
+    return found
+
+
+# What makes one fresh output tensor: shape, strides, offset, dtype, and its interned Layout.
+Made: TypeAlias = tuple[tuple[int, ...], tuple[int, ...], int, Any, Layout]
+
+
+class OutputSpec:
+    """A meta-cache entry: what an op with one signature makes on the server's device type."""
+
+    __slots__ = ("aliases", "expect", "made", "metas", "op", "plain", "verified")
+
+    def __init__(self, out: Any, func: Any) -> None:
+        self.op = str(func)
+        self.metas = out  # the outputs' metadata, as meta tensors (or plain values)
+        self.aliases = aliases(func)  # output position -> the argument it writes (in-place, out=)
+        self.expect: Expects = expectations(out)  # what the server must find in each output
+        self.plain = is_plain(out, func)  # fresh outputs only, no conjugate or negative views
+        self.made: Made | None = None  # one fresh tensor out: what makes it (the hot path)
+        if isinstance(out, torch.Tensor) and self.plain:
+            shape, stride, offset = tuple(out.shape), tuple(out.stride()), int(out.storage_offset())
+            self.made = (shape, stride, offset, out.dtype, layout_of(out.dtype, shape, stride, offset))
+        # the server made these outputs exactly as expected, for these inputs (see OpStream.checked):
+        # later uses of the signature are not checked again
+        self.verified = False
+
+
+def aliases(func: Any) -> dict[int, Any]:
+    """Which outputs are written-to arguments (in-place and out= ops), from the op's schema."""
+    found = _alias_cache.get(func)
+    if found is None:
+        found = {}
+        schema = func._schema
+        for i, ret in enumerate(schema.returns):
+            info = ret.alias_info
+            if info is None or not info.is_write:
+                continue
+            for pos, arg in enumerate(schema.arguments):
+                if arg.alias_info is not None and arg.alias_info.before_set == info.before_set:
+                    found[i] = ("kw", arg.name) if arg.kwarg_only else ("pos", pos, arg.name)
+                    break
+        _alias_cache[func] = found
+    return found
+
+
+def is_plain(out: Any, func: Any) -> bool:
+    """Whether all outputs are fresh tensors (or plain values) without conjugate/negative bits."""
+    outs = out if type(out) in (tuple, list) else (out,)
+    return not aliases(func) and not any(isinstance(m, torch.Tensor) and (m.is_conj() or m.is_neg()) for m in outs)
+
+
+def expectations(out: Any) -> Expects:
+    """What the server must find in each output (shape, strides, offset, dtype): a meta kernel that
+    disagrees with the device's kernel then fails the op instead of giving a wrong result."""
+    outs = out if type(out) in (tuple, list) else (out,)
+    return tuple(
+        (tuple(m.shape), tuple(m.stride()), int(m.storage_offset()), m.dtype) if isinstance(m, torch.Tensor) else None
+        for m in outs
+    )
