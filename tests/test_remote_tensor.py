@@ -536,14 +536,14 @@ def test_an_output_the_server_had_to_lay_out_again_stays_checked(remote):
     stream = x._stream
     x.clone().cpu()  # the signature's spec, verified
     spec = next(s for s in stream.meta_cache.values() if getattr(s, "op", None) == "aten.clone.default")
-    assert spec.verified
+    assert spec.verified == stream.generation
     spec.expect = (((2, 3), (1, 2), 0, torch.float32),)  # as a meta kernel that disagrees would say
-    spec.verified = False
+    spec.verified = -1
     for _ in range(2):
         w = x.clone()
         assert _last_op(stream)[5] == spec.expect  # still checked
         w.cpu()
-        assert not spec.verified
+        assert spec.verified == -1
     assert torch.equal(w.cpu(), torch.arange(6.0).reshape(2, 3))
 
 
@@ -580,3 +580,20 @@ def test_the_worker_checks_each_output_it_is_asked_to():
     assert reply["status"] == "error" and "meta kernel promised" in reply["evalue"]
     reply = run(executor, [("op", "aten.clone.default", (Ref(1),), None, [5], (((2, 3), (3, 1), 0, torch.float32),))])
     assert reply["status"] == "ok" and "relaid" not in reply
+
+
+def test_a_cell_runs_after_the_ops_recorded_before_it_and_resets_what_was_verified(remote):
+    """Program order between ordinary cells' remote ops and %%remote cells: what was recorded goes
+    first. A cell may change what the server's kernels do, so signatures are checked again."""
+    client = genie_core.get_cluster_state().client
+    x = torch.zeros(3, 5, device=DEV)
+    stream = x._stream
+    (x * 3 + 0.25).cpu()
+    first = torch.randn(4, device=DEV)  # recorded, not sent: it draws before the cell seeds
+    assert client.execute("import torch; torch.manual_seed(5)").wait(30).content["status"] == "ok"
+    second = torch.randn(4, device=DEV)
+    torch.manual_seed(5)
+    draws = torch.randn(4), torch.randn(4)
+    assert torch.equal(second.cpu(), draws[0]) and not torch.equal(first.cpu(), draws[0])
+    x * 3 + 0.25
+    assert _last_op(stream)[5] is not None  # checked again after the cell

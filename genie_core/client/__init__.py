@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
@@ -59,6 +60,8 @@ class Client:
         self._job_names: set[str] = set()
         self.code_sync: CodeSync | None = None  # the directory %genie_sync keeps in step
         self._job_count = 0
+        # told before each cell is sent (remote-tensor op streams: remote_tensor/stream.py code_sent)
+        self.code_watchers: weakref.WeakSet[Any] = weakref.WeakSet()
 
     # -- what it is connected to ------------------------------------------------------------
     @property
@@ -158,7 +161,12 @@ class Client:
         """Send a request on the control connection; its replies arrive on the returned Request."""
         return self.connection.request(msg)
 
+    def _code_sent(self) -> None:
+        for watcher in list(self.code_watchers):
+            watcher.code_sent()
+
     def execute(self, code: str, *, gpu: int | None = None, silent: bool = False) -> Request:
+        self._code_sent()
         request = self.request(Message(T.EXECUTE, contents.Execute(code=code, gpu=gpu, silent=silent)))
         first = next((line.strip() for line in code.splitlines() if line.strip()), "")
         request.summary = first if len(first) <= 60 else first[:57] + "..."
@@ -176,6 +184,7 @@ class Client:
         clash = next((j for j in self._jobs.values() if j.name == name and not j.done()), None)
         if clash is not None:
             raise ValueError(f"a job named {name!r} is still running ({clash.elapsed:.0f} s): pick another name")
+        self._code_sent()
         request = self.connection.request(
             Message(T.EXECUTE, contents.Execute(code=code, gpu=gpu, silent=False, job=name)), background=True
         )

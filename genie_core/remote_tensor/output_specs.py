@@ -56,9 +56,9 @@ class OutputSpec:
         if isinstance(out, torch.Tensor) and self.plain:
             shape, stride, offset = tuple(out.shape), tuple(out.stride()), int(out.storage_offset())
             self.made = (shape, stride, offset, out.dtype, layout_of(out.dtype, shape, stride, offset))
-        # the server made these outputs exactly as expected, for these inputs (see OpStream.checked):
-        # later uses of the signature are not checked again
-        self.verified = False
+        # the stream's generation in which the server made these outputs exactly as expected, for
+        # these inputs (OpStream.expect): uses in the same generation are not checked again; -1: none
+        self.verified = -1
 
 
 def aliases(func: Any) -> dict[int, Any]:

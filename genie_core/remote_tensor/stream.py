@@ -58,6 +58,8 @@ class OpStream:
         self.device_kind = device_type_of(client)  # what its server computes on: "cuda" or "cpu"
         self.meta_cache: dict[Any, Any] = {}  # each op signature's outputs on that device (tensor.py)
         self._checking: list[Any] = []  # output specs sent to be checked since the last flush (expect)
+        self.generation = 0  # cells sent to the session (code_sent): specs verified in an earlier one are checked again
+        client.code_watchers.add(self)
         self.transfers = client.transfers  # its bytes' data plane, and the session's byte limit
         self.versions = _versions_if_they_differ(getattr(client, "server_versions", None) or {}, torch.__version__)
         self.imported: set[str] = set()  # modules defining custom ops, imported on the server
@@ -119,10 +121,19 @@ class OpStream:
         """What the server must find in the outputs of an op with this output spec (output_specs.py)
         until it has: a flush whose batches all ran, with no output of that op re-laid to match,
         marks the spec verified, and later ops with its signature are not checked (a kernel's output
-        layout follows from its inputs' layouts, which the signature holds)."""
+        layout follows from its inputs' layouts, which the signature holds, and from the server's
+        code, which a cell can change: see code_sent)."""
         if self._uncaptured is None:  # (a capture's ops run when it ends, or never: not counted)
             self._checking.append(spec)
         return spec.expect
+
+    def code_sent(self) -> None:
+        """A cell is about to go to the session: what was recorded before it goes first, so that it
+        runs first (program order), and every signature is checked again after it (the cell may
+        change what the server's kernels do: a backend flag, an op overridden)."""
+        self._submit()
+        self._checking = []
+        self.generation += 1
 
     def made_empty_last(self, rid: int) -> bool:
         """Whether the last op recorded (and not yet sent) made `rid` empty (an empty factory)."""
@@ -223,7 +234,7 @@ class OpStream:
         if failure is None and self._deferred is None:
             relaid.update(content.get("relaid") or ())
             for spec in checking:
-                spec.verified = spec.op not in relaid
+                spec.verified = self.generation if spec.op not in relaid else -1
         if self._deferred is not None:  # the batch's own failures follow from it
             (op, error), self._deferred = self._deferred, None
             raise RuntimeError(f"{op} failed during backward: {type(error).__name__}: {error}") from error
