@@ -466,49 +466,6 @@ def test_setting_data_names_the_other_tensors_values(remote):
     assert torch.equal(x.cpu(), torch.arange(3.0) + 10)  # refused: nothing changed
 
 
-def test_copies_between_sessions_are_refused(tmp_path):
-    from conftest import start_server
-
-    servers = [start_server(tmp_path), start_server(tmp_path)]
-    try:
-        genie_core.init_sync(f"127.0.0.1:{servers[0].info.port}", token=servers[0].info.token, timeout=20)
-        first = torch.ones(2, device=DEV)
-        from genie_core import cluster
-
-        old = cluster._state
-        cluster._state = None  # keep the first session open while a second one starts
-        genie_core.init_sync(f"127.0.0.1:{servers[1].info.port}", token=servers[1].info.token, timeout=20)
-        second = torch.zeros(2, device=DEV)
-        with pytest.raises(RuntimeError, match="two different Genie sessions"):
-            second.copy_(first)
-        with pytest.raises(RuntimeError, match="two different Genie sessions"):
-            first + second
-        with pytest.raises(RuntimeError, match="two different Genie sessions"):
-            second.data = first
-        genie_core.shutdown_sync()
-        cluster._state = old
-        genie_core.shutdown_sync()
-    finally:
-        for srv in servers:
-            srv.stop()
-
-
-def test_tensors_of_an_ended_session_say_so(tmp_path):
-    from conftest import start_server
-
-    srv = start_server(tmp_path)
-    try:
-        genie_core.init_sync(f"127.0.0.1:{srv.info.port}", token=srv.info.token, timeout=20)
-        x = torch.ones(2, device=DEV)
-        genie_core.shutdown_sync()
-        with pytest.raises(ConnectionLost, match="session that has ended"):
-            x.cpu()
-        with pytest.raises(NotInitializedError, match="genie_init"):
-            torch.ones(2, device=DEV)
-    finally:
-        srv.stop()
-
-
 def _last_op(stream) -> tuple:
     return next(r for r in reversed(stream._records) if r[0] == "op")
 
@@ -532,19 +489,23 @@ def test_an_output_the_server_had_to_lay_out_again_stays_checked(remote):
     """When the server's kernel lays an output out otherwise than the client's meta kernel said,
     the worker copies it into the promised layout and says so; that signature is checked at every
     use after (unchecked, later views would read the kernel's own strides)."""
-    x = torch.arange(6.0, device=DEV).reshape(2, 3)
+    x = torch.arange(14.0, dtype=torch.float64).reshape(2, 7).to(DEV)  # a signature of its own
     stream = x._stream
     x.clone().cpu()  # the signature's spec, verified
-    spec = next(s for s in stream.meta_cache.values() if getattr(s, "op", None) == "aten.clone.default")
+    (spec,) = (
+        s
+        for s in stream.meta_cache.values()
+        if getattr(s, "op", None) == "aten.clone.default" and s.expect == (((2, 7), (7, 1), 0, torch.float64),)
+    )
     assert spec.verified == stream.generation
-    spec.expect = (((2, 3), (1, 2), 0, torch.float32),)  # as a meta kernel that disagrees would say
+    spec.expect = (((2, 7), (1, 2), 0, torch.float64),)  # as a meta kernel that disagrees would say
     spec.verified = -1
     for _ in range(2):
         w = x.clone()
         assert _last_op(stream)[5] == spec.expect  # still checked
         w.cpu()
         assert spec.verified == -1
-    assert torch.equal(w.cpu(), torch.arange(6.0).reshape(2, 3))
+    assert torch.equal(w.cpu(), torch.arange(14.0, dtype=torch.float64).reshape(2, 7))
 
 
 def test_the_worker_checks_each_output_it_is_asked_to():
@@ -597,3 +558,46 @@ def test_a_cell_runs_after_the_ops_recorded_before_it_and_resets_what_was_verifi
     assert torch.equal(second.cpu(), draws[0]) and not torch.equal(first.cpu(), draws[0])
     x * 3 + 0.25
     assert _last_op(stream)[5] is not None  # checked again after the cell
+
+
+def test_copies_between_sessions_are_refused(tmp_path):
+    from conftest import start_server
+
+    servers = [start_server(tmp_path), start_server(tmp_path)]
+    try:
+        genie_core.init_sync(f"127.0.0.1:{servers[0].info.port}", token=servers[0].info.token, timeout=20)
+        first = torch.ones(2, device=DEV)
+        from genie_core import cluster
+
+        old = cluster._state
+        cluster._state = None  # keep the first session open while a second one starts
+        genie_core.init_sync(f"127.0.0.1:{servers[1].info.port}", token=servers[1].info.token, timeout=20)
+        second = torch.zeros(2, device=DEV)
+        with pytest.raises(RuntimeError, match="two different Genie sessions"):
+            second.copy_(first)
+        with pytest.raises(RuntimeError, match="two different Genie sessions"):
+            first + second
+        with pytest.raises(RuntimeError, match="two different Genie sessions"):
+            second.data = first
+        genie_core.shutdown_sync()
+        cluster._state = old
+        genie_core.shutdown_sync()
+    finally:
+        for srv in servers:
+            srv.stop()
+
+
+def test_tensors_of_an_ended_session_say_so(tmp_path):
+    from conftest import start_server
+
+    srv = start_server(tmp_path)
+    try:
+        genie_core.init_sync(f"127.0.0.1:{srv.info.port}", token=srv.info.token, timeout=20)
+        x = torch.ones(2, device=DEV)
+        genie_core.shutdown_sync()
+        with pytest.raises(ConnectionLost, match="session that has ended"):
+            x.cpu()
+        with pytest.raises(NotInitializedError, match="genie_init"):
+            torch.ones(2, device=DEV)
+    finally:
+        srv.stop()
