@@ -113,7 +113,6 @@ class TensorExecutor:
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         self.store: HeldTensors | UncountedTensors = HeldTensors() if max_bytes is not None else UncountedTensors()
         self.max_tensors, self.max_bytes = max_tensors, max_bytes
-        self.ops_run = 0
         self.clocks: dict[int, Any] = {}  # Event(enable_timing=True) readings, by id (device_answers.py)
         self._ops: dict[str, Any] = {}
         self.graphs = CompiledGraphs(self.device, self.store)
@@ -215,10 +214,13 @@ class TensorExecutor:
         failure: _Failure | None = None
         eager_last = request.get("eager_last")
         last = len(records) - 1
+        pop, graph_of, clocks = self.store.pop, self.graph_of, self.clocks
         for index, record in enumerate(records):
             # the two records of nearly every op, here rather than in step: the least Python per op
             if record[0] == "free":  # (even after a failure)
-                self._free(record[1])
+                found = pop(record[1], None)
+                if graph_of or clocks or type(found) is CapturedGraph:
+                    self._freed(record[1], found)
                 continue
             if failure is not None and record[0] != "fail":  # skip the rest, poisoning what they would have made
                 self._poison(record, failure.op, failure.error)
@@ -231,7 +233,6 @@ class TensorExecutor:
             else:
                 if eager_last and index == last:
                     self.eager = self._answer(record, out)
-            self.ops_run += 1
         return self._reply(request, failure, start)
 
     def _run_timed(self, records: list[Record]) -> _Failure | None:
@@ -250,7 +251,6 @@ class TensorExecutor:
                 except Exception as exc:
                     failure = _Failure(name_of(record), index, exc)
                     self._poison(record, failure.op, exc)
-                self.ops_run += 1
             entry = self.timing.setdefault(name_of(record), [0.0, 0])
             entry[0] += time.perf_counter() - tick
             entry[1] += 1
@@ -311,7 +311,11 @@ class TensorExecutor:
                 self._poison(inner, op, error)
 
     def _free(self, rid: int) -> None:
-        found = self.store.pop(rid, None)
+        self._freed(rid, self.store.pop(rid, None))
+
+    def _freed(self, rid: int, found: Any) -> None:
+        """What else a tensor's free lets go: a captured graph's resources, a graph's claim on the id,
+        a timed event's reading."""
         if type(found) is CapturedGraph:
             found.release()
         if self.graph_of:
