@@ -218,3 +218,37 @@ def test_a_capture_sends_nothing_before_its_end_when_batches_go_ahead():
     finally:
         stream.pipelined = was
         del stream.SUBMIT_EVERY
+
+
+def test_a_graph_captured_after_its_signatures_were_verified_keeps_static_outputs():
+    """Ops whose signatures a batch has verified are not checked again, but a capture's still
+    carry what the server must find: a CPU capture makes each static output from it."""
+    x = torch.arange(2.0).to(DEV)
+    (x * 2).cpu()  # `x * 2` verified
+    stream = x._stream
+    assert any(s.verified == stream.trusted for s in stream.meta_cache.values() if s.op == "aten.mul.Tensor")
+    g = ra.CUDAGraph()
+    with ra.graph(g):
+        y = x * 2
+    g.replay()
+    view = y.view(2)  # a view of the static output, as on CUDA
+    x.fill_(5)
+    g.replay()
+    assert torch.equal(view.cpu(), torch.full((2,), 10.0)) and torch.equal(y.cpu(), torch.full((2,), 10.0))
+
+
+def test_a_cell_during_a_capture_runs_after_what_was_recorded_before_the_capture(remote):
+    import genie_core
+
+    client = genie_core.get_cluster_state().client
+    before = torch.randn(3, device=DEV)  # recorded before the capture: it draws before the cell seeds
+    static = torch.zeros(3, device=DEV)
+    g = ra.CUDAGraph()
+    with ra.graph(g):
+        out = static + 1
+        assert client.execute("import torch; torch.manual_seed(7)").wait(30).content["status"] == "ok"
+    after = torch.randn(3, device=DEV)
+    g.replay()
+    torch.manual_seed(7)
+    assert torch.equal(after.cpu(), torch.randn(3)) and not torch.equal(before.cpu(), after.cpu())
+    assert torch.equal(out.cpu(), torch.ones(3))

@@ -497,15 +497,19 @@ def test_an_output_the_server_had_to_lay_out_again_stays_checked(remote):
         for s in stream.meta_cache.values()
         if getattr(s, "op", None) == "aten.clone.default" and s.expect == (((2, 7), (7, 1), 0, torch.float64),)
     )
-    assert spec.verified == stream.generation
+    assert spec.verified == stream.trusted
+    truth = spec.expect
     spec.expect = (((2, 7), (1, 2), 0, torch.float64),)  # as a meta kernel that disagrees would say
     spec.verified = -1
-    for _ in range(2):
-        w = x.clone()
-        assert _last_op(stream)[5] == spec.expect  # still checked
-        w.cpu()
-        assert spec.verified == -1
-    assert torch.equal(w.cpu(), torch.arange(14.0, dtype=torch.float64).reshape(2, 7))
+    try:
+        for _ in range(2):
+            w = x.clone()
+            assert _last_op(stream)[5] == spec.expect  # still checked
+            w.cpu()
+            assert spec.verified == -1
+        assert torch.equal(w.cpu(), torch.arange(14.0, dtype=torch.float64).reshape(2, 7))
+    finally:
+        spec.expect, spec.verified = truth, -1
 
 
 def test_the_worker_checks_each_output_it_is_asked_to():
@@ -517,13 +521,14 @@ def test_the_worker_checks_each_output_it_is_asked_to():
     from genie_core.protocol.tensor_ops import HostTensor, Ref
     from genie_core.worker.tensors import TensorExecutor
 
-    def run(executor, records):
-        request = {"ops": records, "fetch": [], "eager_last": False, "sync": False}
+    def run(executor, records, profile=False):
+        request = {"ops": records, "fetch": [], "eager_last": profile, "sync": False, "profile": profile}
         oob: list = []
         frame = pickle.dumps(request, protocol=5, buffer_callback=oob.append)
         return executor.run([frame, *[b.raw() for b in oob]])[0]
 
     executor = TensorExecutor()
+    gc.unfreeze()  # (a worker freezes what it imported; this process is pytest's)
     source = torch.arange(6.0).reshape(2, 3)
     transposed = (((2, 3), (1, 2), 0, torch.float32),)
     reply = run(
@@ -541,6 +546,26 @@ def test_the_worker_checks_each_output_it_is_asked_to():
     assert reply["status"] == "error" and "meta kernel promised" in reply["evalue"]
     reply = run(executor, [("op", "aten.clone.default", (Ref(1),), None, [5], (((2, 3), (3, 1), 0, torch.float32),))])
     assert reply["status"] == "ok" and "relaid" not in reply
+    equivalent = (((1, 3), (1, 1), 0, torch.float32),)  # strides that differ only where a size is 1
+    reply = run(
+        executor,
+        [("put", 6, HostTensor(torch.ones(1, 3))), ("op", "aten.clone.default", (Ref(6),), None, [7], equivalent)],
+    )
+    assert reply["relaid"] == ["aten.clone.default"] and executor.store[7].stride() == (3, 1)  # kept, but said
+    reply = run(executor, [("op", "aten.nonzero.default", (Ref(1),), None, range(10, 20), None)], profile=True)
+    assert reply["status"] == "ok" and reply["profile"]["aten.nonzero.default"][1] == 1
+    assert reply["eager"]["outputs"][0]["shape"] == [5, 2]  # a profiled batch answers as any
+
+
+def test_a_failed_batch_verifies_nothing(remote):
+    x = torch.arange(3.0, dtype=torch.float64).to(DEV)
+    stream = x._stream
+    y = x * 7 - 1  # signatures of their own, not yet verified
+    bad = x[torch.tensor([10])]
+    with pytest.raises(RemoteError, match="out of bounds"):
+        (bad + y).cpu()
+    x * 7 - 1
+    assert _last_op(stream)[5] is not None
 
 
 def test_a_cell_runs_after_the_ops_recorded_before_it_and_resets_what_was_verified(remote):
@@ -550,6 +575,8 @@ def test_a_cell_runs_after_the_ops_recorded_before_it_and_resets_what_was_verifi
     x = torch.zeros(3, 5, device=DEV)
     stream = x._stream
     (x * 3 + 0.25).cpu()
+    x * 3 + 0.25
+    assert _last_op(stream)[5] is None  # verified
     first = torch.randn(4, device=DEV)  # recorded, not sent: it draws before the cell seeds
     assert client.execute("import torch; torch.manual_seed(5)").wait(30).content["status"] == "ok"
     second = torch.randn(4, device=DEV)

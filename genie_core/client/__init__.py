@@ -7,7 +7,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from ..dataplane import BackendReport, Channel
 from ..errors import VersionMismatch
@@ -27,6 +27,10 @@ from .transfers import Transfers
 __all__ = ["Client", "ConnectOptions", "Job", "LostRequest", "Request"]
 
 T = MessageType
+
+
+class CodeWatcher(Protocol):
+    def code_sent(self) -> None: ...
 
 
 class Client:
@@ -61,7 +65,7 @@ class Client:
         self.code_sync: CodeSync | None = None  # the directory %genie_sync keeps in step
         self._job_count = 0
         # told before each cell is sent (remote-tensor op streams: remote_tensor/stream.py code_sent)
-        self.code_watchers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.code_watchers: weakref.WeakSet[CodeWatcher] = weakref.WeakSet()
 
     # -- what it is connected to ------------------------------------------------------------
     @property

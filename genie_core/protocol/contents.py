@@ -336,8 +336,8 @@ class TensorReply(Staged):
     fetch: NotRequired[list[dict[str, Any]]]  # serialize_namespace's descriptions of what was fetched
     op: NotRequired[str]  # on failure: the op that failed, and its place in the batch
     index: NotRequired[int]
-    # ops whose output the worker had to lay out as the client expected (copied): their signatures
-    # stay checked at each use (OpStream.checked)
+    # ops with an output the worker did not find exactly as the client promised (copied into that
+    # layout, or taken as equivalent): their signatures stay checked at each use (OpStream.checks)
     relaid: NotRequired[list[str]]
     values: NotRequired[dict[str, Any]]  # not sent: the fetched values, as remote_tensor.stream adds them
 

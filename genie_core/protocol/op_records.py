@@ -3,14 +3,14 @@ worker replays, in order. One definition per kind: the client builds each as a t
 checked against it, the worker narrows a record by its first element (`record[0] == "op"`) and
 unpacks it into these names; mypy checks both sides.
 
-They are plain tuples, not NamedTuples: a NamedTuple costs 7x a tuple to make (450 against 62 ns)
-and 2.5x to pickle (pickle calls back into Python for each one), and a decode step makes and sends
-thousands (measured on this VM with `timeit`, 2026-11-26)."""
+They are plain tuples, not NamedTuples: a NamedTuple costs 7x a tuple to make and 2.5x to pickle
+(pickle calls back into Python for each one; `timeit` on the CI VM), and a decode step makes and
+sends thousands."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias, get_args
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 if TYPE_CHECKING:
     from .tensor_ops import HostTensor
@@ -26,7 +26,7 @@ Expects: TypeAlias = tuple[Expect | None, ...]
 OpRecord: TypeAlias = tuple[
     Literal["op"], str, tuple[Any, ...], dict[str, Any] | None, Sequence[int | None], Expects | None
 ]
-# One of the server's own functions (worker/tensors.py run_call): "sdpa" and "sdpa_backward"
+# One of the server's own functions (worker/server_calls.py run_call): "sdpa" and "sdpa_backward"
 # (attention.py), "aten" (whole_ops.py), "graph" (a compiled graph; kwargs: key, graph, needs) and
 # "aten_backward" (the backward of "aten" and "graph" calls; kwargs retain: keep the autograd graph).
 CallRecord: TypeAlias = tuple[Literal["call"], str, tuple[Any, ...], dict[str, Any], Sequence[int | None], Expects]
@@ -71,8 +71,6 @@ Record: TypeAlias = (
     | LoadRecord
     | ReadRecord
 )
-
-KINDS: tuple[str, ...] = tuple(get_args(get_args(kind)[0])[0] for kind in get_args(Record))  # "op", "call", ...
 
 
 def name_of(record: Record) -> str:

@@ -6,7 +6,7 @@ slower on a GPU and not bit-equal to what the server's device computes natively.
 taken over at `AutogradPrivateUse1`: the forward is recorded as one call that the server runs
 with `torch.nn.functional.scaled_dot_product_attention` (keeping its autograd graph when a
 gradient is wanted), and the backward as one call that runs `torch.autograd.grad` on that graph
-(the server's half is `run_call` in genie_core/worker/tensors.py).
+(the server's half is `run_call` in genie_core/worker/server_calls.py).
 """
 
 from __future__ import annotations

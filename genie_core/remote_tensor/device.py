@@ -29,7 +29,7 @@ def _factory_kernels(lib: Any) -> None:
     import torch
 
     from ..protocol.tensor_ops import RemoteDevice, encode_value
-    from .output_specs import OutputSpec, expectations
+    from .output_specs import OutputSpec
     from .tensor import RemoteTensor, typed_key
     from .tensor import _remote as remote
 
@@ -38,7 +38,7 @@ def _factory_kernels(lib: Any) -> None:
         op = getattr(getattr(torch.ops.aten, packet), overload)
         recorded = str(op) if runs is None else runs
 
-        made: dict[Any, tuple] = {}  # arguments -> the output's layout (meta kernels of arange & co. are Python)
+        made: dict[Any, OutputSpec] = {}  # arguments -> the output (meta kernels of arange & co. are Python)
 
         def kernel(*args: Any, **kwargs: Any) -> Any:
             device = kwargs.get("device")
@@ -53,18 +53,19 @@ def _factory_kernels(lib: Any) -> None:
                 key, spec = None, None
             if spec is None:
                 out = op(*args, **dict(kwargs, device=torch.device("meta")))
-                spec = OutputSpec(out, op).made, expectations(out)
+                spec = OutputSpec(out, op)
                 if key is not None:
                     if len(made) > 10_000:
                         made.clear()
                     made[key] = spec
             stream = stream_for(device.index if device is not None else None)
-            shape, _, _, dtype, _ = spec[0]
+            assert spec.made is not None  # (a factory makes one fresh tensor)
+            shape, _, _, dtype, _ = spec.made
             stream.transfers.refuse_over_limit(math.prod(shape) * dtype.itemsize, f"a {DEVICE_TYPE} tensor")
-            r = remote(stream, spec[0])
+            r = remote(stream, spec.made)
             enc_kwargs = {k: encode_value(v) for k, v in kwargs.items()}
             enc_kwargs["device"] = RemoteDevice()
-            stream.record(("op", recorded, tuple(encode_value(a) for a in args), enc_kwargs, [r._rid], spec[1]))
+            stream.record(("op", recorded, tuple(encode_value(a) for a in args), enc_kwargs, [r._rid], spec.expect))
             return r
 
         return kernel

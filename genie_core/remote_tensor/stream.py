@@ -8,12 +8,15 @@ import os
 import pickle
 import threading
 import time
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from ..errors import ConnectionLost
 from ..protocol import MessageType, contents, error_from
 from ..protocol.op_records import Expects, Record
 from ..serialize import deserialize_namespace
+
+if TYPE_CHECKING:
+    from .output_specs import OutputSpec
 
 _ids = itertools.count(1)
 EMPTY_FACTORIES = frozenset({"aten.empty.memory_format", "aten.empty_strided.default"})  # (their record names)
@@ -47,7 +50,7 @@ class OpStream:
 
         self.device = torch.device("remote_accelerator", index)
         self._records: list[Record] = []
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # (re-entered when the garbage collector frees a remote tensor inside it)
         self._inflight: list[tuple[Any, int]] = []  # batches sent without waiting: (request, ops)
         self.round_trips = 0  # batches waited for
         self.messages = 0  # batches sent
@@ -57,8 +60,11 @@ class OpStream:
         self.wait_seconds = 0.0  # time spent here waiting for the last batch of each flush
         self.device_kind = device_type_of(client)  # what its server computes on: "cuda" or "cpu"
         self.meta_cache: dict[Any, Any] = {}  # each op signature's outputs on that device (tensor.py)
-        self._checking: list[Any] = []  # output specs sent to be checked since the last flush (expect)
-        self.generation = 0  # cells sent to the session (code_sent): specs verified in an earlier one are checked again
+        self._checking: list[tuple[OutputSpec, int]] = []  # specs sent to be checked since the last flush, and when
+        self.generation = 0  # cells sent to the session, custom ops' modules imported (new_generation)
+        # specs verified in this generation are not checked (tensor.py dispatch); -2 while a graph is
+        # captured: its ops carry every expectation (a CPU capture makes its outputs from them)
+        self.trusted = 0
         client.code_watchers.add(self)
         self.transfers = client.transfers  # its bytes' data plane, and the session's byte limit
         self.versions = _versions_if_they_differ(getattr(client, "server_versions", None) or {}, torch.__version__)
@@ -117,23 +123,30 @@ class OpStream:
         with self._lock:
             self._records.append(("free", rid))
 
-    def expect(self, spec: Any) -> Expects:
-        """What the server must find in the outputs of an op with this output spec (output_specs.py)
-        until it has: a flush whose batches all ran, with no output of that op re-laid to match,
-        marks the spec verified, and later ops with its signature are not checked (a kernel's output
-        layout follows from its inputs' layouts, which the signature holds, and from the server's
-        code, which a cell can change: see code_sent)."""
+    def checks(self, spec: OutputSpec) -> Expects:
+        """What an op with this output spec (output_specs.py) carries for the server to check, while
+        the spec is not verified in this generation (dispatch tests `spec.verified == trusted`
+        first). A flush whose batches all ran, none with that op's output laid out otherwise,
+        verifies it: a kernel's output layout follows from its inputs' layouts, which the signature
+        holds, and from the server's code (see new_generation)."""
         if self._uncaptured is None:  # (a capture's ops run when it ends, or never: not counted)
-            self._checking.append(spec)
+            self._checking.append((spec, self.generation))
         return spec.expect
 
-    def code_sent(self) -> None:
-        """A cell is about to go to the session: what was recorded before it goes first, so that it
-        runs first (program order), and every signature is checked again after it (the cell may
-        change what the server's kernels do: a backend flag, an op overridden)."""
-        self._submit()
-        self._checking = []
+    def new_generation(self) -> None:
+        """The server's code may change from here (a cell, a custom op's module imported): every
+        signature is checked again."""
         self.generation += 1
+        if self._uncaptured is None:
+            self.trusted = self.generation
+
+    def code_sent(self) -> None:
+        """A cell is about to go to the session (main thread): what was recorded before it goes
+        first, so that it runs first (program order; while a graph is captured, what was recorded
+        before the capture), and every signature is checked again after it. A failure to send
+        them is raised here, before the cell goes."""
+        self._submit(before_capture=True)
+        self.new_generation()
 
     def made_empty_last(self, rid: int) -> bool:
         """Whether the last op recorded (and not yet sent) made `rid` empty (an empty factory)."""
@@ -154,6 +167,7 @@ class OpStream:
             raise RuntimeError("a graph is already being captured on this device")
         with self._lock:
             self._uncaptured, self._records = self._records, []
+        self.trusted = -2
 
     def end_capture(self) -> list[Record]:
         """The records since begin_capture; recording goes on where it was."""
@@ -161,6 +175,7 @@ class OpStream:
             raise RuntimeError("no graph is being captured on this device")
         with self._lock:
             captured, self._records, self._uncaptured = self._records, self._uncaptured, None
+        self.trusted = self.generation
         return captured
 
     def idle(self) -> bool:
@@ -183,20 +198,24 @@ class OpStream:
         raws = [b.raw() for b in oob]
         return self.transfers.request(MessageType.TENSOR_OPS, content, [payload], raws)  # (big bytes: the data plane)
 
-    def _submit(self) -> None:
-        """Send what was recorded; the reply is read at the next flush."""
-        if self._uncaptured is not None:
-            return  # a graph's records go at the end of its capture
+    def _submit(self, *, before_capture: bool = False) -> None:
+        """Send what was recorded; the reply is read at the next flush. While a graph is captured,
+        its records go at the end of the capture; `before_capture`: what was recorded before it goes."""
         with self._lock:
-            records, self._records = self._records, []
-            self._borrowed = False
+            if self._uncaptured is None:
+                records, self._records = self._records, []
+                self._borrowed = False
+            elif before_capture:
+                records, self._uncaptured = self._uncaptured, []
+            else:
+                return
         if records:
-            self._inflight.append(
-                (
-                    self._send({"ops": records, "fetch": [], "eager_last": False, "sync": False}, len(records)),
-                    len(records),
-                )
-            )
+            try:
+                sent = self._send({"ops": records, "fetch": [], "eager_last": False, "sync": False}, len(records))
+            except BaseException:
+                self._checking = []  # what they carried to check never ran
+                raise
+            self._inflight.append((sent, len(records)))
 
     def flush(self, fetch: list[int] | None = None, *, eager: bool = False, sync: bool = False) -> contents.TensorReply:
         """Send what was recorded (and fetch these ids), wait; raise the first failure: one kept
@@ -233,8 +252,8 @@ class OpStream:
             failure = (content, len(records))
         if failure is None and self._deferred is None:
             relaid.update(content.get("relaid") or ())
-            for spec in checking:
-                spec.verified = self.generation if spec.op not in relaid else -1
+            for spec, generation in checking:
+                spec.verified = generation if spec.op not in relaid else -1
         if self._deferred is not None:  # the batch's own failures follow from it
             (op, error), self._deferred = self._deferred, None
             raise RuntimeError(f"{op} failed during backward: {type(error).__name__}: {error}") from error

@@ -407,7 +407,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
             pass
         if outputs is not None and outputs.made is not None and not local:  # one fresh tensor out: the common case
             r = _remote(stream, outputs.made)
-            expect = None if outputs.verified == stream.generation else stream.expect(outputs)
+            expect = None if outputs.verified == stream.trusted else stream.checks(outputs)
             stream.record(("op", info.name, *_split(enc, args, kwargs), (r._rid,), expect))
             return r
     if outputs is None:
@@ -440,7 +440,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         enc_args, enc_kwargs = _map(_encoder(stream, uploads), args, kwargs)
     else:
         enc_args, enc_kwargs = _split(enc, args, kwargs)
-    expect = None if outputs.verified == stream.generation else stream.expect(outputs)
+    expect = None if outputs.verified == stream.trusted else stream.checks(outputs)
     stream.record(("op", info.name, enc_args, enc_kwargs, out_ids, expect))
     for rid in uploads:
         stream.record(("free", rid))
@@ -703,6 +703,7 @@ def _import_on_server(func, stream: OpStream) -> None:
     if module and module != "__main__" and module not in stream.imported:
         stream.imported.add(module)
         stream.record(("import", module))
+        stream.new_generation()  # (a module may register kernels for any op)
 
 
 def _output_specs(func, sig: list[Any], args: tuple, kwargs: dict, stream: OpStream, info: Any = None) -> Any:

@@ -7,7 +7,7 @@ cell kernels (`_thnn_fused_lstm_cell`), which exist only for CUDA, and on a GPU 
 miss cuDNN. So they are taken over at `AutogradPrivateUse1`: the forward is one call that the
 server runs with the op itself (the CPU's kernels on a CPU server, cuDNN on a GPU), keeping its
 autograd graph when a gradient is wanted, and the backward is one call that runs
-`torch.autograd.grad` on that graph (the server's half is `run_call` in worker/tensors.py).
+`torch.autograd.grad` on that graph (the server's half is `run_call` in worker/server_calls.py).
 The packed-sequence ops go the same way: arguments and outputs that PyTorch keeps on the CPU (a
 packed sequence's lengths and batch sizes) stay there.
 """

@@ -103,6 +103,18 @@ def _agree(name: str, value: torch.Tensor, want: Expect, inputs: Any) -> torch.T
     )
 
 
+Timing = dict[str, list[float]]  # a profiled batch's time by record name: [seconds, calls]
+
+
+def _note_time(timing: Timing, record: Record, since: float) -> float:
+    """Add the time since `since` to the record's name (a profiled batch); returns now."""
+    now = time.perf_counter()
+    entry = timing.setdefault(name_of(record), [0.0, 0])
+    entry[0] += now - since
+    entry[1] += 1
+    return now
+
+
 _PLACEHOLDERS = frozenset({Ref, RemoteDevice, StorageOf, MemoryFormat})
 _NESTED = frozenset({tuple, list, dict})
 _SWAPPED = _PLACEHOLDERS | _NESTED  # what _one replaces (or looks inside)
@@ -118,9 +130,7 @@ class TensorExecutor:
         self.graphs = CompiledGraphs(self.device, self.store)
         self.graph_memory: dict[int, torch.Tensor] = {}  # what captured graphs made (captured.py)
         self.graph_of: dict[int, CapturedGraph] = {}  # the captured graph that makes an id
-        self.eager: Any = None  # the batch's answer to its last record, when asked for (eager_last)
-        self.relaid: set[str] = set()  # ops of this batch whose output was copied to the expected layout
-        self.timing: dict[str, list[float]] | None = None  # record name -> [seconds, calls], when profiled
+        self.relaid: set[str] = set()  # ops of the batch running whose output was not as the client promised
         gc.freeze()  # what this worker imported lives as long as it does: keep it out of every collection
 
     @property
@@ -209,13 +219,17 @@ class TensorExecutor:
     def _run(self, frames: list[Any], start: float) -> tuple[TensorReply, list[Any]]:
         request: OpBatch = pickle.loads(frames[0], buffers=frames[1:])
         records: list[Record] = request["ops"]
-        if request.get("profile"):
-            return self._reply(request, self._run_timed(records), start)
+        timing: Timing | None = {} if request.get("profile") else None
+        self.relaid = set()
         failure: _Failure | None = None
+        eager: Any = None
         eager_last = request.get("eager_last")
         last = len(records) - 1
         pop, graph_of, clocks = self.store.pop, self.graph_of, self.clocks
+        tick = start
         for index, record in enumerate(records):
+            if timing is not None:
+                tick = _note_time(timing, records[index - 1], tick) if index else time.perf_counter()
             # the two records of nearly every op, here rather than in step: the least Python per op
             if record[0] == "free":  # (even after a failure)
                 found = pop(record[1], None)
@@ -227,34 +241,14 @@ class TensorExecutor:
                 continue
             try:
                 out = self._run_op(record) if record[0] == "op" else self.step(record)
+                if eager_last and index == last:
+                    eager = self._answer(record, out)
             except Exception as exc:
                 failure = _Failure(name_of(record), index, exc)
                 self._poison(record, failure.op, exc)
-            else:
-                if eager_last and index == last:
-                    self.eager = self._answer(record, out)
-        return self._reply(request, failure, start)
-
-    def _run_timed(self, records: list[Record]) -> _Failure | None:
-        """_run's loop, with each record's time noted by name (benchmarks' profile)."""
-        self.timing = {}
-        failure: _Failure | None = None
-        for index, record in enumerate(records):
-            tick = time.perf_counter()
-            if record[0] == "free" or record[0] == "fail":
-                self.step(record)
-            elif failure is not None:
-                self._poison(record, failure.op, failure.error)
-            else:
-                try:
-                    self._run_op(record) if record[0] == "op" else self.step(record)
-                except Exception as exc:
-                    failure = _Failure(name_of(record), index, exc)
-                    self._poison(record, failure.op, exc)
-            entry = self.timing.setdefault(name_of(record), [0.0, 0])
-            entry[0] += time.perf_counter() - tick
-            entry[1] += 1
-        return failure
+        if timing is not None and records:
+            _note_time(timing, records[-1], tick)
+        return self._reply(request, failure, start, eager, timing)
 
     def _answer(self, record: Record, out: Any) -> Any:
         """The batch's "eager" reply to its last record: a question's answer, or what an op made."""
@@ -264,10 +258,14 @@ class TensorExecutor:
             return self._describe(out, record[4])
         return None
 
-    def _reply(self, request: OpBatch, failure: _Failure | None, start: float) -> tuple[TensorReply, list[Any]]:
-        eager, self.eager = self.eager, None
-        timing, self.timing = self.timing, None
-        relaid, self.relaid = self.relaid, set()
+    def _reply(
+        self,
+        request: OpBatch,
+        failure: _Failure | None,
+        start: float,
+        eager: Any,
+        timing: dict[str, list[float]] | None,
+    ) -> tuple[TensorReply, list[Any]]:
         if self.device.type == "cuda" and request.get("sync"):
             torch.cuda.synchronize()
         if failure is not None:
@@ -288,8 +286,8 @@ class TensorExecutor:
         }
         if timing is not None:
             content["profile"] = timing
-        if relaid:
-            content["relaid"] = sorted(relaid)
+        if self.relaid:
+            content["relaid"] = sorted(self.relaid)
         fetch = {str(rid): self._resolve(Ref(rid)) for rid in request.get("fetch", [])}
         metas, buffers = serialize_namespace(fetch)
         content["fetch"] = metas
@@ -424,7 +422,7 @@ class TensorExecutor:
             if rid is not None:
                 want = expect[0] if expect is not None else None
                 if want is not None and not _laid_out(out, want):
-                    out = self._agree(name, out, want, (inputs, kwargs))
+                    out = self._conform(name, out, want, (inputs, kwargs))
                 store[rid] = out
         else:
             self._store_outputs(name, out, out_ids, expect, (inputs, kwargs))
@@ -432,13 +430,13 @@ class TensorExecutor:
             self._check_limits(f"remote op {name}")
         return out
 
-    def _agree(self, name: str, value: torch.Tensor, want: Expect, inputs: Any) -> torch.Tensor:
-        """_agree, noting an op whose output had to be copied into the expected layout (the reply
-        says so: the client keeps checking that signature)."""
-        agreed = _agree(name, value, want, inputs)
-        if agreed is not value:
-            self.relaid.add(name)
-        return agreed
+    def _conform(self, name: str, value: torch.Tensor, want: Expect, inputs: Any) -> torch.Tensor:
+        """An output as the client expects it (_agree), noting an op whose output was not exactly so
+        (copied, or accepted as equivalent): the reply names it, and the client keeps checking it."""
+        if _laid_out(value, want):
+            return value
+        self.relaid.add(name)
+        return _agree(name, value, want, inputs)
 
     def _store_outputs(self, name: str, out: Any, out_ids: Any, expect: Expects | None, inputs: Any) -> None:
         outputs = list(out) if isinstance(out, (tuple, list)) else [out]
@@ -448,7 +446,7 @@ class TensorExecutor:
                 continue
             want = expect[i] if expect is not None else None
             if want is not None and isinstance(value, torch.Tensor):
-                value = self._agree(name, value, want, inputs)
+                value = self._conform(name, value, want, inputs)
             elif isinstance(value, torch.Tensor) and value.layout != torch.strided:
                 raise NotImplementedError(
                     f"it made a {value.layout} tensor: sparse and other non-strided layouts are not "
@@ -465,7 +463,7 @@ class TensorExecutor:
             outs = run_call(name, args, kwargs, self.store)
         for i, (rid, value) in enumerate(zip(out_ids, outs, strict=True)):
             if rid is not None:
-                want = expect[i]
+                want = expect[i]  # (calls are checked at every use: no need to note them)
                 self.store[rid] = value if want is None else _agree(name, value, want, (args, kwargs))
         self._check_limits(f"remote call {name}")
 
