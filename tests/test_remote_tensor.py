@@ -557,6 +557,23 @@ def test_the_worker_checks_each_output_it_is_asked_to():
     assert reply["eager"]["outputs"][0]["shape"] == [5, 2]  # a profiled batch answers as any
 
 
+def test_a_sync_of_the_session_directory_is_a_change_of_code_as_a_cell_is(remote, tmp_path):
+    """Synced modules are re-imported on the server: what was recorded goes before, and every
+    signature is checked again after."""
+    client = genie_core.get_cluster_state().client
+    x = torch.zeros(2, 9, device=DEV)
+    stream = x._stream
+    (x * 3 + 0.25).cpu()
+    y = x * 3 + 0.25
+    assert _last_op(stream)[5] is None and stream.pending()
+    (tmp_path / "helpers.py").write_text("K = 1\n")
+    client.sync(tmp_path)
+    assert not stream.pending()  # sent before the sync
+    x * 3 + 0.25
+    assert _last_op(stream)[5] is not None
+    assert torch.equal(y.cpu(), torch.full((2, 9), 0.25))
+
+
 def test_a_failed_batch_verifies_nothing(remote):
     x = torch.arange(3.0, dtype=torch.float64).to(DEV)
     stream = x._stream

@@ -64,7 +64,7 @@ class Client:
         self._job_names: set[str] = set()
         self.code_sync: CodeSync | None = None  # the directory %genie_sync keeps in step
         self._job_count = 0
-        # told before each cell is sent (remote-tensor op streams: remote_tensor/stream.py code_sent)
+        # told before each cell or sync is sent (remote-tensor op streams: remote_tensor/stream.py code_sent)
         self.code_watchers: weakref.WeakSet[CodeWatcher] = weakref.WeakSet()
 
     # -- what it is connected to ------------------------------------------------------------
@@ -230,6 +230,7 @@ class Client:
         return None if self.code_sync is None else self.code_sync.run_if_changed(self._send_sync)
 
     def _send_sync(self, manifest: dict[str, str], names: list[str], data: list[bytes]) -> contents.SyncReply:
+        self._code_sent()  # (the server's modules may change from here, as with a cell)
         msg = Message(T.SYNC, contents.Sync(manifest=manifest, files=names), list(data))
         reply = self.request(msg).wait(self.options.timeout + sum(map(len, data)) / (10 << 20))
         return cast(contents.SyncReply, reply.content)

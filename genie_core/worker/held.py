@@ -46,8 +46,22 @@ class HeldTensors(dict[int, Any]):
                 self.bytes_held -= entry[0]
         return value
 
+    def storage_bytes(self) -> int:
+        """Bytes of the distinct storages held (counted as they come and go)."""
+        return self.bytes_held
+
 
 class UncountedTensors(dict[int, Any]):
     """id -> tensor, when no byte limit needs the count (it costs a storage lookup per tensor)."""
 
     bytes_held = 0
+
+    def storage_bytes(self) -> int:
+        """Bytes of the distinct storages held, counted now."""
+        storages = {}
+        for value in self.values():
+            if isinstance(value, torch.Tensor):
+                storage = value.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        storages.pop(0, None)
+        return sum(storages.values())

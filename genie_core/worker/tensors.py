@@ -137,18 +137,6 @@ class TensorExecutor:
     def bytes_held(self) -> int:
         return self.store.bytes_held
 
-    def _held_bytes(self) -> int:
-        """Bytes of the distinct storages the session's tensors hold."""
-        if isinstance(self.store, HeldTensors):
-            return self.store.bytes_held
-        storages = {}
-        for value in self.store.values():
-            if isinstance(value, torch.Tensor):
-                storage = value.untyped_storage()
-                storages[storage.data_ptr()] = storage.nbytes()
-        storages.pop(0, None)
-        return sum(storages.values())
-
     def _check_limits(self, made: str) -> None:
         """After an op stored its outputs: over a limit, the op fails (and its outputs are dropped)."""
         if len(self.store) > self.max_tensors:
@@ -242,21 +230,13 @@ class TensorExecutor:
             try:
                 out = self._run_op(record) if record[0] == "op" else self.step(record)
                 if eager_last and index == last:
-                    eager = self._answer(record, out)
+                    eager = _answer(record, out)
             except Exception as exc:
                 failure = _Failure(name_of(record), index, exc)
                 self._poison(record, failure.op, exc)
         if timing is not None and records:
             _note_time(timing, records[-1], tick)
         return self._reply(request, failure, start, eager, timing)
-
-    def _answer(self, record: Record, out: Any) -> Any:
-        """The batch's "eager" reply to its last record: a question's answer, or what an op made."""
-        if record[0] == "ask" or record[0] == "load" or record[0] == "read":
-            return {"value": out}
-        if record[0] == "op":
-            return self._describe(out, record[4])
-        return None
 
     def _reply(
         self,
@@ -372,7 +352,7 @@ class TensorExecutor:
             self.clocks[record[1]] = device_answers.clock(self.device)
         elif record[0] == "ask":
             _, question, args = record
-            return device_answers.answer(question, args, self.device, self._held_bytes, self.clocks)
+            return device_answers.answer(question, args, self.device, self.store.storage_bytes, self.clocks)
         elif record[0] == "load":  # a checkpoint on this machine's disk (torch.remote_accelerator.load)
             _, first_id, path = record
             leaves, spec = checkpoints.load(path, self.device)
@@ -467,19 +447,6 @@ class TensorExecutor:
                 self.store[rid] = value if want is None else _agree(name, value, want, (args, kwargs))
         self._check_limits(f"remote call {name}")
 
-    def _describe(self, out: Any, out_ids: Sequence[int | None]) -> Any:
-        """Shapes and plain values of an op run eagerly (its output shape depended on data)."""
-        outputs = list(out) if isinstance(out, (tuple, list)) else [out]
-        described = []
-        for rid, value in zip(out_ids, outputs, strict=False):  # out_ids may be a longer block of ids
-            if isinstance(value, torch.Tensor) and value.layout != torch.strided:
-                raise NotImplementedError(
-                    f"it made a {value.layout} tensor: sparse and other non-strided layouts are not "
-                    "supported on remote_accelerator"
-                )
-            described.append(_described(rid, value))
-        return {"outputs": described, "tuple": isinstance(out, (tuple, list))}
-
 
 def _described(rid: int | None, value: Any) -> dict[str, Any]:
     """A tensor as the client makes its remote tensor from it (its id and layout), or a plain value."""
@@ -492,3 +459,26 @@ def _described(rid: int | None, value: Any) -> dict[str, Any]:
         "offset": value.storage_offset(),
         "dtype": str(value.dtype).removeprefix("torch."),
     }
+
+
+def _answer(record: Record, out: Any) -> Any:
+    """The batch's "eager" reply to its last record: a question's answer, or what an op made."""
+    if record[0] == "ask" or record[0] == "load" or record[0] == "read":
+        return {"value": out}
+    if record[0] == "op":
+        return _describe(out, record[4])
+    return None
+
+
+def _describe(out: Any, out_ids: Sequence[int | None]) -> Any:
+    """Shapes and plain values of an op run eagerly (its output shape depended on data)."""
+    outputs = list(out) if isinstance(out, (tuple, list)) else [out]
+    described = []
+    for rid, value in zip(out_ids, outputs, strict=False):  # out_ids may be a longer block of ids
+        if isinstance(value, torch.Tensor) and value.layout != torch.strided:
+            raise NotImplementedError(
+                f"it made a {value.layout} tensor: sparse and other non-strided layouts are not "
+                "supported on remote_accelerator"
+            )
+        described.append(_described(rid, value))
+    return {"outputs": described, "tuple": isinstance(out, (tuple, list))}
