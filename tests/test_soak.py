@@ -16,7 +16,7 @@ def test_a_two_minute_soak_stays_flat_and_error_free():
     idle, rss = result["server_anon_mib_idle_before_after"], result["server_rss_mib_first_third_last_third"]
     figures = {k: v for k, v in result.items() if k.startswith(("server_", "left_", "pool_", "threads_"))}
     assert idle[1] - idle[0] < 10, figures
-    assert all(v <= 0 for v in left.values()), figures
+    assert all(v <= 0 for v in left.values()), (left, figures)
     assert result["shm_mib_left_after_clients_went"] <= 0, result
     assert all(n <= size for n, size in result["pool_threads_end_and_size"].values()), figures
     assert all(result["operations"].get(op, 0) > 0 for op in soak.OPS), result["operations"]

@@ -144,8 +144,12 @@ class OpStream:
         """A cell is about to go to the session (main thread): what was recorded before it goes
         first, so that it runs first (program order; while a graph is captured, what was recorded
         before the capture), and every signature is checked again after it. A failure to send
-        them is raised here, before the cell goes."""
-        self._submit(before_capture=True)
+        them is raised here, before the cell goes. Frees alone wait (a cell cannot see them)."""
+        with self._lock:
+            pending = self._records if self._uncaptured is None else self._uncaptured
+            only_frees = all(record[0] == "free" for record in pending)
+        if not only_frees:
+            self._submit(before_capture=True)
         self.new_generation()
 
     def made_empty_last(self, rid: int) -> bool:
