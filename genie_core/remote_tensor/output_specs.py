@@ -51,13 +51,17 @@ class OutputSpec:
         self.metas = out  # the outputs' metadata, as meta tensors (or plain values)
         self.aliases = aliases(func)  # output position -> the argument it writes (in-place, out=)
         self.expect: Expects = expectations(out)  # what the server must find in each output
-        self.plain = is_plain(out, func)  # fresh outputs only, no conjugate or negative views
+        outs = out if type(out) in (tuple, list) else (out,)
+        # fresh outputs only, no conjugate or negative views
+        self.plain = not self.aliases and not any(
+            isinstance(m, torch.Tensor) and (m.is_conj() or m.is_neg()) for m in outs
+        )
         self.made: Made | None = None  # one fresh tensor out: what makes it (the hot path)
         if isinstance(out, torch.Tensor) and self.plain:
             shape, stride, offset = tuple(out.shape), tuple(out.stride()), int(out.storage_offset())
             self.made = (shape, stride, offset, out.dtype, layout_of(out.dtype, shape, stride, offset))
         # the stream's generation in which the server made these outputs exactly as expected, for
-        # these inputs (OpStream.expect): uses in the same generation are not checked again; -1: none
+        # these inputs (OpStream.checks): uses in the same generation are not checked again; -1: none
         self.verified = -1
 
 
@@ -77,12 +81,6 @@ def aliases(func: Any) -> dict[int, Any]:
                     break
         _alias_cache[func] = found
     return found
-
-
-def is_plain(out: Any, func: Any) -> bool:
-    """Whether all outputs are fresh tensors (or plain values) without conjugate/negative bits."""
-    outs = out if type(out) in (tuple, list) else (out,)
-    return not aliases(func) and not any(isinstance(m, torch.Tensor) and (m.is_conj() or m.is_neg()) for m in outs)
 
 
 def expectations(out: Any) -> Expects:

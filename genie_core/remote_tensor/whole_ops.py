@@ -14,6 +14,7 @@ packed sequence's lengths and batch sizes) stay there.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -72,15 +73,7 @@ def _expected(op: Any, leaves: list[Any], spec: Any) -> list[Any]:
     return found
 
 
-_spec_texts: dict[Any, str] = {}
-
-
-def _spec_text(spec: Any) -> str:
-    """The arguments' structure, as the server rebuilds it from the flat arguments sent."""
-    text = _spec_texts.get(spec)
-    if text is None:
-        text = _spec_texts[spec] = treespec_dumps(spec)
-    return text
+_spec_text = functools.cache(treespec_dumps)  # the arguments' structure, as the server rebuilds it
 
 
 class _ServerOp(torch.autograd.Function):

@@ -4,6 +4,7 @@ backward (genie_core/remote_tensor/attention.py), an aten op run whole with its 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -50,14 +51,7 @@ def run_call(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], store: An
     raise ValueError(f"unknown server call {name!r}")
 
 
-_specs: dict[str, Any] = {}
-
-
-def _spec(text: str) -> Any:
-    found = _specs.get(text)
-    if found is None:
-        found = _specs[text] = treespec_loads(text)
-    return found
+_spec = functools.cache(treespec_loads)  # the arguments' structure, by its text (one per op signature)
 
 
 def _run_whole(args: tuple[Any, ...], kwargs: dict[str, Any], store: Any) -> list[Any]:

@@ -80,7 +80,7 @@ def _agree(name: str, value: torch.Tensor, want: Expect, inputs: Any) -> torch.T
             f"it made a {value.layout} tensor: sparse and other non-strided layouts are not "
             "supported on remote_accelerator"
         )
-    if value.dtype == dtype and value.shape == shape and value.stride() == stride and value.storage_offset() == offset:
+    if _laid_out(value, want):
         return value
     expected = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
     if offset:
@@ -244,7 +244,7 @@ class TensorExecutor:
         failure: _Failure | None,
         start: float,
         eager: Any,
-        timing: dict[str, list[float]] | None,
+        timing: Timing | None,
     ) -> tuple[TensorReply, list[Any]]:
         if self.device.type == "cuda" and request.get("sync"):
             torch.cuda.synchronize()
