@@ -22,6 +22,7 @@ ALL = [
     "remote_tensors",
     "bulk_transfer",
     "tensor_bytes",
+    "host_copies",
     "cell_roundtrip",
     "connect_time",
     "failure_detection",
@@ -46,6 +47,7 @@ QUICK_SECONDS = {
     "monitor_overhead": 5,
     "remote_tensors": 5,
     "tensor_bytes": 8,
+    "host_copies": 1,
     "message_signing": 5,
 }
 IPYPARALLEL_USERS = {"bulk_transfer", "cell_roundtrip", "connect_time"}

@@ -281,3 +281,48 @@ def _value(expression: str) -> int:
     client = genie_core.get_cluster_state().client
     _server(f"import torch\n_genie_value = int({expression})")
     return int(client.pull(["_genie_value"])["_genie_value"])
+
+
+@pytest.mark.parametrize("way", ["ring", "register", "pageable"])
+def test_host_copies_keep_every_byte_and_layout(way, monkeypatch):
+    """The worker's copies between host memory and the GPU (worker/host_copies.py), each way: several
+    staging chunks and a partial one, dtypes of 1, 2, 8 bytes, a permuted layout; a fetch of part of
+    a storage, of a conjugate view; ordered with the device's current stream both ways (an upload
+    read by a kernel at once; a download of what a long kernel is still writing)."""
+    from genie_core.worker import host_copies
+
+    monkeypatch.setenv("GENIE_HOST_COPIES", way)
+    dev = torch.device("cuda", 0)
+    n = 2 * host_copies.CHUNK + 12_345
+    cases = [
+        torch.randn(n // 4),
+        torch.randn(1500, 1100).t(),
+        torch.randint(0, 2, (n,), dtype=torch.bool),
+        torch.randn(n // 2, dtype=torch.bfloat16),
+        torch.randn(n // 8, dtype=torch.complex64),
+    ]
+    for host in cases:
+        on = host_copies.to_device(host, dev)
+        assert on.device == dev and on.stride() == host.stride() and on.dtype == host.dtype
+        assert torch.equal(on.cpu(), host), f"{host.dtype} {tuple(host.stride())} upload"
+        assert torch.equal(host_copies.to_host(on), host), f"{host.dtype} {tuple(host.stride())} fetch"
+    big = torch.randn(n // 4, device=dev)
+    part = big[1000 : 1000 + (3 << 20)]
+    assert torch.equal(host_copies.to_host(part), part.cpu())
+    z = torch.randn(n // 8, dtype=torch.complex64, device=dev).conj()
+    assert torch.equal(host_copies.to_host(z), z.cpu())
+    host = torch.randn(n // 4)
+    assert torch.equal((host_copies.to_device(host, dev) * 2).cpu(), host * 2)
+    a = torch.randn(4096, 4096, device=dev)
+    slow = a @ a @ a @ a  # still running when the download is asked for
+    assert torch.equal(host_copies.to_host(slow), slow.cpu())
+
+
+def test_big_tensors_both_ways_to_a_gpu_server(gpu_server):
+    """Bytes over the data plane into the GPU and back (worker/host_copies.py), an op between."""
+    x = torch.randn(40 << 18)  # 40 MiB
+    y = x.to(DEV) * 3
+    assert torch.equal(y.cpu(), x * 3)
+    assert torch.equal(y[5:].cpu(), (x * 3)[5:])  # a view that starts inside its storage
+    m = torch.randn(2048, 1500)
+    assert torch.equal(m.to(DEV).t().cpu(), m.t())  # a transposed one

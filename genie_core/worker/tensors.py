@@ -18,7 +18,7 @@ from ..protocol.contents import OpBatch, TensorReply
 from ..protocol.op_records import CallRecord, Expect, Expects, OpRecord, Record, name_of
 from ..protocol.tensor_ops import MemoryFormat, Ref, RemoteDevice, StorageOf
 from ..serialize import serialize_namespace
-from . import checkpoints, device_answers
+from . import checkpoints, device_answers, host_copies
 from .captured import CapturedGraph
 from .compiled import CompiledGraphs
 from .cpu_shims import CPU_SHIMS
@@ -268,7 +268,7 @@ class TensorExecutor:
             content["profile"] = timing
         if self.relaid:
             content["relaid"] = sorted(self.relaid)
-        fetch = {str(rid): self._resolve(Ref(rid)) for rid in request.get("fetch", [])}
+        fetch = {str(rid): _fetched(self._resolve(Ref(rid))) for rid in request.get("fetch", [])}
         metas, buffers = serialize_namespace(fetch)
         content["fetch"] = metas
         return content, buffers
@@ -314,7 +314,8 @@ class TensorExecutor:
             self._run_call(record)
         elif record[0] == "put":
             _, rid, host = record
-            self.store[rid] = cast(torch.Tensor, host).to(self.device)  # (a HostTensor unpickles as a tensor)
+            uploaded = cast(torch.Tensor, host)  # (a HostTensor unpickles as a tensor)
+            self.store[rid] = host_copies.to_device(uploaded, self.device)
             self._check_limits("a tensor sent from here")
         elif record[0] == "fail":  # outputs of an op that failed on the client during backward
             _, failed, op, message = record
@@ -459,6 +460,12 @@ def _described(rid: int | None, value: Any) -> dict[str, Any]:
         "offset": value.storage_offset(),
         "dtype": str(value.dtype).removeprefix("torch."),
     }
+
+
+def _fetched(value: Any) -> Any:
+    """What a fetch sends of a stored value: a GPU tensor's values copied to the host through pinned
+    memory (host_copies), anything else as it is."""
+    return host_copies.to_host(value) if isinstance(value, torch.Tensor) and value.is_cuda else value
 
 
 def _answer(record: Record, out: Any) -> Any:
