@@ -253,8 +253,14 @@ _began = time.time()
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """Each test's time (setup, call and teardown; with pytest-xdist, reported to the controller)."""
+    """Each test's time (setup, call and teardown; with pytest-xdist, reported to the controller);
+    with GENIE_FAILURE_LOG, each failure's traceback written there as it happens (pytest prints
+    them at the end: a run ended at a limit, as on a lent GPU machine, would lose them)."""
     _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+    failures = os.environ.get("GENIE_FAILURE_LOG")
+    if failures and report.failed:
+        with open(failures, "a") as fh:
+            fh.write(f"== {report.nodeid} ({report.when}, {report.duration:.1f} s)\n{report.longreprtext}\n\n")
 
 
 def _by_file() -> list[tuple[str, float]]:

@@ -679,6 +679,7 @@ def run(
         todo.put(n)
     results: list[dict[str, Any]] = []
     lock = threading.Lock()
+    progress = os.environ.get("GENIE_CONFORMANCE_PROGRESS")
 
     def slot(child: _Child | None) -> None:
         while True:
@@ -707,6 +708,9 @@ def run(
                 answer = {"op": name, "crash": why, "seconds": round(seconds, 3)}
             with lock:
                 results.append(answer)
+                if progress:  # each result as it comes: a run ended at a limit keeps what it did
+                    with open(progress, "a") as fh:
+                        fh.write(json.dumps(answer) + "\n")
         if child is not None:
             child.stop()
 

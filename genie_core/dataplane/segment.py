@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import queue
 import shutil
 import sys
 import threading
@@ -236,27 +235,6 @@ def pack_into(view: memoryview, buffers: list[Any], progress: Any = None, chunk:
                 progress(offset, total)
         sizes.append(m.nbytes)
     return sizes
-
-
-_released: queue.SimpleQueue[list[Any]] = queue.SimpleQueue()
-_releaser: threading.Thread | None = None
-
-
-def release_later(views: list[Any]) -> None:
-    """Empty `views` (views of adopted segments) on a thread of its own: the last view of a segment
-    unmaps it, and unmapping a GiB of shared memory whose name is gone frees its pages, a tenth of
-    a second that the caller's next message need not wait for."""
-    global _releaser
-    if _releaser is None:
-        _releaser = threading.Thread(target=_release, name="genie-release", daemon=True)
-        _releaser.start()
-    _released.put(views)
-
-
-def _release() -> None:
-    name_os_thread()
-    while True:
-        _released.get().clear()
 
 
 def split(view: memoryview, sizes: list[int]) -> list[memoryview]:

@@ -1,15 +1,18 @@
 """Copies between host memory and a CUDA GPU at the speed of pinned memory.
 
 Uploaded bytes arrive in a shared segment and fetched ones leave through one: pageable memory,
-which CUDA copies synchronously through small staging buffers of its own (an H200 measured 6.9 GiB/s
-host-to-device from pageable memory against 50 from pinned, and 1.3 GiB/s device-to-host). Three
-ways, chosen by GENIE_HOST_COPIES (benchmarks/host_copies.py compares them on a GPU):
+which CUDA copies synchronously through small staging buffers of its own. On an H100 machine
+(benchmarks/RESULTS.md, 1 GiB): pageable 9.2 GiB/s to the GPU and 1.5 back; this module's ring
+41 and 10.7 (48 and 11.2 with 64 MiB buffers); the segment page-locked for each copy 14.8 and 2.9.
+Three ways, chosen by GENIE_HOST_COPIES (benchmarks/host_copies.py compares them):
 - "ring" (the default): a ring of pinned staging buffers; one is filled (a host copy) while the
   copy engine moves another, on a copy stream of its own, so host copies and DMA overlap;
 - "register": the host memory page-locked where it lies (cudaHostRegister) for the copy, then
-  unlocked (one DMA, no host copy, but locking costs time per page);
+  unlocked (one DMA and no host copy, but locking costs 32 ms a GiB);
 - "pageable": PyTorch's own `.to()` and `.cpu()`.
-Tensors under RING_MIN bytes take PyTorch's own copy: one small copy is one call either way.
+Tensors under RING_MIN bytes take PyTorch's own copy: the ring loses below 1 MiB (1.3x pageable's
+time up, 2x down, at 256 KiB). CHUNK is 16 MiB: 86% of 64 MiB buffers' rate for a quarter of the
+page-locked memory (32 MiB a worker).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from typing import Any, cast
 import zmq
 
 from ..dataplane.base import DATA_THRESHOLD
-from ..dataplane.segment import Segment, pack_into, release_later, segment_spares, split
+from ..dataplane.segment import Segment, pack_into, segment_spares, split
 from ..errors import size_text
 from ..lifeline import die_with_parent, parent_gone
 from ..loop import SocketLoop
@@ -388,8 +388,6 @@ class Worker:
         self.send(T.TENSOR_REPLY, content, buffers)
         if staged is not None:
             self.spares.refill(sum(staged["sizes"]))
-        if ref:  # an upload's segment, copied to the GPU: unmapped off this thread (on a CPU
-            release_later(frames)  # server the store's tensors still hold it)
 
 
 def main(argv: list[str] | None = None) -> None:
