@@ -18,7 +18,9 @@ import opinfo_conformance as conformance
 from reliability import measured_doc
 
 
-def document(results: list[dict], seconds: float) -> str:
+def document(
+    results: list[dict], seconds: float, server: str = "CPU with one thread, as the reference", workers: int = 2
+) -> str:
     """The ModuleInfo part of docs/CONFORMANCE.md."""
     import platform
 
@@ -29,14 +31,18 @@ def document(results: list[dict], seconds: float) -> str:
         "## PyTorch ModuleInfo database",
         "",
         f"Measured by `tests/test_conformance_modules.py` ({len(results)} entries of `module_db`, torch "
-        f"{torch.__version__}, Python {platform.python_version()}, server device: CPU with one thread, as the "
-        f"reference; {seconds:.0f} s with 2 client processes). For each module, in training and in eval "
+        f"{torch.__version__}, Python {platform.python_version()}, server device: {server}; "
+        f"{seconds:.0f} s with {workers} client processes). For each module, in training and in eval "
         f"mode, its first {module_conformance.SAMPLES} float32 inputs (float64 where the CPU refuses every "
         "float32 one) with requires_grad=True: the module built on the CPU under a fixed seed, a deep copy "
         'moved with `.to("remote_accelerator")` (lazy modules before their first forward), the forward run '
         "on both under the same seed, then the gradients of the outputs with respect to the inputs and every "
         "parameter against CPU autograd. Modules that draw random numbers (dropout) are counted like the rest: "
-        "on a CPU server, seeded alike, they must give the CPU's values.",
+        + (
+            "on a CPU server, seeded alike, they must give the CPU's values."
+            if server.startswith("CPU")
+            else "on a GPU server, whose generator is another, their values cannot be the CPU's."
+        ),
         "",
         "| | modules tested | match | bit-exact | wrong | raise | crash | rate |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",

@@ -55,7 +55,11 @@ def test_opinfo_database_on_a_gpu_server(tmp_path):
         measured_doc("CONFORMANCE.md"),
         "opinfo-gpu",
         conformance.document(
-            results, seconds, torch.cuda.get_device_name(0), title="PyTorch OpInfo database on a GPU server"
+            results,
+            seconds,
+            torch.cuda.get_device_name(0),
+            title="PyTorch OpInfo database on a GPU server",
+            workers=WORKERS,
         ),
     )
     rates = conformance.rates(results)
@@ -100,7 +104,9 @@ def test_module_database_on_a_gpu_server(tmp_path):
         seconds = time.perf_counter() - start
     finally:
         srv.stop()
-    text = modules.document(results, seconds).replace("## PyTorch ModuleInfo database", "## ModuleInfo on a GPU server")
+    text = modules.document(results, seconds, torch.cuda.get_device_name(0), WORKERS).replace(
+        "## PyTorch ModuleInfo database", "## ModuleInfo on a GPU server"
+    )
     conformance.replace_section(measured_doc("CONFORMANCE.md"), "modules-gpu", text)
     failing = {
         (r["op"], mode): conformance.outcome(r, mode)
@@ -311,8 +317,12 @@ def test_host_copies_keep_every_byte_and_layout(way, monkeypatch):
     assert torch.equal(host_copies.to_host(part), part.cpu())
     z = torch.randn(n // 8, dtype=torch.complex64, device=dev).conj()
     assert torch.equal(host_copies.to_host(z), z.cpu())
+    assert torch.equal(host_copies.to_host(z.imag), z.imag.cpu())  # a view with the neg bit
     host = torch.randn(n // 4)
     assert torch.equal((host_copies.to_device(host, dev) * 2).cpu(), host * 2)
+    with torch.cuda.stream(torch.cuda.Stream()):  # another current stream: ordered with it too
+        twice = host_copies.to_device(host, dev) * 2
+        assert torch.equal(host_copies.to_host(twice), host * 2)
     a = torch.randn(4096, 4096, device=dev)
     slow = a @ a @ a @ a  # still running when the download is asked for
     assert torch.equal(host_copies.to_host(slow), slow.cpu())

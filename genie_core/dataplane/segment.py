@@ -11,7 +11,6 @@ import os
 import shutil
 import sys
 import threading
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -205,20 +204,18 @@ def sweep_dead() -> int:
     return removed
 
 
-THREADED_COPY_MIN = 1 << 20  # bytes: a copy this big goes through torch's threads (when loaded)
+THREADED_COPY_MIN = 1 << 20  # bytes: from here torch's copy wins, even on 2 cores (37 against 39 us)
 
 
 def copy_bytes(dst: memoryview, src: memoryview) -> None:
-    """dst[:] = src (bytes, same length): on torch's threads when torch is loaded already and the
-    copy is big. A memoryview copy is one thread: 8 GiB/s on a 16-core GPU machine, where torch's
-    copy_ moved 48 (benchmarks/host_copies.py)."""
+    """dst[:] = src (bytes, same length): on torch's threads when torch is loaded already, the copy
+    is big and the source writable (torch warns of a read-only one). A memoryview copy is one
+    thread: 8 GiB/s on a 16-core GPU machine, where torch's copy_ moved 48 (benchmarks/RESULTS.md)."""
     torch = sys.modules.get("torch")
-    if torch is None or len(src) < THREADED_COPY_MIN:
+    if torch is None or len(src) < THREADED_COPY_MIN or src.readonly:
         dst[:] = src
         return
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (a read-only source: torch warns that it could be written)
-        torch.frombuffer(dst, dtype=torch.uint8).copy_(torch.frombuffer(src, dtype=torch.uint8))
+    torch.frombuffer(dst, dtype=torch.uint8).copy_(torch.frombuffer(src, dtype=torch.uint8))
 
 
 def pack_into(view: memoryview, buffers: list[Any], progress: Any = None, chunk: int = 64 << 20) -> list[int]:

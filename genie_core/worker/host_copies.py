@@ -1,24 +1,23 @@
 """Copies between host memory and a CUDA GPU at the speed of pinned memory.
 
 Uploaded bytes arrive in a shared segment and fetched ones leave through one: pageable memory,
-which CUDA copies synchronously through small staging buffers of its own. On an H100 machine
-(benchmarks/RESULTS.md, 1 GiB): pageable 9.2 GiB/s to the GPU and 1.5 back; this module's ring
-41 and 10.7 (48 and 11.2 with 64 MiB buffers); the segment page-locked for each copy 14.8 and 2.9.
+which CUDA copies synchronously through small staging buffers of its own (on an H100 machine,
+9.2 GiB/s to the GPU and 1.5 back, where this module's ring moved 41 and 10.7: benchmarks/RESULTS.md).
 Three ways, chosen by GENIE_HOST_COPIES (benchmarks/host_copies.py compares them):
 - "ring" (the default): a ring of pinned staging buffers; one is filled (a host copy) while the
   copy engine moves another, on a copy stream of its own, so host copies and DMA overlap;
 - "register": the host memory page-locked where it lies (cudaHostRegister) for the copy, then
   unlocked (one DMA and no host copy, but locking costs 32 ms a GiB);
 - "pageable": PyTorch's own `.to()` and `.cpu()`.
-Tensors under RING_MIN bytes take PyTorch's own copy: the ring loses below 1 MiB (1.3x pageable's
-time up, 2x down, at 256 KiB). CHUNK is 16 MiB: 86% of 64 MiB buffers' rate for a quarter of the
-page-locked memory (32 MiB a worker).
+Tensors under RING_MIN bytes take PyTorch's own copy (the ring loses below 1 MiB); CHUNK is 16 MiB,
+86% of 64 MiB buffers' rate for a quarter of the page-locked memory (32 MiB a worker).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -29,6 +28,8 @@ WAYS = ("ring", "register", "pageable")
 
 
 def way() -> str:
+    """The way chosen for this process (GENIE_HOST_COPIES), read at each copy so a benchmark can
+    switch it; a name that is not a way is an error, never a silent default."""
     chosen = os.environ.get("GENIE_HOST_COPIES", "ring")
     if chosen not in WAYS:
         raise ValueError(f"GENIE_HOST_COPIES={chosen!r}: expected one of {', '.join(WAYS)}")
@@ -38,6 +39,12 @@ def way() -> str:
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """The bytes of a dense tensor's whole storage, as a flat uint8 tensor on its device (no copy)."""
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+def _span(t: torch.Tensor) -> torch.Tensor:
+    """The bytes a contiguous tensor covers (part of its storage, maybe), flat uint8 (no copy)."""
+    start = int(t.storage_offset()) * t.element_size()
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), start, (t.nbytes,), (1,))
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -67,16 +74,19 @@ class PinnedRing:
         """Host bytes `src` into device bytes `dst` (flat uint8, same size). Returns once `src` has
         been read; the device's current stream waits for the copies (nothing else does)."""
         stream, n, slots = self.stream, src.numel(), len(self.buffers)
-        stream.wait_stream(torch.cuda.current_stream(self.device))  # (dst was allocated there)
-        for i, start in enumerate(range(0, n, self.chunk)):
-            slot, size = i % slots, min(self.chunk, n - start)
-            self.slot_ready[slot].synchronize()
-            staged = self.buffers[slot][:size]
-            staged.copy_(src[start : start + size])
-            with torch.cuda.stream(stream):
-                dst[start : start + size].copy_(staged, non_blocking=True)
-                self.slot_ready[slot].record(stream)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        current = torch.cuda.current_stream(self.device)
+        stream.wait_stream(current)  # (dst was allocated there)
+        try:
+            for i, start in enumerate(range(0, n, self.chunk)):
+                slot, size = i % slots, min(self.chunk, n - start)
+                self.slot_ready[slot].synchronize()
+                staged = self.buffers[slot][:size]
+                staged.copy_(src[start : start + size])
+                with torch.cuda.stream(stream):
+                    dst[start : start + size].copy_(staged, non_blocking=True)
+                    self.slot_ready[slot].record(stream)
+        finally:  # (also when a copy fails: dst's memory is not reused while copies into it are queued)
+            current.wait_stream(stream)
 
     def download(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Device bytes `src` into host bytes `dst` (flat uint8, same size), done when it returns.
@@ -112,52 +122,73 @@ def _ring(device: torch.device) -> PinnedRing:
     return ring
 
 
-def _registered(host: torch.Tensor) -> Any:
-    """Page-lock `host`'s bytes where they lie, for one copy; returns what unlocks them."""
+@contextmanager
+def _locked(host: torch.Tensor) -> Iterator[None]:
+    """`host`'s bytes page-locked where they lie (cudaHostRegister) for one copy on the current
+    stream, which is waited for before they are unlocked."""
     cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # (untyped in torch)
     pointer, size = host.data_ptr(), host.numel()
     status = cudart.cudaHostRegister(pointer, size, 0)
     if int(status) != 0:
         raise RuntimeError(f"cudaHostRegister of {size} bytes failed: CUDA error {int(status)}")
-    return lambda: cudart.cudaHostUnregister(pointer)
+    try:
+        yield
+        torch.cuda.current_stream().synchronize()
+    finally:
+        cudart.cudaHostUnregister(pointer)
+
+
+def _copy(src: torch.Tensor, dst: torch.Tensor, device: torch.device, chosen: str) -> None:
+    """Bytes to bytes (flat uint8, one of them on `device`), the chosen way; done for the host when
+    it returns."""
+    host = dst if dst.device.type == "cpu" else src
+    if chosen == "ring":
+        if host is src:
+            _ring(device).upload(src, dst)
+        else:
+            _ring(device).download(src, dst)
+        return
+    with torch.cuda.device(device), _locked(host):
+        dst.copy_(src, non_blocking=True)
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A CPU tensor's copy on `device`, laid out the same (an upload: dense, at offset 0)."""
+    """A CPU tensor's copy on `device`, laid out the same (an upload: dense, at offset 0, its conj
+    and neg bits resolved and detached by HostTensor)."""
+    if device.type != "cuda" or host.nbytes < RING_MIN or not _dense(host):
+        return host.to(device)
     chosen = way()
-    if device.type != "cuda" or chosen == "pageable" or host.nbytes < RING_MIN or not _dense(host):
+    if chosen == "pageable":
         return host.to(device)
     out = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
-    src, dst = _bytes(host), _bytes(out)
-    if chosen == "ring":
-        _ring(device).upload(src, dst)
-        return out
-    unlock = _registered(src)
-    try:
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.current_stream(device).synchronize()
-    finally:
-        unlock()
+    _copy(_bytes(host), _bytes(out), device, chosen)
     return out
 
 
+def can_copy(t: torch.Tensor) -> bool:
+    """Whether to_host takes `t` (a plain strided tensor; a subclass, nested or sparse tensor keeps
+    its own `.cpu()`)."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and not t.is_nested
+
+
 def to_host(t: torch.Tensor) -> torch.Tensor:
-    """A device tensor's values in fresh host memory (contiguous): what a fetch sends."""
+    """A device tensor's values in fresh host memory: what a fetch sends. A contiguous view copies
+    only its own bytes, a dense permuted one its storage into the same layout; any other view is
+    made contiguous on the device first, as `.cpu()` does."""
+    if t.device.type != "cuda" or t.nbytes < RING_MIN:
+        return t.cpu()
     chosen = way()
-    if t.device.type != "cuda" or chosen == "pageable" or t.nbytes < RING_MIN:
+    if chosen == "pageable":
         return t.cpu()
     src = t.detach().resolve_conj().resolve_neg()
-    if not (_dense(src) and src.is_contiguous()):  # (a contiguous view of part of a storage too)
-        src = src.clone(memory_format=torch.contiguous_format)
-    out = torch.empty(src.shape, dtype=src.dtype)
-    dst = _bytes(out)
-    if chosen == "ring":
-        _ring(t.device).download(_bytes(src), dst)
+    if src.is_contiguous():
+        out = torch.empty(src.shape, dtype=src.dtype)
+        _copy(_span(src), _bytes(out), t.device, chosen)
+    elif _dense(src):
+        out = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype)
+        _copy(_bytes(src), _bytes(out), t.device, chosen)
     else:
-        unlock = _registered(dst)
-        try:
-            dst.copy_(_bytes(src), non_blocking=True)
-            torch.cuda.current_stream(t.device).synchronize()
-        finally:
-            unlock()
+        src = src.contiguous()
+        out = torch.empty(src.shape, dtype=src.dtype)
+        _copy(_bytes(src), _bytes(out), t.device, chosen)
     return out.requires_grad_(t.requires_grad)
