@@ -13,13 +13,14 @@ rates are measured."""
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from collections.abc import Callable
+from unittest import mock
 
 import torch
 
-from genie_core.dataplane.segment import Segment, segment_name
+from genie_core.dataplane.base import median_time
+from genie_core.dataplane.segment import Segment
 from genie_core.worker import host_copies
 
 GIB = 1024**3
@@ -28,13 +29,7 @@ GIB = 1024**3
 def _rate(nbytes: int, fn: Callable[[], object], rounds: int, sync: Callable[[], None]) -> float:
     fn()  # warm: first touches, the ring's buffers, registrations of the allocator
     sync()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return round(nbytes / statistics.median(times) / GIB, 2)
+    return round(nbytes / median_time(lambda: (fn(), sync()), rounds) / GIB, 2)
 
 
 def _guarded(out: dict, key: str, measure: Callable[[], object]) -> None:
@@ -74,15 +69,8 @@ def _gpu_rates(nbytes: int, rounds: int, segment: Segment) -> dict:
 
     def with_way(name: str, fn: Callable[[], object]) -> Callable[[], object]:
         def run() -> object:
-            previous = os.environ.get("GENIE_HOST_COPIES")
-            os.environ["GENIE_HOST_COPIES"] = name
-            try:
+            with mock.patch.dict(os.environ, {"GENIE_HOST_COPIES": name}):
                 return fn()
-            finally:
-                if previous is None:
-                    del os.environ["GENIE_HOST_COPIES"]
-                else:
-                    os.environ["GENIE_HOST_COPIES"] = previous
 
         return run
 
@@ -146,7 +134,7 @@ def _gpu_rates(nbytes: int, rounds: int, segment: Segment) -> dict:
 def run(quick: bool = False) -> dict:
     nbytes = (64 if quick else 1024) << 20
     rounds = 2 if quick else 5
-    segment = Segment(segment_name("genie-bench"), nbytes, create=True)
+    segment = Segment.create("genie-bench", nbytes)
     try:
         out: dict = {"name": "host_copies", "mib": nbytes >> 20, "rounds": rounds}
         out.update(_host_rates(nbytes, rounds, segment))

@@ -297,6 +297,11 @@ TIES = {
 }
 
 
+def _argument(sample: Any, name: str, place: int, default: Any) -> Any:
+    """A sample's argument after the input, given by name or at its place among the positional ones."""
+    return sample.kwargs.get(name, sample.args[place] if len(sample.args) > place else default)
+
+
 def _ties_as_expected(op: Any, sample: Any, actual: Any, expected: Any) -> Any:
     """The actual result with its positions output replaced by the expected one wherever both
     pick equal values from the input (a tie); a position that picks another value still differs."""
@@ -306,7 +311,7 @@ def _ties_as_expected(op: Any, sample: Any, actual: Any, expected: Any) -> Any:
     if found is None or not isinstance(sample.input, torch.Tensor):
         return actual
     which, place, default = found
-    dim = sample.kwargs.get("dim", sample.args[place] if len(sample.args) > place else default)
+    dim = _argument(sample, "dim", place, default)
     outs = list(actual) if isinstance(actual, (tuple, list)) else [actual]
     wanted = list(expected) if isinstance(expected, (tuple, list)) else [expected]
     if not isinstance(dim, int) or which >= min(len(outs), len(wanted)):
@@ -344,8 +349,7 @@ def _mode_ties(op: Any, sample: Any, actual: Any, expected: Any) -> Any:
 
     if op.name != "mode" or not isinstance(sample.input, torch.Tensor) or sample.input.dim() == 0:
         return actual
-    dim = sample.kwargs.get("dim", sample.args[0] if sample.args else -1)
-    keepdim = sample.kwargs.get("keepdim", sample.args[1] if len(sample.args) > 1 else False)
+    dim, keepdim = _argument(sample, "dim", 0, -1), _argument(sample, "keepdim", 1, False)
     (values, indices), (want_values, want_indices) = actual, expected
     x = sample.input
 

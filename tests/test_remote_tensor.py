@@ -604,6 +604,19 @@ def test_a_cell_runs_after_the_ops_recorded_before_it_and_resets_what_was_verifi
     assert _last_op(stream)[5] is not None  # checked again after the cell
 
 
+def test_a_cell_sends_no_frees_alone_ahead_of_it(remote):
+    """Tensors let go of before a cell are freed later: the cell cannot see them, and a batch of
+    frees alone ahead of each cell would be one more message per cell."""
+    client = genie_core.get_cluster_state().client
+    x = torch.ones(3, device=DEV)
+    x.cpu()
+    del x
+    gc.collect()
+    before = torch.remote_accelerator.stats()["0"]["messages"]
+    assert client.execute("pass").wait(30).content["status"] == "ok"
+    assert torch.remote_accelerator.stats()["0"]["messages"] == before
+
+
 def test_copies_between_sessions_are_refused(tmp_path):
     from conftest import start_server
 

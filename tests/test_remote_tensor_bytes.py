@@ -210,3 +210,47 @@ state = saved.state_dict()
     ids = torch.randint(0, 4096, (2, 12))
     with torch.no_grad():
         assert torch.equal(model(ids.to(DEV)).logits.cpu(), local(ids).logits)
+
+
+def test_the_workers_host_copies_leave_a_cpu_server_alone_and_refuse_an_unknown_way(monkeypatch):
+    """worker/host_copies.py on a CPU server: the copy PyTorch makes (GENIE_HOST_COPIES not even read),
+    a mistyped way refused in one line wherever it is read, and which layouts cover their storage
+    once (those the GPU ways copy byte for byte)."""
+    from genie_core.worker import host_copies
+
+    monkeypatch.setenv("GENIE_HOST_COPIES", "rng")
+    x = torch.randn(2 * MiB)
+    assert torch.equal(host_copies.to_device(x, torch.device("cpu")), x)
+    assert host_copies.to_host(x) is x
+    with pytest.raises(ValueError, match="GENIE_HOST_COPIES='rng': expected one of ring, register, pageable"):
+        host_copies.way()
+    base = torch.randn(4)
+    dense = [torch.randn(3, 4).t(), torch.randn(4, 1, 3), torch.randn(0), torch.tensor(1.0)]
+    not_dense = [torch.as_strided(base, (2, 2), (1, 1)), torch.randn(5)[1:], torch.randn(2, 3)[:, :2]]
+    assert all(map(host_copies._dense, dense)) and not any(map(host_copies._dense, not_dense))
+
+
+def test_packing_copies_every_byte_on_torchs_threads_or_not_and_warns_of_nothing():
+    """pack_into: big writable buffers through torch's copy, read-only ones (and small ones) by
+    memoryview, without a warning from torch about a buffer it could write."""
+    import warnings
+
+    import numpy as np
+
+    from genie_core.dataplane.segment import Segment, pack_into
+    from genie_core.protocol.tensor_ops import torch_bytes
+
+    big, read_only, small = torch.randn(MiB), bytes(range(256)) * 8192, np.arange(100, dtype=np.uint8)
+    segment = Segment.create("genie-test", 8 * MiB)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            sizes = pack_into(segment.view, [torch_bytes(big), read_only, small])
+        got = np.frombuffer(segment.view, dtype=np.uint8)
+        a, b = sizes[0], sizes[0] + sizes[1]
+        assert (got[:a] == torch_bytes(big)).all() and got[a:b].tobytes() == read_only
+        assert (got[b : b + sizes[2]] == small).all()
+        del got
+    finally:
+        segment.close()
+        segment.unlink()

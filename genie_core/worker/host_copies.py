@@ -37,12 +37,7 @@ def way() -> str:
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of a dense tensor's whole storage, as a flat uint8 tensor on its device (no copy)."""
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-
-
-def _span(t: torch.Tensor) -> torch.Tensor:
-    """The bytes a contiguous tensor covers (part of its storage, maybe), flat uint8 (no copy)."""
+    """The bytes a contiguous or dense tensor covers, as a flat uint8 tensor on its device (no copy)."""
     start = int(t.storage_offset()) * t.element_size()
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), start, (t.nbytes,), (1,))
 
@@ -92,24 +87,21 @@ class PinnedRing:
         """Device bytes `src` into host bytes `dst` (flat uint8, same size), done when it returns.
         The copy engine fills one buffer while the host empties another."""
         stream, n, slots = self.stream, src.numel(), len(self.buffers)
-        starts = list(range(0, n, self.chunk))
+        pieces = [(i % slots, start, min(self.chunk, n - start)) for i, start in enumerate(range(0, n, self.chunk))]
         stream.wait_stream(torch.cuda.current_stream(self.device))
 
-        def issue(i: int) -> None:
-            slot, start = i % slots, starts[i]
-            size = min(self.chunk, n - start)
+        def issue(slot: int, start: int, size: int) -> None:
             with torch.cuda.stream(stream):
                 self.buffers[slot][:size].copy_(src[start : start + size], non_blocking=True)
                 self.slot_ready[slot].record(stream)
 
-        for i in range(min(slots, len(starts))):
-            issue(i)
-        for i, start in enumerate(starts):
-            slot, size = i % slots, min(self.chunk, n - start)
+        for piece in pieces[:slots]:
+            issue(*piece)
+        for i, (slot, start, size) in enumerate(pieces):
             self.slot_ready[slot].synchronize()
             dst[start : start + size].copy_(self.buffers[slot][:size])
-            if i + slots < len(starts):
-                issue(i + slots)
+            if i + slots < len(pieces):
+                issue(*pieces[i + slots])
 
 
 _rings: dict[torch.device, PinnedRing] = {}
@@ -141,14 +133,14 @@ def _locked(host: torch.Tensor) -> Iterator[None]:
 def _copy(src: torch.Tensor, dst: torch.Tensor, device: torch.device, chosen: str) -> None:
     """Bytes to bytes (flat uint8, one of them on `device`), the chosen way; done for the host when
     it returns."""
-    host = dst if dst.device.type == "cpu" else src
+    uploading = src.device.type == "cpu"
     if chosen == "ring":
-        if host is src:
+        if uploading:
             _ring(device).upload(src, dst)
         else:
             _ring(device).download(src, dst)
         return
-    with torch.cuda.device(device), _locked(host):
+    with torch.cuda.device(device), _locked(src if uploading else dst):
         dst.copy_(src, non_blocking=True)
 
 
@@ -165,30 +157,20 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return out
 
 
-def can_copy(t: torch.Tensor) -> bool:
-    """Whether to_host takes `t` (a plain strided tensor; a subclass, nested or sparse tensor keeps
-    its own `.cpu()`)."""
-    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and not t.is_nested
-
-
 def to_host(t: torch.Tensor) -> torch.Tensor:
-    """A device tensor's values in fresh host memory: what a fetch sends. A contiguous view copies
-    only its own bytes, a dense permuted one its storage into the same layout; any other view is
-    made contiguous on the device first, as `.cpu()` does."""
-    if t.device.type != "cuda" or t.nbytes < RING_MIN:
+    """A tensor's values in host memory: what a fetch sends. From a GPU, a contiguous view copies
+    only its own bytes and a dense permuted one its storage into the same layout; any other view is
+    made contiguous on the device first, as `.cpu()` does. A subclass, nested or sparse tensor, and
+    anything small, keeps its own `.cpu()`."""
+    plain = type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and not t.is_nested
+    if t.device.type != "cuda" or not plain or t.nbytes < RING_MIN:
         return t.cpu()
     chosen = way()
     if chosen == "pageable":
         return t.cpu()
     src = t.detach().resolve_conj().resolve_neg()
-    if src.is_contiguous():
-        out = torch.empty(src.shape, dtype=src.dtype)
-        _copy(_span(src), _bytes(out), t.device, chosen)
-    elif _dense(src):
-        out = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype)
-        _copy(_bytes(src), _bytes(out), t.device, chosen)
-    else:
+    if not (src.is_contiguous() or _dense(src)):
         src = src.contiguous()
-        out = torch.empty(src.shape, dtype=src.dtype)
-        _copy(_bytes(src), _bytes(out), t.device, chosen)
+    out = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype)
+    _copy(_bytes(src), _bytes(out), t.device, chosen)
     return out.requires_grad_(t.requires_grad)

@@ -465,11 +465,7 @@ def _described(rid: int | None, value: Any) -> dict[str, Any]:
 def _fetched(value: Any) -> Any:
     """What a fetch sends of a stored value: a GPU tensor's values copied to the host through pinned
     memory (host_copies), anything else as it is."""
-    return (
-        host_copies.to_host(value)
-        if isinstance(value, torch.Tensor) and value.is_cuda and host_copies.can_copy(value)
-        else value
-    )
+    return host_copies.to_host(value) if isinstance(value, torch.Tensor) else value
 
 
 def _answer(record: Record, out: Any) -> Any:
