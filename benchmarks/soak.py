@@ -33,9 +33,28 @@ def _client(address: str, token: str, phases: tuple[float, float], seed: int, re
     it did and every failure go on `results`."""
     rng = random.Random(seed)
     warm_up, soak = phases
+    _every_data_plane(address, token)
     results.put((seed, *_operate(address, token, warm_up, rng)))
     go.wait()
     results.put((seed, *_operate(address, token, soak, rng)))
+
+
+def _every_data_plane(address: str, token: str) -> None:
+    """A push and pull of 1 MiB on each data plane (discovery picks any of them under load): what
+    each starts once in the server is then in the baseline (pyzmq's garbage collector, a thread and a
+    zmq context of its own, starts at the first big frame the server forwards inline)."""
+    import torch
+
+    import genie_core
+
+    t = torch.arange(1 << 20, dtype=torch.uint8)
+    for backend in ("zmq", "tcp", "shm"):
+        state = genie_core.init_sync(address, token=token, timeout=30, backend=backend)
+        try:
+            state.client.push({"t": t}, timeout=60)
+            assert torch.equal(state.client.pull(["t"], timeout=60)["t"], t)
+        finally:
+            genie_core.shutdown_sync()
 
 
 def _operate(address: str, token: str, seconds: float, rng: random.Random) -> tuple[dict[str, int], list[str]]:
@@ -160,6 +179,7 @@ def run(quick: bool = False, minutes: float | None = None) -> dict:
     shm_before = _shm_bytes(owners)
     ctx = multiprocessing.get_context("spawn")
     samples: list[tuple[float, dict[str, float]]] = []
+    procs: list[Any] = []
     try:
         # Warm-up: the soak's clients do everything once or more and close their sessions; what
         # the server keeps from then on (thread pools grown to their size under concurrent load,
