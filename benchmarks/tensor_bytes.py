@@ -3,7 +3,8 @@ a local clone of the same bytes (the same-host anchor), interleaved round by rou
 of GPT-2-small's weights (and, in a full run, GPT-2-XL-sized ones in bfloat16); a checkpoint loaded
 where it lies (`torch.remote_accelerator.load`) beside the worker's own load of it. On a GPU server
 also the worker's own `x.cuda()` from pageable and from pinned memory and `y.cpu()`, the anchors
-there.
+there. Uploads through shared memory are timed both ways of upload segments (`shm_lent_to_remote`
+or `shm_adopted_to_remote` beside the session's default: dataplane/lent.py), and `model.to` too.
 
 Targets: on one host, `.to()` and `.cpu()` at least 0.5x a local clone (CPU server); on a GPU
 server at least 1.0x the worker's own pageable `x.cuda()` / `y.cpu()`, and `model.to(remote)`
@@ -12,13 +13,18 @@ minute of building them on each side: the GPU check's budget)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
+from collections.abc import Iterator
+from unittest import mock
 
 import torch
 
 import genie_core
+from genie_core.remote_tensor.connection import stream_for
+from genie_core.remote_tensor.stream import lends_uploads
 
 from . import _servers
 
@@ -53,6 +59,13 @@ def _each_backend(address: str, token: str, nbytes: int, rounds: int, backends: 
                 y = x.to(DEV)
                 torch.remote_accelerator.synchronize()
                 times.setdefault(f"{backend}_to_remote", []).append(time.perf_counter() - start)
+                if backend == "shm":  # the other way of upload segments (lent on a GPU server, else adopted)
+                    with _other_upload_segments() as way:
+                        start = time.perf_counter()
+                        other = x.to(DEV)
+                        torch.remote_accelerator.synchronize()
+                        times.setdefault(f"shm_{way}_to_remote", []).append(time.perf_counter() - start)
+                        del other
                 start = time.perf_counter()
                 back = y.cpu()
                 times.setdefault(f"{backend}_cpu", []).append(time.perf_counter() - start)
@@ -61,6 +74,15 @@ def _each_backend(address: str, token: str, nbytes: int, rounds: int, backends: 
         finally:
             genie_core.shutdown_sync()
     return times
+
+
+@contextlib.contextmanager
+def _other_upload_segments() -> Iterator[str]:
+    """Uploads in the way of segments the session does not use by default (lent where the worker
+    copies to a GPU, else adopted; dataplane/lent.py), for a comparison in the same run."""
+    way = "adopted" if lends_uploads(stream_for(0).device_kind) else "lent"
+    with mock.patch.dict(os.environ, {"GENIE_UPLOAD_SEGMENTS": way}):
+        yield way
 
 
 def _crossover(address: str, token: str, backend: str, sizes: list[int], rounds: int) -> dict[int, dict[str, float]]:
@@ -207,6 +229,8 @@ def run(quick: bool = False) -> dict:
                 out[f"{backend}_vs_inline_{label}"] = (
                     f"to {t['data_plane_to'] / t['inline_to']:.2f}, cpu {t['data_plane_cpu'] / t['inline_cpu']:.2f}"
                 )
+        with _other_upload_segments() as way:
+            out[f"gpt2_small_model_to_remote_{way}_s"] = round(_model_to(small, torch.float32)[0], 3)
         remote, server, size = _model_to(small, torch.float32)
         out["gpt2_small_mib"] = size >> 20
         out["gpt2_small_model_to_remote_s"] = round(remote, 3)

@@ -13,7 +13,11 @@ import torch.nn as nn
 from conftest import session_on, start_server
 
 import genie_core
+from genie_core.dataplane.lent import LentMaps
+from genie_core.dataplane.segment import SHM_DIR, Segment
 from genie_core.errors import RemoteError
+from genie_core.protocol.contents import DataRef
+from genie_core.remote_tensor.stream import lends_uploads
 
 DEV = "remote_accelerator:0"
 MiB = 1 << 20
@@ -124,6 +128,73 @@ def test_models_and_checkpoints_move_by_the_data_plane(moved):
     twin.load_state_dict(loaded)
     assert torch.equal(twin(inp.to(DEV)).cpu(), local(inp))
     assert sum(moved["put"]) >= 2 * 4 * MiB and moved["get"]
+
+
+@pytest.fixture
+def lent(remote, monkeypatch):
+    """Uploads in lent segments, as a GPU server has them (a CPU server's worker then keeps copies)."""
+    monkeypatch.setenv("GENIE_UPLOAD_SEGMENTS", "lent")
+    return genie_core.get_cluster_state().client.transfers.channel.lent
+
+
+def test_a_lent_segment_is_filled_again_only_once_its_batch_is_answered(lent):
+    """Uploads sent while the worker is busy each take a segment of their own; once answered, the
+    next ones fill the same segments again, and no name is left in /dev/shm."""
+    client = genie_core.get_cluster_state().client
+    made = lent.made
+    x = torch.randn(MiB)  # 4 MiB
+    busy = client.execute("import time; time.sleep(1)")  # the worker runs nothing else meanwhile
+    queued = [(x + i).to(DEV) for i in range(3)]
+    assert lent.made - made == 3
+    for i, y in enumerate(queued):
+        assert torch.equal(y.cpu(), x + i), i
+    busy.wait(30)
+    for i in range(3, 6):
+        assert torch.equal((x + i).to(DEV).cpu(), x + i), i
+    assert lent.made - made == 3
+    names = [s.name for s in lent._free]
+    assert names and not [n for n in names if (SHM_DIR / n).exists()]
+    model = nn.Linear(1024, 1024)
+    remote = nn.Linear(1024, 1024).to(DEV)
+    remote.load_state_dict(model.state_dict())
+    inp = torch.randn(4, 1024)
+    assert torch.allclose(remote(inp.to(DEV)).cpu(), model(inp), atol=1e-5)
+
+
+def test_a_workers_lent_mapping_goes_when_a_batch_keeps_a_view_or_its_client_retires_it():
+    """The worker side of lent segments: mapped once (the name removed at once); a batch that left
+    a view of its buffers behind says so (the client retires the segment), one that did not keeps
+    the mapping for the next; a retired name is unmapped."""
+    kept_one, reused, retired = (Segment.create("genie-c", MiB) for _ in range(3))
+    maps = LentMaps()
+    try:
+        kept_one.view[:4] = b"abcd"
+        buffers, kept = maps.buffers(DataRef(segment=kept_one.name, sizes=[4, 100], lent=True))
+        assert bytes(buffers[0]) == b"abcd" and not (SHM_DIR / kept_one.name).exists()
+        held = torch.frombuffer(buffers[0], dtype=torch.uint8)
+        del buffers
+        assert kept() and kept_one.name not in maps._maps
+        assert bytes(held.numpy()) == b"abcd"  # (its memory goes with the view)
+        for n in range(2):
+            reused.view[:1] = bytes([n])
+            buffers, kept = maps.buffers(DataRef(segment=reused.name, sizes=[1], lent=True))
+            copied = torch.frombuffer(buffers[0], dtype=torch.uint8).clone()
+            del buffers
+            assert not kept() and copied.item() == n
+        maps.buffers(DataRef(segment=retired.name, sizes=[1], lent=True, retired=[reused.name]))
+        assert reused.name not in maps._maps and retired.name in maps._maps
+    finally:
+        maps.close()
+        for segment in (kept_one, reused, retired):
+            segment.close()
+            segment.unlink()
+
+
+def test_the_upload_segments_way_is_refused_when_mistyped(monkeypatch):
+    assert lends_uploads("cuda") and not lends_uploads("cpu")
+    monkeypatch.setenv("GENIE_UPLOAD_SEGMENTS", "lend")
+    with pytest.raises(ValueError, match="GENIE_UPLOAD_SEGMENTS='lend': expected one of lent, adopted"):
+        lends_uploads("cuda")
 
 
 def _server(code: str) -> None:

@@ -219,8 +219,9 @@ def test_a_memory_hog_ends_in_its_own_session_with_one_clear_line(shared):
     assert cell(bob, "print('fresh')").strip() == "fresh"  # bob's next cell gets a fresh worker
 
 
-def test_shared_memory_moves_through_the_private_dev_shm(shared):
-    """A push's segment is renamed into the worker's own /dev/shm, a pull's out of it: no copy."""
+def test_shared_memory_moves_through_the_private_dev_shm(shared, monkeypatch):
+    """A push's segment is renamed into the worker's own /dev/shm, a pull's out of it: no copy. A
+    lent upload segment (a GPU server's) goes in once and is filled again, its name gone."""
     srv, _alice, _bob = shared
     state = genie_core.init_sync(f"127.0.0.1:{srv.info.port}", token=srv.info.token, backend="shm", timeout=30)
     try:
@@ -231,6 +232,11 @@ def test_shared_memory_moves_through_the_private_dev_shm(shared):
         client.execute("y = x * 2").wait(30)
         back = client.pull(["x", "y"])
         assert torch.equal(back["x"], x) and torch.equal(back["y"], x * 2)
+        monkeypatch.setenv("GENIE_UPLOAD_SEGMENTS", "lent")
+        lent = client.transfers.channel.lent
+        for i in range(3):
+            assert torch.equal((x[:MiB] + i).to("remote_accelerator:0").cpu(), x[:MiB] + i)
+        assert lent.made == 1
         private = [p.name for p in Path("/dev/shm").glob(f"genie-sbx-{srv.proc.pid}-*/genie-*")]
         assert all(name.startswith("genie-w-") for name in private), private  # only the worker's spares
     finally:

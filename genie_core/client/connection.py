@@ -66,8 +66,16 @@ class Request:
         self.data: Any = None  # where its bytes went over the data plane, for its sender to free if it fails
         self._queue: queue.SimpleQueue[Message | Closed] = queue.SimpleQueue()
         self.done = False
+        # set as the terminal reply arrives (or the connection goes), before anyone waits: a data
+        # plane's lent segments (dataplane/lent.py) are free again once their request is answered
+        self.answer: Message | None = None
+        self.lost = False
 
     def put(self, item: Message | Closed) -> None:
+        if isinstance(item, Closed):
+            self.lost = True
+        elif item.type in TERMINAL:
+            self.answer = item
         self._queue.put(item)
 
     def next(self, timeout: float | None = None) -> Message | None:

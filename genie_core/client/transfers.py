@@ -109,22 +109,31 @@ class Transfers:
             raise error_from(answer)
         return answer
 
-    def request(self, kind: MessageType, content: Mapping[str, Any], head: list[Any], buffers: list[Any]) -> Any:
+    def request(
+        self, kind: MessageType, content: Mapping[str, Any], head: list[Any], buffers: list[Any], *, lend: bool = False
+    ) -> Any:
         """A request not waited for here (remote tensors' op batches): its `buffers`, after the `head`
         frames, go over the data plane when big, ahead of it, so that they are there when the worker
-        reads it. Returns the pending request."""
+        reads it. `lend`: the worker copies them out (a GPU worker), so their memory on the data plane
+        may be filled again once the request is answered (Channel.put_lent). Returns the pending request."""
         ref = None
         if self.goes_by_data_plane(sum(memoryview(b).nbytes for b in buffers)):
             with self._lock, self._data_errors(str(kind)):
-                ref = self.channel.put(buffers)
-                self.channel.after()  # (shared memory: the next segment of that size, faulted in meanwhile)
+                if lend:
+                    ref = self.channel.put_lent(buffers)
+                else:
+                    ref = self.channel.put(buffers)
+                    self.channel.after()  # (shared memory: the next segment of that size, faulted in meanwhile)
         if ref is None:
             return self.connection.request(Message(kind, content, [*head, *buffers]))
         try:
             request = self.connection.request(Message(kind, {**content, "data": ref}, head))
         except BaseException:
-            self.channel.discard(ref)  # nobody will adopt it
+            with self._lock:
+                self.channel.discard(ref)  # nobody will adopt it
             raise
+        with self._lock:
+            self.channel.lent_to(ref, request)
         request.data = ref
         return request
 
@@ -132,7 +141,8 @@ class Transfers:
         """A request sent with `request` failed (or its connection did): free what its bytes left
         on the data plane, if nobody adopted it."""
         if request.data is not None:
-            self.channel.discard(request.data)
+            with self._lock:
+                self.channel.discard(request.data)
             request.data = None
 
     def goes_by_data_plane(self, size: int) -> bool:

@@ -100,6 +100,14 @@ class Channel:
     def get(self, ref: DataRef, progress: Any = None) -> list[Any]:
         raise NotImplementedError
 
+    def put_lent(self, buffers: list[Any]) -> DataRef | None:
+        """As `put`, for bytes the receiver copies out and is done with once their request is
+        answered (a GPU worker's uploads): a channel may fill the same memory again then (`lent_to`)."""
+        return self.put(buffers)
+
+    def lent_to(self, ref: DataRef, request: Any) -> None:
+        """The request that carries `ref` (from `put_lent`): its answer gives the memory back."""
+
     def discard(self, ref: DataRef) -> None:
         """A put whose push failed or was refused: free what it left."""
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..protocol.contents import DataRef
 from .base import Backend, Candidate, Channel, Link, ServerSide, median_time, probe_size
+from .lent import LentSegments
 from .segment import SHM_DIR, Segment, pack_into, segment_name, segment_spares, shm_available, split, sweep_dead
 
 
@@ -22,6 +23,7 @@ class ShmChannel(Channel):
 
     def __init__(self) -> None:
         self.spares = segment_spares("genie-c")
+        self.lent = LentSegments()
         self._last = 0
 
     def put(self, buffers: list[Any], progress: Any = None) -> DataRef:
@@ -37,7 +39,27 @@ class ShmChannel(Channel):
             segment.close()
         return {"segment": segment.name, "sizes": sizes}
 
+    def put_lent(self, buffers: list[Any]) -> DataRef:
+        """Into a lent segment (lent.py), filled again once the worker is done with it; a one-off
+        segment, adopted, when every lent one is out and a new one would pass the limit."""
+        segment = self.lent.take(sum(memoryview(b).nbytes for b in buffers))
+        if segment is None:
+            return self.put(buffers)
+        try:
+            sizes = pack_into(segment.view, buffers)
+        except BaseException:
+            self.lent.forget(segment.name)
+            raise
+        return self.lent.ref(segment, sizes)
+
+    def lent_to(self, ref: DataRef, request: Any) -> None:
+        if ref.get("lent"):
+            self.lent.lend(ref["segment"], request)
+
     def discard(self, ref: DataRef) -> None:
+        if ref.get("lent"):
+            self.lent.forget(ref["segment"])  # (one already lent to a request goes by its answer)
+            return
         Segment.discard(ref["segment"])  # ours, and nobody adopted it
 
     def after(self) -> None:
@@ -48,6 +70,7 @@ class ShmChannel(Channel):
 
     def close(self) -> None:
         self.spares.close()
+        self.lent.close()
 
 
 class Shm(Backend):

@@ -25,6 +25,8 @@ class DataRef(TypedDict):
     segment: str
     sizes: list[int]  # of the buffers packed in it, in order
     keep: NotRequired[bool]  # a probe's: the server maps it and leaves it to its maker
+    lent: NotRequired[bool]  # the worker copies the bytes out; the client fills the segment again (dataplane/lent.py)
+    retired: NotRequired[list[str]]  # lent segments the client let go since its last lent one: unmap them
 
 
 class SyncState(TypedDict):
@@ -339,6 +341,7 @@ class TensorReply(Staged):
     # ops with an output the worker did not find exactly as the client promised (copied into that
     # layout, or taken as equivalent): their signatures stay checked at each use (OpStream.checks)
     relaid: NotRequired[list[str]]
+    kept: NotRequired[bool]  # the batch's lent segment is still viewed by the worker: the client lets it go
     values: NotRequired[dict[str, Any]]  # not sent: the fetched values, as remote_tensor.stream adds them
 
 

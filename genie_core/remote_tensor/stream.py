@@ -200,7 +200,10 @@ class OpStream:
         self.ops_sent += n
         content = contents.TensorOps(gpu=self.index, n=n, staged=self.transfers.channel.staged)
         raws = [b.raw() for b in oob]
-        return self.transfers.request(MessageType.TENSOR_OPS, content, [payload], raws)  # (big bytes: the data plane)
+        lend = lends_uploads(self.device_kind)
+        return self.transfers.request(
+            MessageType.TENSOR_OPS, content, [payload], raws, lend=lend
+        )  # (big: the data plane)
 
     def _submit(self, *, before_capture: bool = False) -> None:
         """Send what was recorded; the reply is read at the next flush. While a graph is captured,
@@ -304,6 +307,23 @@ def _versions_if_they_differ(server: dict[str, Any], mine: str) -> str:
     if not theirs or release(theirs) == release(mine):
         return ""
     return f" (this client runs torch {mine}, the server torch {theirs})"
+
+
+UPLOAD_SEGMENTS = ("lent", "adopted")
+
+
+def lends_uploads(device_kind: str) -> bool:
+    """Whether a batch's uploads go in lent segments (dataplane/lent.py), filled again once the
+    worker has copied them out, or in one-off segments the worker adopts as the tensors' memory:
+    lent where the server computes on a GPU (the worker copies every upload to it), adopted on a
+    CPU server (no copy). GENIE_UPLOAD_SEGMENTS=lent or adopted chooses (benchmarks, tests); a
+    name that is neither is an error, never a silent default."""
+    chosen = os.environ.get("GENIE_UPLOAD_SEGMENTS")
+    if chosen is None:
+        return device_kind == "cuda"
+    if chosen not in UPLOAD_SEGMENTS:
+        raise ValueError(f"GENIE_UPLOAD_SEGMENTS={chosen!r}: expected one of {', '.join(UPLOAD_SEGMENTS)}")
+    return chosen == "lent"
 
 
 def device_type_of(client: Any) -> str:

@@ -239,6 +239,8 @@ class SandboxedWorker:
             finally:
                 os.close(fd)
             os.rename(SHM_DIR / name, self.shm / name)
+        except FileNotFoundError:  # a lent segment the worker mapped before (dataplane/lent.py), or one
+            pass  # that is gone: the worker says so in the request's reply
         except OSError as exc:  # the worker then says it cannot find it, in the request's reply
             log.warning("could not hand segment %s to a sandboxed worker: %s", name, exc)
 

@@ -23,6 +23,7 @@ from typing import Any, cast
 import zmq
 
 from ..dataplane.base import DATA_THRESHOLD
+from ..dataplane.lent import LentMaps
 from ..dataplane.segment import Segment, pack_into, segment_spares, split
 from ..errors import size_text
 from ..lifeline import die_with_parent, parent_gone
@@ -74,6 +75,7 @@ class Worker:
         self.tensors: Any = None  # the remote-tensor store, made on first use
         self.staged: list[Segment] = []  # a pull's segment, until the client adopts it
         self.spares = segment_spares("genie-w")
+        self.lent = LentMaps()  # the client's lent upload segments, mapped once
         self.max_tensors = int(os.environ.get("GENIE_LIMIT_SESSION_TENSORS") or 1_000_000)
         self.max_bytes = (
             int(os.environ["GENIE_LIMIT_SESSION_BYTES"]) if os.environ.get("GENIE_LIMIT_SESSION_BYTES") else None
@@ -378,9 +380,17 @@ class Worker:
         ops = cast(contents.TensorOps, msg.content)
         frames = msg.buffers
         ref = ops.get("data")
-        if ref:  # uploads came by the data plane: their tensors are built on that memory, no copy
+        kept = None
+        if ref and ref.get("lent"):  # in a segment the client fills again: copied out (to the GPU)
+            lent, kept = self.lent.buffers(ref)
+            frames = [frames[0], *lent]
+            del lent
+        elif ref:  # uploads came by the data plane: their tensors are built on that memory, no copy
             frames = [frames[0], *split(Segment.adopt(ref["segment"]), [int(n) for n in ref["sizes"]])]
-        content, buffers = self.tensors.run(frames)
+        content, buffers = self.tensors.run(frames, lent=kept is not None)
+        del frames
+        if kept is not None and kept():
+            content["kept"] = True
         staged = self._stage(buffers) if ops.get("staged") else None
         if staged is not None:
             content["data"] = staged

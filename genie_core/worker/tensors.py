@@ -131,6 +131,7 @@ class TensorExecutor:
         self.graph_memory: dict[int, torch.Tensor] = {}  # what captured graphs made (captured.py)
         self.graph_of: dict[int, CapturedGraph] = {}  # the captured graph that makes an id
         self.relaid: set[str] = set()  # ops of the batch running whose output was not as the client promised
+        self.lent = False  # the batch's uploads are in memory the client fills again: keep copies only
         gc.freeze()  # what this worker imported lives as long as it does: keep it out of every collection
 
     @property
@@ -193,14 +194,17 @@ class TensorExecutor:
             return getattr(torch, value.name)
         return value
 
-    def run(self, frames: list[Any]) -> tuple[TensorReply, list[Any]]:
-        """frames: [pickled request, out-of-band buffers...]. Returns the reply content and buffers."""
+    def run(self, frames: list[Any], lent: bool = False) -> tuple[TensorReply, list[Any]]:
+        """frames: [pickled request, out-of-band buffers...]; `lent`: the buffers are memory the client
+        fills again once this batch is answered (dataplane/lent.py). Returns the reply content and buffers."""
         start = time.perf_counter()
         collecting = gc.isenabled()
         gc.disable()  # thousands of small objects per batch: no cycle collection pauses in the middle
+        self.lent = lent
         try:
             return self._run(frames, start)
         finally:
+            self.lent = False
             if collecting:
                 gc.enable()
 
@@ -315,7 +319,8 @@ class TensorExecutor:
         elif record[0] == "put":
             _, rid, host = record
             uploaded = cast(torch.Tensor, host)  # (a HostTensor unpickles as a tensor)
-            self.store[rid] = host_copies.to_device(uploaded, self.device)
+            stored = host_copies.to_device(uploaded, self.device)
+            self.store[rid] = stored.clone() if self.lent and stored is uploaded else stored  # (a CPU server's)
             self._check_limits("a tensor sent from here")
         elif record[0] == "fail":  # outputs of an op that failed on the client during backward
             _, failed, op, message = record
