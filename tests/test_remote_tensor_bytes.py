@@ -164,7 +164,8 @@ def test_a_lent_segment_is_filled_again_only_once_its_batch_is_answered(lent):
 def test_a_workers_lent_mapping_goes_when_a_batch_keeps_a_view_or_its_client_retires_it():
     """The worker side of lent segments: mapped once (the name removed at once); a batch that left
     a view of its buffers behind says so (the client retires the segment), one that did not keeps
-    the mapping for the next; a retired name is unmapped."""
+    the mapping for the next; a retired name is unmapped, and so is every one of a client that
+    another replaced."""
     kept_one, reused, retired = (Segment.create("genie-c", MiB) for _ in range(3))
     maps = LentMaps()
     try:
@@ -183,6 +184,9 @@ def test_a_workers_lent_mapping_goes_when_a_batch_keeps_a_view_or_its_client_ret
             assert not kept() and copied.item() == n
         maps.buffers(DataRef(segment=retired.name, sizes=[1], lent=True, retired=[reused.name]))
         assert reused.name not in maps._maps and retired.name in maps._maps
+        with pytest.raises(FileNotFoundError):  # another client (one that reattached) names its own
+            maps.buffers(DataRef(segment=kept_one.name, sizes=[1], lent=True, lender="another"))
+        assert not maps._maps  # the last client's mappings went with it
     finally:
         maps.close()
         for segment in (kept_one, reused, retired):

@@ -13,9 +13,11 @@ filled again; any other answer, or a lost connection, retires it (its name goes 
 reference's `retired`, for the worker to unmap). When every segment is out on loan and a new one
 would pass `limit`, `take` returns None and the caller makes a one-off segment, adopted as before.
 
-Worker side, `LentMaps`: the mappings by name. A batch's buffers are views of a fresh array over
-the mapping; if anything still holds one once the batch is done (an op kept a CPU argument, a
-fetch of an upload), the reply says `kept` and the worker lets that mapping go with its views.
+Worker side, `LentMaps`: the mappings by name, of one client (`lender`) at a time: a batch from
+another (a client that reattached to the session) lets the last one's go. A batch's buffers are
+views of a fresh array over the mapping; if anything still holds one once the batch is done (an
+op kept a CPU argument, a fetch of an upload), the reply says `kept` and the worker lets that
+mapping go with its views.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class LentSegments:
         self._lent: list[tuple[Segment, Any]] = []  # (segment, the request that carries its name)
         self._unsent: list[Segment] = []  # taken, not yet lent to a request
         self._retired: list[str] = []  # names to tell the worker it may unmap
+        self.lender = os.urandom(6).hex()  # this pool, as the worker knows it (a reattached client's is new)
         self.made = 0  # segments made (a benchmark and the tests read it)
 
     def take(self, size: int) -> Segment | None:
@@ -71,7 +74,7 @@ class LentSegments:
 
     def ref(self, segment: Segment, sizes: list[int]) -> DataRef:
         """The reference a batch carries for a filled segment (and the names retired since the last)."""
-        ref = DataRef(segment=segment.name, sizes=sizes, lent=True)
+        ref = DataRef(segment=segment.name, sizes=sizes, lent=True, lender=self.lender)
         if self._retired:
             ref["retired"], self._retired = self._retired, []
         return ref
@@ -132,6 +135,7 @@ class LentMaps:
 
     def __init__(self) -> None:
         self._maps: dict[str, Segment] = {}
+        self._lender = ""  # whose they are: a session has one client at a time
 
     def buffers(self, ref: DataRef) -> tuple[list[memoryview], Callable[[], bool]]:
         """The batch's buffers (views of a fresh array over the mapping, made on first use), and a
@@ -139,6 +143,10 @@ class LentMaps:
         them (then the mapping is let go here, and the reply must say `kept`)."""
         import numpy as np
 
+        lender = ref.get("lender", "")
+        if lender != self._lender:  # a client that reattached: the last one's are gone
+            self.close()
+            self._lender = lender
         for name in ref.get("retired") or ():
             self._let_go(str(name))
         name = str(ref["segment"])
