@@ -6,6 +6,7 @@ across hosts), both ways, in order with the op stream: uploads (`.to()`, `copy_`
 from __future__ import annotations
 
 import io
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from conftest import session_on, start_server
 import genie_core
 from genie_core.dataplane.lent import LentMaps
 from genie_core.dataplane.segment import SHM_DIR, Segment
+from genie_core.dataplane.shm import ShmChannel
 from genie_core.errors import RemoteError
 from genie_core.protocol.contents import DataRef
 from genie_core.remote_tensor.stream import lends_uploads
@@ -134,7 +136,7 @@ def test_models_and_checkpoints_move_by_the_data_plane(moved):
 def lent(remote, monkeypatch):
     """Uploads in lent segments, as a GPU server has them (a CPU server's worker then keeps copies)."""
     monkeypatch.setenv("GENIE_UPLOAD_SEGMENTS", "lent")
-    return genie_core.get_cluster_state().client.transfers.channel.lent
+    return genie_core.get_cluster_state().client.transfers.channel.lent_segments(0)
 
 
 def test_a_lent_segment_is_filled_again_only_once_its_batch_is_answered(lent):
@@ -159,6 +161,22 @@ def test_a_lent_segment_is_filled_again_only_once_its_batch_is_answered(lent):
     remote.load_state_dict(model.state_dict())
     inp = torch.randn(4, 1024)
     assert torch.allclose(remote(inp.to(DEV)).cpu(), model(inp), atol=1e-5)
+
+
+def test_each_worker_is_lent_segments_of_its_own():
+    """A server of several GPUs runs a worker for each, and each removes the names of the segments
+    it maps: a segment lent to one is never filled for another, even once answered."""
+    channel = ShmChannel()
+    answered = SimpleNamespace(answer={"status": "ok"}, lost=False)
+    try:
+        names = []
+        for worker in (0, 1, 0, 1):
+            ref = channel.put_lent([bytes(MiB)], worker)
+            channel.lent_to(ref, answered)
+            names.append((worker, ref["segment"]))
+        assert names[0][1] == names[2][1] and names[1][1] == names[3][1] and names[0][1] != names[1][1]
+    finally:
+        channel.close()
 
 
 def test_a_workers_lent_mapping_goes_when_a_batch_keeps_a_view_or_its_client_retires_it():

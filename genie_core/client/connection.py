@@ -68,14 +68,16 @@ class Request:
         self.done = False
         # set as the terminal reply arrives (or the connection goes), before anyone waits: a data
         # plane's lent segments (dataplane/lent.py) are free again once their request is answered
-        self.answer: Message | None = None
+        # well. Its status and `kept` only: the reply itself (its values) is its waiter's.
+        self.answer: dict[str, Any] | None = None
         self.lost = False
 
     def put(self, item: Message | Closed) -> None:
         if isinstance(item, Closed):
             self.lost = True
         elif item.type in TERMINAL:
-            self.answer = item
+            content = item.content or {}
+            self.answer = {"status": content.get("status"), "kept": content.get("kept")}
         self._queue.put(item)
 
     def next(self, timeout: float | None = None) -> Message | None:

@@ -110,30 +110,37 @@ class Transfers:
         return answer
 
     def request(
-        self, kind: MessageType, content: Mapping[str, Any], head: list[Any], buffers: list[Any], *, lend: bool = False
+        self,
+        kind: MessageType,
+        content: Mapping[str, Any],
+        head: list[Any],
+        buffers: list[Any],
+        *,
+        lent_to: int | None = None,
     ) -> Any:
         """A request not waited for here (remote tensors' op batches): its `buffers`, after the `head`
         frames, go over the data plane when big, ahead of it, so that they are there when the worker
-        reads it. `lend`: the worker copies them out (a GPU worker), so their memory on the data plane
+        reads it. `lent_to`: the worker (GPU index) copies them out, so their memory on the data plane
         may be filled again once the request is answered (Channel.put_lent). Returns the pending request."""
         ref = None
-        if self.goes_by_data_plane(sum(memoryview(b).nbytes for b in buffers)):
-            with self._lock, self._data_errors(str(kind)):
-                if lend:
-                    ref = self.channel.put_lent(buffers)
-                else:
-                    ref = self.channel.put(buffers)
-                    self.channel.after()  # (shared memory: the next segment of that size, faulted in meanwhile)
-        if ref is None:
-            return self.connection.request(Message(kind, content, [*head, *buffers]))
         try:
+            if self.goes_by_data_plane(sum(memoryview(b).nbytes for b in buffers)):
+                with self._lock, self._data_errors(str(kind)):
+                    if lent_to is not None:
+                        ref = self.channel.put_lent(buffers, lent_to)
+                    else:
+                        ref = self.channel.put(buffers)
+                        self.channel.after()  # (shared memory: the next segment of that size, faulted in meanwhile)
+            if ref is None:
+                return self.connection.request(Message(kind, content, [*head, *buffers]))
             request = self.connection.request(Message(kind, {**content, "data": ref}, head))
-        except BaseException:
             with self._lock:
-                self.channel.discard(ref)  # nobody will adopt it
+                self.channel.lent_to(ref, request)
+        except BaseException:
+            if ref is not None:
+                with self._lock:
+                    self.channel.discard(ref)  # nobody will adopt it (a lent one already lent goes by its answer)
             raise
-        with self._lock:
-            self.channel.lent_to(ref, request)
         request.data = ref
         return request
 

@@ -100,9 +100,9 @@ class Channel:
     def get(self, ref: DataRef, progress: Any = None) -> list[Any]:
         raise NotImplementedError
 
-    def put_lent(self, buffers: list[Any]) -> DataRef | None:
-        """As `put`, for bytes the receiver copies out and is done with once their request is
-        answered (a GPU worker's uploads): a channel may fill the same memory again then (`lent_to`)."""
+    def put_lent(self, buffers: list[Any], worker: int) -> DataRef | None:
+        """As `put`, for bytes that `worker` (a GPU index) copies out and is done with once their
+        request is answered: a channel may fill the same memory again then (`lent_to`)."""
         return self.put(buffers)
 
     def lent_to(self, ref: DataRef, request: Any) -> None:

@@ -63,11 +63,15 @@ class LentSegments:
             self._free.remove(segment)
         else:
             capacity = max(MIN_SIZE, 1 << (size - 1).bit_length())
+            out = sum(s.size for s in self._unsent) + sum(s.size for s, _ in self._lent)
+            if out + capacity > self.limit:
+                return None  # (no free one is retired for nothing)
             while self._free and self._held() + capacity > self.limit:
                 self._retire(self._free.pop(0))  # the oldest free one makes room
-            if self._held() + capacity > self.limit:
+            try:
+                segment = Segment.create("genie-c", capacity)
+            except OSError:  # /dev/shm is short of a power of two: a one-off segment of the size may fit
                 return None
-            segment = Segment.create("genie-c", capacity)
             self.made += 1
         self._unsent.append(segment)
         return segment
@@ -85,11 +89,13 @@ class LentSegments:
         if segment is not None:
             self._lent.append((segment, request))
 
-    def forget(self, name: str) -> None:
-        """A taken segment that was not sent (its filling or its request failed): retired, as the
-        worker may or may not have mapped it."""
-        segment = self._pop_unsent(name)
+    def forget(self, ref: DataRef) -> None:
+        """A taken segment whose request was not sent, or may not have been (its filling or sending
+        failed): retired, as the worker may or may not have mapped it; the names `ref` carried to
+        retire are carried by the next. (One not taken from here, or lent already, is left alone.)"""
+        segment = self._pop_unsent(ref["segment"])
         if segment is not None:
+            self._retired.extend(ref.get("retired") or ())
             self._retire(segment)
 
     def _pop_unsent(self, name: str) -> Segment | None:
@@ -102,14 +108,13 @@ class LentSegments:
     def _reclaim(self) -> None:
         still = []
         for segment, request in self._lent:
-            answer = getattr(request, "answer", None)
+            answer = request.answer  # (client/connection.py: Request)
             if answer is not None:
-                content = answer.content or {}
-                if content.get("status") == "ok" and not content.get("kept"):
+                if answer.get("status") == "ok" and not answer.get("kept"):
                     self._free.append(segment)
                 else:
                     self._retire(segment)
-            elif getattr(request, "lost", False):
+            elif request.lost:
                 self._retire(segment)
             else:
                 still.append((segment, request))

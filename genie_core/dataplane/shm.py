@@ -23,7 +23,7 @@ class ShmChannel(Channel):
 
     def __init__(self) -> None:
         self.spares = segment_spares("genie-c")
-        self.lent = LentSegments()
+        self._lent: dict[int, LentSegments] = {}  # by the worker (GPU index) that maps them
         self._last = 0
 
     def put(self, buffers: list[Any], progress: Any = None) -> DataRef:
@@ -39,26 +39,37 @@ class ShmChannel(Channel):
             segment.close()
         return {"segment": segment.name, "sizes": sizes}
 
-    def put_lent(self, buffers: list[Any]) -> DataRef:
-        """Into a lent segment (lent.py), filled again once the worker is done with it; a one-off
+    def lent_segments(self, worker: int) -> LentSegments:
+        """The segments lent to one worker (GPU index): each maps its own."""
+        pool = self._lent.get(worker)
+        if pool is None:
+            pool = self._lent[worker] = LentSegments()
+        return pool
+
+    def put_lent(self, buffers: list[Any], worker: int) -> DataRef:
+        """Into a segment lent to `worker` (lent.py), filled again once it is done with it; a one-off
         segment, adopted, when every lent one is out and a new one would pass the limit."""
-        segment = self.lent.take(sum(memoryview(b).nbytes for b in buffers))
+        pool = self.lent_segments(worker)
+        segment = pool.take(sum(memoryview(b).nbytes for b in buffers))
         if segment is None:
-            return self.put(buffers)
+            ref = self.put(buffers)
+            self.after()
+            return ref
         try:
             sizes = pack_into(segment.view, buffers)
         except BaseException:
-            self.lent.forget(segment.name)
+            pool.forget(DataRef(segment=segment.name, sizes=[]))
             raise
-        return self.lent.ref(segment, sizes)
+        return pool.ref(segment, sizes)
 
     def lent_to(self, ref: DataRef, request: Any) -> None:
-        if ref.get("lent"):
-            self.lent.lend(ref["segment"], request)
+        for pool in self._lent.values():
+            pool.lend(ref["segment"], request)
 
     def discard(self, ref: DataRef) -> None:
         if ref.get("lent"):
-            self.lent.forget(ref["segment"])  # (one already lent to a request goes by its answer)
+            for pool in self._lent.values():
+                pool.forget(ref)  # (one already lent to a request goes by its answer)
             return
         Segment.discard(ref["segment"])  # ours, and nobody adopted it
 
@@ -70,7 +81,8 @@ class ShmChannel(Channel):
 
     def close(self) -> None:
         self.spares.close()
-        self.lent.close()
+        for pool in self._lent.values():
+            pool.close()
 
 
 class Shm(Backend):

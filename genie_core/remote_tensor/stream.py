@@ -200,10 +200,8 @@ class OpStream:
         self.ops_sent += n
         content = contents.TensorOps(gpu=self.index, n=n, staged=self.transfers.channel.staged)
         raws = [b.raw() for b in oob]
-        lend = lends_uploads(self.device_kind)
-        return self.transfers.request(
-            MessageType.TENSOR_OPS, content, [payload], raws, lend=lend
-        )  # (big: the data plane)
+        lent_to = self.index if lends_uploads(self.device_kind) else None  # (big bytes go by the data plane)
+        return self.transfers.request(MessageType.TENSOR_OPS, content, [payload], raws, lent_to=lent_to)
 
     def _submit(self, *, before_capture: bool = False) -> None:
         """Send what was recorded; the reply is read at the next flush. While a graph is captured,
