@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..protocol.contents import DataRef
-from .base import Backend, Candidate, Channel, Link, ServerSide, median_time, probe_size
+from .base import Backend, Candidate, Channel, Link, ServerSide, best_time, median_time, probe_size
 from .lent import LentSegments
 from .segment import SHM_DIR, Segment, pack_into, segment_name, segment_spares, shm_available, split, sweep_dead
 
@@ -134,7 +134,7 @@ class Shm(Backend):
                 segment.view[:size] = payload
                 link.data_probe({"segment": segment.name, "sizes": [size], "keep": True}, b"")
 
-            took = median_time(one_push, 3)
+            took = best_time(one_push, 3)
         finally:
             segment.close()
             segment.unlink()
