@@ -3,8 +3,9 @@ upload to the device), reused from one op batch to the next.
 
 A segment made for each upload costs both sides fresh pages: the client faults in memory it fills
 once, and the worker faults in its mapping as it reads (on an H100 machine, 0.55 s a GiB to make
-and touch a segment, and a worker's copy of fresh shared pages 5 to 20 times slower than of warm
-ones: benchmarks/RESULTS.md). A lent segment is made once, mapped once on each side, and filled
+and touch a segment; the worker's copy of an upload to the GPU took 0.12 to 0.51 s a GiB where the
+same copy from warm memory took 0.025, the faults the likely cause: benchmarks/RESULTS.md). A
+lent segment is made once, mapped once on each side, and filled
 again once the batch that named it is answered; its name goes at the worker's first mapping (as an
 adopted segment's does), so nothing is left in /dev/shm whichever side dies.
 
@@ -31,7 +32,7 @@ from ..protocol.contents import DataRef
 from .segment import SHM_DIR, Segment
 
 MIN_SIZE = 1 << 20  # a lent segment's smallest size; sizes are powers of two from here
-LIMIT = 2 << 30  # bytes a client keeps lent or ready, at most a quarter of /dev/shm
+LIMIT = 2 << 30  # bytes a client keeps lent or ready for one worker, at most a quarter of /dev/shm
 
 
 def default_limit() -> int:
