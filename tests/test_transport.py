@@ -191,6 +191,30 @@ def test_segments_whose_creator_is_gone_are_swept_and_live_ones_kept():
         live.unlink()
 
 
+def test_closing_spares_waits_for_a_refill_under_way_to_remove_its_segment():
+    """A spare made on a background thread when a process closes its channel and exits: close
+    waits for it, or the exit would leave its segment in /dev/shm for good."""
+    from genie_core.dataplane.segment import SHM_DIR, Segment, Spares
+
+    made: list[str] = []
+
+    def slow_make(size: int) -> Segment:
+        segment = Segment.create("genie-c", size)
+        made.append(segment.name)
+        time.sleep(0.3)  # (faulting in a big spare takes as long)
+        return segment
+
+    def release(segment: Segment) -> None:
+        segment.close()
+        segment.unlink()
+
+    spares = Spares(slow_make, release, lambda segment: segment.view)
+    spares.refill(1 << 20)
+    time.sleep(0.1)
+    spares.close()
+    assert made and not (SHM_DIR / made[0]).exists()
+
+
 # -- detection against fixture trees (the fake sits at the hardware edge only) ---------------
 
 

@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,7 @@ class Spares:
         self._spare: Any = None
         self._size = -1
         self._closed = False
+        self._refills: list[threading.Thread] = []  # under way: close waits for them
 
     def take(self, size: int, refill: bool = True) -> Any:
         """A buffer of `size` bytes; with `refill=False`, call `refill(size)` once the transfer is
@@ -139,7 +141,10 @@ class Spares:
 
     def refill(self, size: int) -> None:
         if 0 < size <= self._cap and not self._closed:
-            threading.Thread(target=self._refill, args=(size,), daemon=True, name="genie-spare").start()
+            thread = threading.Thread(target=self._refill, args=(size,), daemon=True, name="genie-spare")
+            with self._lock:
+                self._refills = [t for t in self._refills if t.is_alive()] + [thread]
+            thread.start()
 
     def _refill(self, size: int) -> None:
         name_os_thread()
@@ -153,12 +158,20 @@ class Spares:
         if old is not None:
             self._release(old)
 
-    def close(self) -> None:
+    def close(self, wait: float = 10.0) -> None:
+        """Release the spare, and wait (up to `wait` seconds) for refills under way to release
+        theirs: a process that exits meanwhile would kill them between making a segment and
+        removing it."""
         with self._lock:
             self._closed = True
             spare, self._spare = self._spare, None
+            refills, self._refills = self._refills, []
         if spare is not None:
             self._release(spare)
+        deadline = time.monotonic() + wait
+        for thread in refills:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def segment_spares(prefix: str) -> Spares:

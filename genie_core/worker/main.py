@@ -17,7 +17,7 @@ import sys
 import threading
 import traceback
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 
 import zmq
@@ -378,15 +378,7 @@ class Worker:
 
             self.tensors = TensorExecutor(self.max_tensors, self.max_bytes)
         ops = cast(contents.TensorOps, msg.content)
-        frames = msg.buffers
-        ref = ops.get("data")
-        kept = None
-        if ref and ref.get("lent"):  # in a segment the client fills again: copied out (to the GPU)
-            lent, kept = self.lent.buffers(ref)
-            frames = [frames[0], *lent]
-            del lent
-        elif ref:  # uploads came by the data plane: their tensors are built on that memory, no copy
-            frames = [frames[0], *split(Segment.adopt(ref["segment"]), [int(n) for n in ref["sizes"]])]
+        frames, kept = _uploaded(msg.buffers, ops.get("data"), self.lent)
         content, buffers = self.tensors.run(frames, lent=kept is not None)
         del frames
         if kept is not None and kept():
@@ -398,6 +390,21 @@ class Worker:
         self.send(T.TENSOR_REPLY, content, buffers)
         if staged is not None:
             self.spares.refill(sum(staged["sizes"]))
+
+
+def _uploaded(
+    frames: list[Any], ref: contents.DataRef | None, lent: LentMaps
+) -> tuple[list[Any], Callable[[], bool] | None]:
+    """A tensor batch's frames: its records, then the buffers of its uploads, from the data plane
+    when they came by it. In a lent segment (copied out, the client fills it again) they come with
+    the test of whether the batch kept a view of them (LentMaps.buffers); in an adopted one they
+    become the tensors' own memory, no copy."""
+    if ref and ref.get("lent"):
+        buffers, kept = lent.buffers(ref)
+        return [frames[0], *buffers], kept
+    if ref:
+        return [frames[0], *split(Segment.adopt(ref["segment"]), [int(n) for n in ref["sizes"]])], None
+    return frames, None
 
 
 def main(argv: list[str] | None = None) -> None:
