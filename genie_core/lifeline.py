@@ -3,6 +3,8 @@
 
 The server gives one to every worker (so no worker, and none of its children, outlives its
 server and keeps holding GPU memory), and an embedded server gets one from its notebook kernel.
+A process forked from the parent (user code's `os.fork`, multiprocessing's fork) does not keep
+the write end: the child's life stays tied to the parent's alone.
 """
 
 from __future__ import annotations
@@ -10,20 +12,44 @@ from __future__ import annotations
 import fcntl
 import os
 import select
+import weakref
+
+_held: weakref.WeakSet[Lifeline] = weakref.WeakSet()  # this process's write ends, for a forked child to drop
 
 
 class Lifeline:
-    """The parent's side: hand `fd` to children (`pass_fds`), keep the write end while alive."""
+    """The parent's side: hand `fd` to a child (`pass_fds`), keep the write end while alive.
+
+    One child per lifeline: SIGIO goes to one owner per pipe (the last to claim it with
+    F_SETOWN), so children sharing a pipe would leave all but one to their slower checks.
+    """
 
     def __init__(self) -> None:
         self.fd, self._write_end = os.pipe()  # both non-inheritable: only pass_fds hands `fd` on
+        _held.add(self)
+
+    def handed_on(self) -> None:
+        """The child holds the read end now: ours goes (the write end stays until `close`)."""
+        self._close("fd")
 
     def close(self) -> None:
-        for fd in (self.fd, self._write_end):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        """The child learns at once that we are gone."""
+        self._close("fd")
+        self._close("_write_end")
+
+    def _close(self, name: str) -> None:
+        fd = getattr(self, name)
+        if fd >= 0:
+            setattr(self, name, -1)  # never close a number the process has since reused
+            os.close(fd)
+
+
+def _forked() -> None:
+    for lifeline in list(_held):
+        lifeline.close()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def parent_gone(fd: int) -> bool:
@@ -42,9 +68,10 @@ def die_with_parent(fd: int) -> None:
     in a long C call, and it takes the user's own child processes along (those that did not
     start a session of their own).
     """
-    if os.getpgrp() == 0:  # a sandboxed worker: its group lies outside its PID namespace, and
-        return  # bubblewrap ends it with the server (--die-with-parent); owning the shared pipe as 0 would
-    fcntl.fcntl(fd, fcntl.F_SETOWN, -os.getpgrp())  # take SIGIO from every other worker
+    group = os.getpgrp()
+    # A sandboxed worker's group lies outside its PID namespace (0 here): it takes the signal
+    # alone, and its namespace (its cells' processes) ends with it.
+    fcntl.fcntl(fd, fcntl.F_SETOWN, -group if group else os.getpid())
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_ASYNC | os.O_NONBLOCK)
     if parent_gone(fd):  # it ended before we were listening

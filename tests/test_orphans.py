@@ -20,6 +20,8 @@ HOLD = (
     "child = subprocess.Popen(['sleep', '600'])\n"
     "print(os.getpid(), child.pid)"
 )
+# One C call that never lets go of the GIL (no thread of the worker's own can run meanwhile)
+HOLD_THE_GIL = "import time\nprint('holding', flush=True)\ntime.sleep(0.5)\nsum(range(1 << 62))"
 
 
 def _gone(pid: int) -> bool:
@@ -36,6 +38,8 @@ def _workers_of(server_pid: int) -> list[int]:
 
 @pytest.mark.repeat(STRESS)
 def test_a_sigkilled_server_leaves_no_worker_behind(tmp_path):
+    """Each worker has a lifeline of its own: the session's worker (started before the spare)
+    ends at once even while it holds the GIL, so that no check of its own could run."""
     srv = start_server(tmp_path)
     client = srv.client()
     try:
@@ -43,6 +47,9 @@ def test_a_sigkilled_server_leaves_no_worker_behind(tmp_path):
         assert psutil.Process(worker).memory_info().rss > 256 << 20
         workers = _workers_of(srv.proc.pid)  # the session's worker and the warm spare
         assert worker in workers and len(workers) >= 2
+        holding = client.execute(HOLD_THE_GIL)
+        assert any(m.type == "stream" for m in holding.replies(10))  # (stops at the first message)
+        time.sleep(1.0)  # its output is out (its output thread cannot run once the GIL is held)
         srv.proc.kill()
         killed = time.monotonic()
         assert wait_until(lambda: all(_gone(p) for p in [*workers, child]), timeout=2.0), [
@@ -109,7 +116,11 @@ def test_the_start_up_sweep_ends_workers_whose_server_is_gone(tmp_path):
 
 @pytest.mark.repeat(STRESS)
 def test_a_sigkilled_kernel_takes_its_embedded_server_and_workers_along(tmp_path):
+    """The kernel alone SIGKILLed, as the OOM killer does, after it forked a process that
+    outlives it (user code's os.fork, multiprocessing's): that copy of the kernel does not keep
+    the server's lifeline open."""
     km, kc = start_new_kernel(kernel_name="python3")
+    forked = None
     try:
         from test_kernel import execute, stdout
 
@@ -121,7 +132,13 @@ def test_a_sigkilled_kernel_takes_its_embedded_server_and_workers_along(tmp_path
         server = psutil.Process(worker).parent()
         assert "genie_core" in " ".join(server.cmdline())
         everyone = [server.pid, *_workers_of(server.pid), child]
-        km.signal_kernel(signal.SIGKILL)
+        reply, msgs = execute(
+            kc, "import os, time\nforked = os.fork()\nif not forked: time.sleep(60); os._exit(0)\nprint(forked)"
+        )
+        forked = int(stdout(msgs))
+        kernel = server.parent()
+        assert forked in [p.pid for p in kernel.children()]
+        os.kill(kernel.pid, signal.SIGKILL)  # not its process group, which the fork is in
         killed = time.monotonic()
         assert wait_until(lambda: all(_gone(p) for p in everyone), timeout=2.0), [p for p in everyone if not _gone(p)]
         took = time.monotonic() - killed
@@ -133,6 +150,8 @@ def test_a_sigkilled_kernel_takes_its_embedded_server_and_workers_along(tmp_path
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+        if forked:
+            os.kill(forked, signal.SIGKILL)
 
 
 def test_a_sandboxed_worker_whose_wrapper_outlived_its_server_still_ends(tmp_path):
@@ -181,3 +200,52 @@ def test_a_lifeline_says_gone_only_when_its_parent_end_closed():
     assert parent_gone(lifeline.fd)
     os.close(lifeline.fd)
     assert not parent_gone(lifeline.fd)  # not open here (a sandbox without it): says nothing
+
+
+def test_workers_end_first_when_a_gpu_reading_hangs_at_stop(tmp_path):
+    """A server stopping while its monitor is stuck in a GPU reading (a hung NVML call, a
+    loaded host): its workers, which hold the GPUs' memory, end first and at once, the stop is
+    not held up past the monitor's bound, and the GPU source is not closed under the call."""
+    import threading
+
+    from genie_core.client import Client
+    from genie_core.config import ClusterConfig
+    from genie_core.monitoring import StaticGPUSource
+    from genie_core.server import Server
+
+    entered, release = threading.Event(), threading.Event()
+    hang = {"on": False}
+
+    def readings():
+        if hang["on"]:
+            entered.set()
+            release.wait(30)
+        return []
+
+    class Source(StaticGPUSource):  # a labelled fake at the hardware edge
+        closed_under_a_read = False
+
+        def close(self) -> None:
+            Source.closed_under_a_read = entered.is_set() and not release.is_set()
+
+    config = ClusterConfig.resolve(
+        node_role="server", master_port=0, token="t", gpu_poll_interval=0.1, state_dir=str(tmp_path)
+    )
+    server = Server(config, gpu_source=Source(readings), spare_workers=0).start().start_in_thread()
+    client = Client("127.0.0.1", server.port, "t", timeout=10).connect()
+    try:
+        worker = int(stdout_of(run(client, "import os\nprint(os.getpid())")))
+        hang["on"] = True
+        assert entered.wait(5)
+        stopping = threading.Thread(target=server.stop)
+        asked = time.monotonic()
+        stopping.start()
+        assert wait_until(lambda: _gone(worker), timeout=0.8), "the worker outlived the GPU reading"
+        stopping.join(10)
+        stopped = time.monotonic() - asked
+        assert stopped < 3.0, f"the stop took {stopped:.1f} s"
+        assert not Source.closed_under_a_read
+    finally:
+        release.set()
+        client.close(notify=False)
+        server.stop()

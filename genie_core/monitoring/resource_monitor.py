@@ -291,11 +291,17 @@ class ResourceMonitor:
             next_due += self.interval
             self._stop.wait(max(0.0, next_due - time.monotonic()))
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 5.0) -> bool:
+        """Stop polling. A poll under way (a slow NVML or /proc read on a loaded machine) is
+        waited for up to `timeout` s; True if it ended, and only then is the GPU source closed
+        (never under a call in flight). A process that is ending leaves the rest to its end."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(5)
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                return False
         self.gpu_source.close()
+        return True
 
     def history(self, key: str) -> list[tuple[float, float]]:
         with self._lock:

@@ -28,7 +28,7 @@ from ..dataplane import ServerSide
 from ..dataplane.stream import DataHost
 from ..errors import ConfigError
 from ..gpus import list_gpus
-from ..lifeline import Lifeline, parent_gone
+from ..lifeline import parent_gone
 from ..loop import SocketLoop
 from ..monitoring import GPUSource
 from ..nodes import GPUInfo
@@ -93,12 +93,10 @@ class Server:
         self._loop = SocketLoop("server")
         self._thread: threading.Thread | None = None
         self._seq = 0
-        self._lifeline = Lifeline()  # every worker holds its read end
         self.sandbox_report = ""  # which protections the sandbox gives here (config.sandbox)
         self.sandbox = self._make_sandbox()
         self.sessions = SessionTable()
         self.workers = WorkerPool(
-            lifeline=self._lifeline.fd,
             limits=self.limits,
             gpus=self.gpus,
             spares=self.config.spare_workers if spare_workers is None else spare_workers,
@@ -275,13 +273,14 @@ class Server:
             self._thread.join(timeout)
 
     def _cleanup(self) -> None:
-        """On the loop thread, as it ends (the loop then closes the sockets and ends the context)."""
+        """On the loop thread, as it ends (the loop then closes the sockets and ends the context).
+        Workers first: they hold the GPUs' memory, and nothing below may keep them waiting."""
+        self.workers.stop_all()
         self.data.stop()
         if self.gate is not None:
             self.gate.stop()
         self.admission.close()
         self.telemetry.stop()
-        self.workers.stop_all()
         if self.sandbox is not None:
             self.sandbox.stop()
         self.router.close()
@@ -292,7 +291,6 @@ class Server:
         if self.connection_file is not None:
             self.connection_file.unlink(missing_ok=True)
         self.workers.remove_folders()
-        self._lifeline.close()
 
     def _on_parent_gone(self, fd: int) -> None:
         if parent_gone(fd):

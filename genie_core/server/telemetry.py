@@ -84,10 +84,11 @@ class Telemetry:
         )
         self.monitor.start()
 
-    def stop(self) -> None:
-        if self.monitor is not None:
-            self.monitor.stop()
-        if self.store is not None:
+    def stop(self, timeout: float = 1.0) -> None:
+        """Stop sampling. A poll still under way after `timeout` s keeps the history file open
+        for its last write (SQLite's WAL keeps the file whole if the process ends meanwhile)."""
+        stopped = self.monitor.stop(timeout) if self.monitor is not None else True
+        if self.store is not None and stopped:
             self.store.close()
 
     def node_info(self, address: str, transport: dict[str, Any], limits: contents.Limits) -> contents.NodeDescription:

@@ -1,7 +1,7 @@
 """Worker processes: one per session and device slot, a warm spare started ahead of need, and
 the requests the server hands them. A worker runs user code; the server never does.
 
-Each worker holds the read end of the server's lifeline (see genie_core.lifeline), leads its
+Each worker holds the read end of a lifeline of its own (see genie_core.lifeline), leads its
 own process group, and is told apart from other processes by its argv (for the start-up sweep).
 """
 
@@ -25,6 +25,7 @@ import zmq
 
 from ..config import runtime_dir_for
 from ..dataplane.segment import sweep_worker
+from ..lifeline import Lifeline
 from ..nodes import GPUInfo
 from ..protocol import TERMINAL, Codec, Message, MessageType, Peer, contents, error_content, parse
 from ..sandbox import Sandbox, SandboxedWorker
@@ -132,7 +133,6 @@ class WorkerProcess:
         worker_id: str,
         slot: int,
         endpoint: str,
-        lifeline: int,
         limits: contents.Limits | None = None,
         sandboxed: SandboxedWorker | None = None,
     ) -> None:
@@ -146,16 +146,22 @@ class WorkerProcess:
         env["CUDA_VISIBLE_DEVICES"] = "" if slot == CPU else str(slot)
         env["GENIE_WORKER_ID"] = worker_id
         env.pop("GENIE_TOKEN", None)  # user code has no business with the server's token
-        argv = [sys.executable, "-m", "genie_core.worker", endpoint, worker_id, str(lifeline), str(os.getpid())]
+        self.lifeline = Lifeline()  # it ends when we do, however we end, or when we let it go
+        argv = [sys.executable, "-m", "genie_core.worker", endpoint, worker_id, str(self.lifeline.fd), str(os.getpid())]
         if sandboxed is not None:
             argv, env = sandboxed.command(argv, env)
-        self.proc = subprocess.Popen(
-            argv,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            pass_fds=(lifeline,),  # it ends when we do, however we end (see genie_core.lifeline)
-            start_new_session=True,  # a Ctrl-C at the server's terminal is the server's, not the cell's
-        )
+        try:
+            self.proc = subprocess.Popen(
+                argv,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                pass_fds=(self.lifeline.fd,),
+                start_new_session=True,  # a Ctrl-C at the server's terminal is the server's, not the cell's
+            )
+        except BaseException:
+            self.lifeline.close()
+            raise
+        self.lifeline.handed_on()
         self.started = time.monotonic()
         self.python_pid = 0
         self.ready = False
@@ -197,14 +203,20 @@ class WorkerProcess:
         return any(m.type == "execute" for m in self.inflight.values())
 
     def stop(self) -> None:
-        """Ask it, and the processes its cells started, to end now (SIGTERM to its process
-        group); `reap` escalates to SIGKILL if it lingers."""
+        """End it, and the processes its cells started, now: its lifeline closes (SIGIO to its
+        process group, which works while it holds the GIL in a long C call) and SIGTERM follows
+        (for user code that ignores SIGIO); `reap` escalates to SIGKILL if it lingers."""
         if self.stop_requested is None:
             self.stop_requested = time.monotonic()
+            self.let_go()
             self._signal_group(signal.SIGTERM)
 
     def kill(self) -> None:
         self._signal_group(signal.SIGKILL)
+
+    def let_go(self) -> None:
+        """Close its lifeline (see `stop`); once it has ended, this only frees the pipe."""
+        self.lifeline.close()
 
     def _signal_group(self, signum: int) -> None:
         try:
@@ -237,7 +249,6 @@ class WorkerPool:
     def __init__(
         self,
         *,
-        lifeline: int,
         limits: contents.Limits,
         gpus: list[GPUInfo],
         spares: int,
@@ -246,7 +257,7 @@ class WorkerPool:
         sandbox: Sandbox | None = None,
         max_message_bytes: int = 0,
     ) -> None:
-        self.lifeline, self.limits, self.sandbox = lifeline, limits, sandbox
+        self.limits, self.sandbox = limits, sandbox
         self.gpus, self.spare_count, self.reply = gpus, spares, reply
         self.sessions = sessions  # the live sessions (the session table's), to balance slots
         self.max_message_bytes = max_message_bytes  # sandboxed cells can reach the workers' socket
@@ -334,7 +345,7 @@ class WorkerPool:
             uid = home[1].uid if home[1] is not None else None
             sandboxed = SandboxedWorker(self.sandbox, worker_id, home[0], uid, gpu)
         try:
-            worker = WorkerProcess(worker_id, slot, self.endpoint, self.lifeline, self.limits, sandboxed)
+            worker = WorkerProcess(worker_id, slot, self.endpoint, self.limits, sandboxed)
         except BaseException:
             if sandboxed is not None:
                 sandboxed.close()
@@ -432,6 +443,7 @@ class WorkerPool:
 
     def _gone(self, worker: WorkerProcess) -> None:
         """What a worker that has ended leaves behind: staged segments, its sandbox, a spare's home."""
+        worker.let_go()
         sweep_worker(worker.pid)
         if worker.sandboxed is not None and not worker.sandboxed.close():
             self.closing.append(worker.sandboxed)  # its cgroup empties a moment later
