@@ -14,7 +14,7 @@ import torch.nn as nn
 from conftest import session_on, start_server
 
 import genie_core
-from genie_core.dataplane.lent import LentMaps
+from genie_core.dataplane.lent import LentMaps, LentSegments
 from genie_core.dataplane.segment import SHM_DIR, Segment
 from genie_core.dataplane.shm import ShmChannel
 from genie_core.errors import RemoteError
@@ -177,6 +177,23 @@ def test_each_worker_is_lent_segments_of_its_own():
         assert names[0][1] == names[2][1] and names[1][1] == names[3][1] and names[0][1] != names[1][1]
     finally:
         channel.close()
+
+
+def test_lent_segments_stay_within_their_limit():
+    """Past the limit a free segment makes room, one out on loan never does: then the caller gets
+    None (and sends a one-off segment)."""
+    pending = SimpleNamespace(answer=None, lost=False)
+    answered = SimpleNamespace(answer={"status": "ok"}, lost=False)
+    pool = LentSegments(limit=2 * MiB)
+    try:
+        first = pool.take(MiB)
+        pool.lend(first.name, answered)
+        second = pool.take(2 * MiB)  # the free first one is retired to make room
+        assert second is not None and pool.made == 2 and not first.path.exists()
+        pool.lend(second.name, pending)
+        assert pool.take(MiB) is None and pool.made == 2  # all out on loan: nothing retired for it
+    finally:
+        pool.close()
 
 
 def test_a_workers_lent_mapping_goes_when_a_batch_keeps_a_view_or_its_client_retires_it():

@@ -168,12 +168,7 @@ class Backend:
 
 
 def median_time(fn: Callable[[], Any], n: int) -> float:
-    samples = []
-    for _ in range(n):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return statistics.median(_timed(fn) for _ in range(n))
 
 
 def best_time(fn: Callable[[], Any], n: int) -> float:

@@ -64,8 +64,7 @@ class LentSegments:
             self._free.remove(segment)
         else:
             capacity = max(MIN_SIZE, 1 << (size - 1).bit_length())
-            out = sum(s.size for s in self._unsent) + sum(s.size for s, _ in self._lent)
-            if out + capacity > self.limit:
+            if self._out() + capacity > self.limit:
                 return None  # (no free one is retired for nothing)
             while self._free and self._held() + capacity > self.limit:
                 self._retire(self._free.pop(0))  # the oldest free one makes room
@@ -121,8 +120,12 @@ class LentSegments:
                 still.append((segment, request))
         self._lent = still
 
+    def _out(self) -> int:
+        """Bytes taken or lent: not to be retired to make room."""
+        return sum(s.size for s in self._unsent) + sum(s.size for s, _ in self._lent)
+
     def _held(self) -> int:
-        return sum(s.size for s in (*self._free, *self._unsent)) + sum(s.size for s, _ in self._lent)
+        return sum(s.size for s in self._free) + self._out()
 
     def _retire(self, segment: Segment) -> None:
         segment.close()
