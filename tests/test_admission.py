@@ -345,9 +345,9 @@ def test_the_record_of_an_ended_session_answers_only_its_own_connection(tmp_path
     client's "did it run?"; another connection naming it gets nothing from it."""
     from conftest import wait_until
 
-    short = start_server(tmp_path, env={"GENIE_SESSION_LEASE": "1"})
+    short = start_server(tmp_path, env={"GENIE_SESSION_LEASE": "2"})
     away = short.client(enable_heartbeat=False)
-    watcher = short.client()
+    watcher = short.client(heartbeat_interval=0.25)  # it outlives the lease however loaded the machine is
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -356,7 +356,7 @@ def test_the_record_of_an_ended_session_answers_only_its_own_connection(tmp_path
     try:
         cell = away.execute("print('ran')")
         # Until it has run, `away` pings as a heartbeat would: the cell's worker may take longer
-        # than the 1 s lease to start on a loaded machine, and a session that ends mid-cell has no
+        # than the 2 s lease to start on a loaded machine, and a session that ends mid-cell has no
         # record of its outcome to test.
         for _ in range(100):
             try:

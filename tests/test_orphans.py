@@ -32,6 +32,15 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def _end(pids: list[int]) -> None:
+    """What a failed test leaves (a worker spinning with the GIL held would slow every later test)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _workers_of(server_pid: int) -> list[int]:
     return [p.pid for p in psutil.Process(server_pid).children() if "genie_core.worker" in " ".join(p.cmdline())]
 
@@ -42,19 +51,19 @@ def test_a_sigkilled_server_leaves_no_worker_behind(tmp_path):
     ends at once even while it holds the GIL, so that no check of its own could run."""
     srv = start_server(tmp_path)
     client = srv.client()
+    everyone: list[int] = []
     try:
         worker, child = map(int, stdout_of(run(client, HOLD)).split())
         assert psutil.Process(worker).memory_info().rss > 256 << 20
         workers = _workers_of(srv.proc.pid)  # the session's worker and the warm spare
+        everyone = [*workers, child]
         assert worker in workers and len(workers) >= 2
         holding = client.execute(HOLD_THE_GIL)
         assert any(m.type == "stream" for m in holding.replies(10))  # (stops at the first message)
         time.sleep(1.0)  # its output is out (its output thread cannot run once the GIL is held)
         srv.proc.kill()
         killed = time.monotonic()
-        assert wait_until(lambda: all(_gone(p) for p in [*workers, child]), timeout=2.0), [
-            p for p in [*workers, child] if not _gone(p)
-        ]
+        assert wait_until(lambda: all(_gone(p) for p in everyone), timeout=2.0), [p for p in everyone if not _gone(p)]
         took = time.monotonic() - killed
         record(
             "No orphans",
@@ -64,6 +73,7 @@ def test_a_sigkilled_server_leaves_no_worker_behind(tmp_path):
     finally:
         client.close(notify=False)
         srv.stop()
+        _end(everyone)
 
 
 @pytest.mark.repeat(STRESS)
@@ -120,7 +130,8 @@ def test_a_sigkilled_kernel_takes_its_embedded_server_and_workers_along(tmp_path
     outlives it (user code's os.fork, multiprocessing's): that copy of the kernel does not keep
     the server's lifeline open."""
     km, kc = start_new_kernel(kernel_name="python3")
-    forked = None
+    everyone: list[int] = []
+    forked = 0
     try:
         from test_kernel import execute, stdout
 
@@ -150,8 +161,7 @@ def test_a_sigkilled_kernel_takes_its_embedded_server_and_workers_along(tmp_path
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
-        if forked:
-            os.kill(forked, signal.SIGKILL)
+        _end([*everyone, forked] if forked else everyone)  # (pid 0 would be this process group)
 
 
 def test_a_sandboxed_worker_whose_wrapper_outlived_its_server_still_ends(tmp_path):
