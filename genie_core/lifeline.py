@@ -12,7 +12,9 @@ from __future__ import annotations
 import fcntl
 import os
 import select
+import subprocess
 import weakref
+from typing import Any
 
 _held: weakref.WeakSet[Lifeline] = weakref.WeakSet()  # this process's write ends, for a forked child to drop
 
@@ -28,9 +30,16 @@ class Lifeline:
         self.fd, self._write_end = os.pipe()  # both non-inheritable: only pass_fds hands `fd` on
         _held.add(self)
 
-    def handed_on(self) -> None:
-        """The child holds the read end now: ours goes (the write end stays until `close`)."""
+    def start(self, argv: list[str], **popen: Any) -> subprocess.Popen[Any]:
+        """Start the child holding the read end (its number is `fd`, for its argv); ours goes once
+        it holds it, and the whole lifeline if it could not start."""
+        try:
+            child = subprocess.Popen(argv, pass_fds=(self.fd,), **popen)
+        except BaseException:
+            self.close()
+            raise
         self._close("fd")
+        return child
 
     def close(self) -> None:
         """The child learns at once that we are gone."""

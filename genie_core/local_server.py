@@ -90,21 +90,10 @@ class LocalServer:
         ]
         if self.gpus is not None:
             cmd += ["--gpus", ",".join(map(str, self.gpus))]
-        try:
-            with open(self.log_file, "wb") as log:
-                self.proc = subprocess.Popen(
-                    cmd,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    pass_fds=(self.lifeline.fd,),
-                    start_new_session=True,
-                )
-        except BaseException:
-            self.lifeline.close()
-            raise
-        self.lifeline.handed_on()
+        with open(self.log_file, "wb") as log:
+            self.proc = self.lifeline.start(
+                cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.connection_file.exists():

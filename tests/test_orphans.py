@@ -212,7 +212,7 @@ def test_a_lifeline_says_gone_only_when_its_parent_end_closed():
     assert not parent_gone(lifeline.fd)  # not open here (a sandbox without it): says nothing
 
 
-def test_workers_end_first_when_a_gpu_reading_hangs_at_stop(tmp_path):
+def test_workers_end_first_when_a_gpu_reading_hangs_at_stop(tmp_path, caplog):
     """A server stopping while its monitor is stuck in a GPU reading (a hung NVML call, a
     loaded host): its workers, which hold the GPUs' memory, end first and at once, the stop is
     not held up past the monitor's bound, and the GPU source is not closed under the call."""
@@ -255,6 +255,11 @@ def test_workers_end_first_when_a_gpu_reading_hangs_at_stop(tmp_path):
         stopped = time.monotonic() - asked
         assert stopped < 3.0, f"the stop took {stopped:.1f} s"
         assert not Source.closed_under_a_read
+        release.set()  # the poll ends and writes its reading: into a history file still open
+        monitor = server.telemetry.monitor
+        assert monitor is not None and monitor._thread is not None
+        monitor._thread.join(5)
+        assert not [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     finally:
         release.set()
         client.close(notify=False)

@@ -150,18 +150,12 @@ class WorkerProcess:
         argv = [sys.executable, "-m", "genie_core.worker", endpoint, worker_id, str(self.lifeline.fd), str(os.getpid())]
         if sandboxed is not None:
             argv, env = sandboxed.command(argv, env)
-        try:
-            self.proc = subprocess.Popen(
-                argv,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                pass_fds=(self.lifeline.fd,),
-                start_new_session=True,  # a Ctrl-C at the server's terminal is the server's, not the cell's
-            )
-        except BaseException:
-            self.lifeline.close()
-            raise
-        self.lifeline.handed_on()
+        self.proc = self.lifeline.start(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # a Ctrl-C at the server's terminal is the server's, not the cell's
+        )
         self.started = time.monotonic()
         self.python_pid = 0
         self.ready = False
