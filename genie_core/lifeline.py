@@ -30,11 +30,11 @@ class Lifeline:
         self.fd, self._write_end = os.pipe()  # both non-inheritable: only pass_fds hands `fd` on
         _held.add(self)
 
-    def start(self, argv: list[str], **popen: Any) -> subprocess.Popen[Any]:
-        """Start the child holding the read end (its number is `fd`, for its argv); ours goes once
-        it holds it, and the whole lifeline if it could not start."""
+    def start(self, argv: list[str], pass_fds: tuple[int, ...] = (), **popen: Any) -> subprocess.Popen[Any]:
+        """Start the child holding the read end (its number is `fd`, for its argv) beside
+        `pass_fds`; ours goes once it holds it, and the whole lifeline if it could not start."""
         try:
-            child = subprocess.Popen(argv, pass_fds=(self.fd,), **popen)
+            child = subprocess.Popen(argv, pass_fds=(self.fd, *pass_fds), **popen)
         except BaseException:
             self.close()
             raise

@@ -24,6 +24,7 @@ log = logging.getLogger("genie.server")
 HIDDEN = ("/tmp", "/var/tmp", "/run", "/home", "/root", "/mnt", "/media", "/srv", "/sys/fs/cgroup")
 ENV_KEPT = (
     *("PATH", "LANG", "LANGUAGE", "TZ", "TERM", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "MPLBACKEND", "GENIE_LOG_LEVEL"),
+    "GENIE_CRASH_FD",  # genie_core/crash_record.py
     *("NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES"),
 )
 ENV_PREFIXES = ("LC_", "PYTHON", "CUDA_", "GENIE_LIMIT_", "OMP_", "MKL_", "COVERAGE_")

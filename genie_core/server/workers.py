@@ -24,6 +24,8 @@ from typing import Any, cast
 import zmq
 
 from ..config import runtime_dir_for
+from ..crash_record import ENV as CRASH_FD
+from ..crash_record import CrashRecord, innermost
 from ..dataplane.segment import sweep_worker
 from ..lifeline import Lifeline
 from ..nodes import GPUInfo
@@ -147,15 +149,22 @@ class WorkerProcess:
         env["GENIE_WORKER_ID"] = worker_id
         env.pop("GENIE_TOKEN", None)  # user code has no business with the server's token
         self.lifeline = Lifeline()  # it ends when we do, however we end, or when we let it go
+        self.crash = CrashRecord()  # where it was, should a fatal signal end it
+        env[CRASH_FD] = str(self.crash.fd)
         argv = [sys.executable, "-m", "genie_core.worker", endpoint, worker_id, str(self.lifeline.fd), str(os.getpid())]
         if sandboxed is not None:
             argv, env = sandboxed.command(argv, env)
-        self.proc = self.lifeline.start(
-            argv,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,  # a Ctrl-C at the server's terminal is the server's, not the cell's
-        )
+        try:
+            self.proc = self.lifeline.start(
+                argv,
+                pass_fds=(self.crash.fd,),
+                env=env,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # a Ctrl-C at the server's terminal is the server's, not the cell's
+            )
+        except BaseException:
+            self.crash.close()
+            raise
         self.started = time.monotonic()
         self.python_pid = 0
         self.ready = False
@@ -438,6 +447,7 @@ class WorkerPool:
     def _gone(self, worker: WorkerProcess) -> None:
         """What a worker that has ended leaves behind: staged segments, its sandbox, a spare's home."""
         worker.let_go()
+        worker.crash.close()
         sweep_worker(worker.pid)
         if worker.sandboxed is not None and not worker.sandboxed.close():
             self.closing.append(worker.sandboxed)  # its cgroup empties a moment later
@@ -531,8 +541,11 @@ class WorkerPool:
             worker.reap()
             limit = worker.sandboxed.why_ended() if worker.sandboxed is not None else ""
             why = limit or describe_exit(worker.returncode(), worker.pid)
+            stack = worker.crash.stack()
+            if stack and innermost(stack):
+                why += f", in {innermost(stack)}"
             self._gone(worker)
-            log.warning("worker %s (pid %d) %s", worker.id, worker.pid, why)
+            log.warning("worker %s (pid %d) %s", worker.id, worker.pid, why + "".join(f"\n  {s}" for s in stack))
             session = worker.session
             if session is not None and self.of(session).get(worker.slot) is worker:
                 del self.assigned[session.id][worker.slot]

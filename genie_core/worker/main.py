@@ -22,6 +22,7 @@ from typing import Any, cast
 
 import zmq
 
+from ..crash_record import record_crashes
 from ..dataplane.base import DATA_THRESHOLD
 from ..dataplane.lent import LentMaps
 from ..dataplane.segment import Segment, pack_into, segment_spares, split
@@ -412,6 +413,7 @@ def main(argv: list[str] | None = None) -> None:
     if len(argv) != 4:
         raise SystemExit("usage: python -m genie_core.worker ENDPOINT WORKER_ID LIFELINE_FD SERVER_PID")
     die_with_parent(int(argv[2]))
+    record_crashes()
     if os.environ.get("GENIE_SANDBOXED"):
         os.chdir(os.environ["HOME"])  # the session directory, the only one it may write
     Worker(
