@@ -112,18 +112,33 @@ def test_auto_discovery_reports_every_candidate_with_a_reason(server, connect):
     assert events and events[-1].data["report"]["chosen"] == report.chosen
 
 
+def test_on_one_host_discovery_chooses_shared_memory(server):
+    """Shared memory's probe measures its transport (a copy into memory the server has mapped, one
+    round trip) as tcp's does (a stream into a buffer in use), and on one host it wins, as it does
+    for real uploads (benchmarks/RESULTS.md: 4.8 against 1.0 GiB/s on a GPU machine). While the
+    server mapped and touched each probe segment, tcp won 4 of 5 discoveries on this VM."""
+    chosen = []
+    for _ in range(3):
+        client = server.client()
+        try:
+            chosen.append(client.select_backend().chosen)
+        finally:
+            client.close()
+    assert chosen.count("shm") >= 2, chosen
+
+
 def test_a_probe_preempted_in_most_of_its_runs_keeps_its_backends_speed(server, connect, monkeypatch):
     """Each backend's probe transfer runs more than once and the fastest run counts (load only
     slows a run down): shared memory paused in two of its three probe pushes (a busy machine's
     preemption, emulated by a 0.3 s pause in the notebook's process) is measured at its own speed,
-    not at 16 MiB in 0.3 s, and is not handed to the control connection."""
+    not at 32 MiB in 0.3 s, and is not handed to the control connection."""
     discover = transfers.discover
 
     def preempted(backends, link, budget):
         pauses = [0.3, 0.3]
 
         def data_probe(ref, blob):
-            if ref is not None and ref.get("keep") and pauses:
+            if ref is not None and pauses:  # (shared memory's probe is the one that names a segment)
                 time.sleep(pauses.pop())
             link_probe(ref, blob)
 
@@ -132,7 +147,7 @@ def test_a_probe_preempted_in_most_of_its_runs_keeps_its_backends_speed(server, 
 
     monkeypatch.setattr(transfers, "discover", preempted)
     report = connect().backend_report
-    assert report.candidate("shm").bandwidth > 2 * (16 << 20) / 0.3, report.candidate("shm")
+    assert report.candidate("shm").bandwidth > 2 * (32 << 20) / 0.3, report.candidate("shm")
     assert report.chosen != "zmq", report.reason
 
 

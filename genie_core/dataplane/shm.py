@@ -15,7 +15,17 @@ from typing import Any
 from ..protocol.contents import DataRef
 from .base import Backend, Candidate, Channel, Link, ServerSide, best_time, median_time, probe_size
 from .lent import LentSegments
-from .segment import SHM_DIR, Segment, pack_into, segment_name, segment_spares, shm_available, split, sweep_dead
+from .segment import (
+    SHM_DIR,
+    Segment,
+    copy_bytes,
+    pack_into,
+    segment_name,
+    segment_spares,
+    shm_available,
+    split,
+    sweep_dead,
+)
 
 
 class ShmChannel(Channel):
@@ -123,16 +133,17 @@ class Shm(Backend):
             ok, why = False, "the server offers no shared-memory probe"
         if not ok:
             return Candidate(self.name, False, why), None
-        # What a push costs: copy into a (reused) segment, and the server maps it and touches every page.
-        size = min(16 << 20, probe_size(4e9, budget))
+        # What an upload costs in shared memory: the copy into a segment the server has mapped (lent
+        # segments are reused, DataPlane.probe) and one round trip; as big as tcp's probe.
+        size = min(32 << 20, probe_size(4e9, budget))
         payload = memoryview(bytearray(os.urandom(1024)) * (size // 1024))
         segment = Segment.create("genie-c", size)
         try:
-            segment.view[:size] = payload
+            copy_bytes(segment.view[:size], payload)  # (faulted in once, as a reused segment is)
 
             def one_push() -> None:
-                segment.view[:size] = payload
-                link.data_probe({"segment": segment.name, "sizes": [size], "keep": True}, b"")
+                copy_bytes(segment.view[:size], payload)
+                link.data_probe({"segment": segment.name, "sizes": [size]}, b"")
 
             took = best_time(one_push, 3)
         finally:

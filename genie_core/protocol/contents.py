@@ -24,7 +24,6 @@ class DataRef(TypedDict):
 
     segment: str
     sizes: list[int]  # of the buffers packed in it, in order
-    keep: NotRequired[bool]  # a probe's: the server maps it and leaves it to its maker
     lent: NotRequired[bool]  # the worker copies the bytes out; the client fills the segment again (dataplane/lent.py)
     retired: NotRequired[list[str]]  # lent segments the client let go since its last lent one: unmap them
     lender: NotRequired[str]  # the client's pool of lent segments (a client that reattached has a new one)
