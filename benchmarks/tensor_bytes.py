@@ -205,6 +205,7 @@ def run(quick: bool = False) -> dict:
         on_gpu = bool(client.node.get("gpus")) and not client.node.get("simulated_gpus")
         backends = [c.name for c in client.transfers.report.candidates if c.available and c.name in ("shm", "tcp")]
         chosen = client.transfers.channel.name  # what discovery chose: the targets are judged on it
+        discovery = client.transfers.report.reason if client.transfers.report else ""  # with every rate probed
         genie_core.shutdown_sync()
         times = _each_backend(address, info.token, nbytes, rounds, [*backends, "zmq"])
         sizes = [64 << 10, 1 << 20, 4 << 20] if quick else [16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
@@ -254,6 +255,7 @@ def run(quick: bool = False) -> dict:
         )
         best = chosen if f"{chosen}_to_remote" in rate else "zmq"
         out["chosen_backend"] = best
+        out["discovery"] = discovery
         if on_gpu:
             out["met"] = {
                 "to_vs_pageable_cuda": rate[f"{best}_to_remote"] >= gpu["pageable_cuda"],
