@@ -19,6 +19,7 @@ BASE = {
     "serialize",
     "loop",
     "lifeline",
+    "crash_record",
     "version",
     "threads",
     "encryption",
