@@ -75,13 +75,10 @@ class DataPlane:
 
     @staticmethod
     def probe(ref: DataRef | None, buffers: list[Any]) -> int:
-        """Discovery's round trip: bytes inline, or a segment the client filled (its size). The
-        segment is not mapped here: a remote tensor's bytes land in segments its worker mapped once
-        and reuses, so shared memory is measured by its transport alone (the client's copy and this
-        round trip), as tcp's and ucx's are by theirs (a stream into a buffer already in use).
-        Mapping and touching it here each time, as before, left shm a narrow margin over tcp on an
-        H100 machine (3.2 to 3.7 against 2.7 to 3.1 GiB/s), and a run there chose tcp, whose uploads
-        then ran at 1.0 GiB/s, against 4.8 by shm; on this VM tcp won 4 discoveries of 5."""
+        """Discovery's round trip: bytes inline, or a segment the client filled (its size). Not
+        mapped here: uploads land in segments their worker mapped once, so shared memory is measured
+        by its transport (the client's copy, this round trip) as tcp is by its stream into a buffer
+        in use (mapping it here each time lost shm the choice on an H100: benchmarks/RESULTS.md)."""
         if not ref:
             return sum(len(b) for b in buffers)
         try:

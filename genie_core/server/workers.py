@@ -542,8 +542,9 @@ class WorkerPool:
             limit = worker.sandboxed.why_ended() if worker.sandboxed is not None else ""
             why = limit or describe_exit(worker.returncode(), worker.pid)
             stack = worker.crash.stack()
-            if stack and innermost(stack):
-                why += f", in {innermost(stack)}"
+            frame = innermost(stack)
+            if frame:
+                why += f", in {frame}"
             self._gone(worker)
             log.warning("worker %s (pid %d) %s", worker.id, worker.pid, why + "".join(f"\n  {s}" for s in stack))
             session = worker.session
