@@ -284,3 +284,21 @@ def test_numbers_of_other_types_are_other_ops(remote):
     assert torch.equal((n**2.0).cpu(), torch.arange(4) ** 2.0)
     assert torch.full((2,), True, device=DEV).dtype == torch.bool
     assert torch.full((2,), 1, device=DEV).dtype == torch.int64
+
+
+def test_graphs_that_ask_for_cuda_graphs_are_compiled_without_graph_trees(monkeypatch):
+    """The worker compiles a graph that asks for CUDA graphs with Inductor's graph trees off (on an
+    H100 with torch 2.11 their warm-up segfaulted the worker: benchmarks/RESULTS.md), unless the
+    client asked for trees by name. (CUDA graphs need a GPU: torch.compile is replaced by a spy
+    that records the options the worker passes it.)"""
+    from genie_core.worker import compiled
+
+    asked = []
+    monkeypatch.setattr(compiled.torch, "compile", lambda module, **kw: asked.append(kw["options"]) or module)
+    for options in ({"triton.cudagraphs": True}, {"triton.cudagraphs": True, "triton.cudagraph_trees": True}, {}):
+        compiled._Graph(nn.Identity(), {"compiler": "inductor", "options": options, "dynamic": None}).function()
+    assert asked == [
+        {"triton.cudagraphs": True, "triton.cudagraph_trees": False},
+        {"triton.cudagraphs": True, "triton.cudagraph_trees": True},
+        None,
+    ]
