@@ -6,6 +6,8 @@ across hosts), both ways, in order with the op stream: uploads (`.to()`, `copy_`
 from __future__ import annotations
 
 import io
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +16,7 @@ import torch.nn as nn
 from conftest import session_on, start_server
 
 import genie_core
+from genie_core.dataplane import lent as lent_module
 from genie_core.dataplane.lent import LentMaps, LentSegments
 from genie_core.dataplane.segment import SHM_DIR, Segment
 from genie_core.dataplane.shm import ShmChannel
@@ -139,23 +142,25 @@ def lent(remote, monkeypatch):
     return genie_core.get_cluster_state().client.transfers.channel.lent_segments(0)
 
 
-def test_a_lent_segment_is_filled_again_only_once_its_batch_is_answered(lent):
-    """Uploads sent while the worker is busy each take a segment of their own; once answered, the
-    next ones fill the same segments again, and no name is left in /dev/shm."""
+def test_a_lent_region_is_filled_again_only_once_its_batch_is_answered(lent, monkeypatch):
+    """Uploads sent while the worker is busy each take a region of their own in one segment; once
+    answered, the next ones fill the segment again from its start (the pages already warm), and no
+    name is left in /dev/shm."""
     client = genie_core.get_cluster_state().client
+    refs: list[DataRef] = []
+    monkeypatch.setattr(lent, "ref", lambda region, sizes, ref=lent.ref: refs.append(ref(region, sizes)) or refs[-1])
     made = lent.made
     x = torch.randn(MiB)  # 4 MiB
     busy = client.execute("import time; time.sleep(1)")  # the worker runs nothing else meanwhile
     queued = [(x + i).to(DEV) for i in range(3)]
-    assert lent.made - made == 3
+    assert len({(r["segment"], r["offset"]) for r in refs}) == 3 and len({r["segment"] for r in refs}) == 1
     for i, y in enumerate(queued):
         assert torch.equal(y.cpu(), x + i), i
     busy.wait(30)
     for i in range(3, 6):
         assert torch.equal((x + i).to(DEV).cpu(), x + i), i
-    assert lent.made - made == 3
-    names = [s.name for s in lent._free]
-    assert names and not [n for n in names if (SHM_DIR / n).exists()]
+    assert lent.made - made <= 1 and [r["offset"] for r in refs[3:]] == [0, 0, 0]
+    assert not (SHM_DIR / refs[0]["segment"]).exists()
     model = nn.Linear(1024, 1024)
     remote = nn.Linear(1024, 1024).to(DEV)
     remote.load_state_dict(model.state_dict())
@@ -163,62 +168,127 @@ def test_a_lent_segment_is_filled_again_only_once_its_batch_is_answered(lent):
     assert torch.allclose(remote(inp.to(DEV)).cpu(), model(inp), atol=1e-5)
 
 
+def _request(answer: dict | None = None) -> SimpleNamespace:
+    """A request as a lent region sees it (client/connection.py: Request)."""
+    settled = threading.Event()
+    if answer is not None:
+        settled.set()
+    return SimpleNamespace(answer=answer, lost=False, settled=settled)
+
+
+def _answer(request: SimpleNamespace, **answer) -> None:
+    request.answer = {"status": "ok", **answer}
+    request.settled.set()
+
+
+def _lend(pool: LentSegments, size: int, request: SimpleNamespace) -> DataRef | None:
+    region = pool.take(size)
+    if region is None:
+        return None
+    ref = pool.ref(region, [size])
+    pool.lend(ref, request)
+    return ref
+
+
 def test_each_worker_is_lent_segments_of_its_own():
     """A server of several GPUs runs a worker for each, and each removes the names of the segments
     it maps: a segment lent to one is never filled for another, even once answered."""
     channel = ShmChannel()
-    answered = SimpleNamespace(answer={"status": "ok"}, lost=False)
     try:
         names = []
         for worker in (0, 1, 0, 1):
             ref = channel.put_lent([bytes(MiB)], worker)
-            channel.lent_to(ref, answered)
+            channel.lent_to(ref, _request({"status": "ok"}))
             names.append((worker, ref["segment"]))
         assert names[0][1] == names[2][1] and names[1][1] == names[3][1] and names[0][1] != names[1][1]
     finally:
         channel.close()
 
 
-def test_lent_segments_stay_within_their_limit():
-    """Past the limit a free segment makes room, one out on loan never does: then the caller gets
-    None (and sends a one-off segment)."""
-    pending = SimpleNamespace(answer=None, lost=False)
-    answered = SimpleNamespace(answer={"status": "ok"}, lost=False)
+def test_lent_segments_stay_within_their_limit(monkeypatch):
+    """Past the limit a free segment makes room, one with a region out on loan never does: then the
+    caller gets None (and sends a one-off segment)."""
+    monkeypatch.setattr(lent_module, "WAIT", 0.1)  # (the last take waits for the second's answer first)
     pool = LentSegments(limit=2 * MiB)
     try:
-        first = pool.take(MiB)
-        pool.lend(first.name, answered)
-        second = pool.take(2 * MiB)  # the free first one is retired to make room
-        assert second is not None and pool.made == 2 and not first.path.exists()
-        pool.lend(second.name, pending)
+        first = _lend(pool, MiB, _request({"status": "ok"}))
+        second = _lend(pool, 2 * MiB, _request())  # the free first one is retired to make room
+        assert first and second and pool.made == 2 and not (SHM_DIR / first["segment"]).exists()
         assert pool.take(MiB) is None and pool.made == 2  # all out on loan: nothing retired for it
     finally:
         pool.close()
 
 
-def test_a_workers_lent_mapping_goes_when_a_batch_keeps_a_view_or_its_client_retires_it():
-    """The worker side of lent segments: mapped once (the name removed at once); a batch that left
-    a view of its buffers behind says so (the client retires the segment), one that did not keeps
-    the mapping for the next; a retired name is unmapped, and so is every one of a client that
-    another replaced."""
+def test_an_upload_past_the_working_bytes_waits_for_the_worker_once_not_for_a_busy_one(monkeypatch):
+    """Once WORKING bytes are made, an upload with no room waits for the oldest batch's answer and
+    takes the region it frees; one the worker does not answer within WAIT is not waited for again
+    (a busy worker: a new segment instead)."""
+    monkeypatch.setattr(lent_module, "MIN_SIZE", 4 * MiB)
+    monkeypatch.setattr(lent_module, "WORKING", 4 * MiB)
+    monkeypatch.setattr(lent_module, "WAIT", 0.3)
+    pool = LentSegments(limit=64 * MiB)
+    try:
+        oldest, newer = _request(), _request()
+        first = _lend(pool, 2 * MiB, oldest)
+        _lend(pool, 2 * MiB, newer)
+        threading.Timer(0.1, _answer, (oldest,)).start()
+        third = _lend(pool, 2 * MiB, _request())
+        assert third == {**first, "sizes": [2 * MiB]} and pool.made == 1 and pool.waits == 1
+        start = time.monotonic()
+        fourth = _lend(pool, 4 * MiB, _request())  # `newer` is never answered: WAIT, then a new segment
+        fifth = _lend(pool, 2 * MiB, _request())  # no room again, and `newer` not waited for again
+        assert fourth and fifth and len({first["segment"], fourth["segment"], fifth["segment"]}) == 3
+        assert pool.made == 3 and pool.waits == 2 and time.monotonic() - start >= 0.3
+    finally:
+        pool.close()
+
+
+def test_a_segment_a_batch_kept_a_view_of_is_retired_once_nothing_in_it_is_out():
+    """An answer that says `kept` (or an error) spoils the region's segment: nothing more is placed
+    in it, and it is retired (unlinked, its name sent for the worker to unmap) only once every
+    other region of it out is answered, since a batch still in flight may be the worker's first to
+    map it."""
+    pool = LentSegments(limit=256 * MiB)
+    try:
+        kept, in_flight = _request(), _request()
+        first = _lend(pool, MiB, kept)
+        _lend(pool, MiB, in_flight)
+        _answer(kept, kept=True)
+        elsewhere = _lend(pool, MiB, _request())
+        assert first and elsewhere and elsewhere["segment"] != first["segment"]
+        assert (SHM_DIR / first["segment"]).exists() and "retired" not in elsewhere
+        _answer(in_flight)
+        after = _lend(pool, MiB, _request())
+        assert after and after["retired"] == [first["segment"]] and not (SHM_DIR / first["segment"]).exists()
+    finally:
+        pool.close()
+
+
+def test_a_workers_lent_mapping_goes_when_its_client_retires_it():
+    """The worker side of lent segments: mapped once (the name removed at once); a batch's buffers
+    start at its region's offset, and one past the segment's end is refused; a batch that left a
+    view of its buffers behind says so (the client retires the segment), one that did not does not;
+    a retired name is unmapped, and so is every one of a client that another replaced."""
     kept_one, reused, retired = (Segment.create("genie-c", MiB) for _ in range(3))
     maps = LentMaps()
     try:
-        kept_one.view[:4] = b"abcd"
-        buffers, kept = maps.buffers(DataRef(segment=kept_one.name, sizes=[4, 100], lent=True))
+        kept_one.view[4096:4100] = b"abcd"
+        buffers, kept = maps.buffers(DataRef(segment=kept_one.name, sizes=[4, 100], lent=True, offset=4096))
         assert bytes(buffers[0]) == b"abcd" and not (SHM_DIR / kept_one.name).exists()
         held = torch.frombuffer(buffers[0], dtype=torch.uint8)
         del buffers
-        assert kept() and kept_one.name not in maps._maps
-        assert bytes(held.numpy()) == b"abcd"  # (its memory goes with the view)
+        assert kept() and kept_one.name in maps._maps  # (other batches may name other regions of it)
+        with pytest.raises(ValueError, match="past the end"):
+            maps.buffers(DataRef(segment=kept_one.name, sizes=[MiB], lent=True, offset=4096))
         for n in range(2):
             reused.view[:1] = bytes([n])
             buffers, kept = maps.buffers(DataRef(segment=reused.name, sizes=[1], lent=True))
             copied = torch.frombuffer(buffers[0], dtype=torch.uint8).clone()
             del buffers
             assert not kept() and copied.item() == n
-        maps.buffers(DataRef(segment=retired.name, sizes=[1], lent=True, retired=[reused.name]))
-        assert reused.name not in maps._maps and retired.name in maps._maps
+        maps.buffers(DataRef(segment=retired.name, sizes=[1], lent=True, retired=[reused.name, kept_one.name]))
+        assert reused.name not in maps._maps and kept_one.name not in maps._maps and retired.name in maps._maps
+        assert bytes(held.numpy()) == b"abcd"  # (its memory goes with the view)
         with pytest.raises(FileNotFoundError):  # another client (one that reattached) names its own
             maps.buffers(DataRef(segment=kept_one.name, sizes=[1], lent=True, lender="another"))
         assert not maps._maps  # the last client's mappings went with it

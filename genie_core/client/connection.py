@@ -71,13 +71,16 @@ class Request:
         # well. Its status and `kept` only: the reply itself (its values) is its waiter's.
         self.answer: dict[str, Any] | None = None
         self.lost = False
+        self.settled = threading.Event()  # set with `answer` or `lost`: a lent region's owner may wait for it
 
     def put(self, item: Message | Closed) -> None:
         if isinstance(item, Closed):
             self.lost = True
+            self.settled.set()
         elif item.type in TERMINAL:
             content = item.content or {}
             self.answer = {"status": content.get("status"), "kept": content.get("kept")}
+            self.settled.set()
         self._queue.put(item)
 
     def next(self, timeout: float | None = None) -> Message | None:

@@ -5,24 +5,29 @@ A segment made for each upload costs both sides fresh pages: the client faults i
 once, and the worker faults in its mapping as it reads (on an H100 machine, 0.55 s a GiB to make
 and touch a segment; the worker's copy of an upload to the GPU took 0.12 to 0.51 s a GiB where the
 same copy from warm memory took 0.025, the faults the likely cause: benchmarks/RESULTS.md). A
-lent segment is made once, mapped once on each side, and filled
-again once the batch that named it is answered; its name goes at the worker's first mapping (as an
-adopted segment's does), so nothing is left in /dev/shm whichever side dies.
+lent segment is made once, mapped once on each side, and its regions filled again once the batch
+that named each is answered; its name goes at the worker's first mapping (as an adopted segment's
+does), so nothing is left in /dev/shm whichever side dies.
 
-Client side, `LentSegments`: a segment whose batch was answered with no error and not `kept` is
-filled again; any other answer, or a lost connection, retires it (its name goes in the next lent
-reference's `retired`, for the worker to unmap). When every segment is out on loan and a new one
-would pass `limit`, `take` returns None and the caller makes a one-off segment, adopted as before.
+Client side, `LentSegments`: each segment (an `Arena`) is cut into regions in a ring, one for each
+batch's uploads (`model.to` sends a batch per parameter). A region answered with no error and not
+`kept` is free again; any other answer, or a lost connection, spoils its segment, retired once
+nothing in it is out (its name goes in the next lent reference's `retired`, for the worker to
+unmap). Once WORKING bytes of segments are made, an upload that finds no room waits (at most WAIT
+seconds) for the worker to answer the oldest batch out rather than make more: a model moved in
+lockstep with the worker's copies stays in memory already warm. Where a new segment would pass
+`limit`, `take` returns None and the caller makes a one-off segment, adopted as before.
 
 Worker side, `LentMaps`: the mappings by name, of one client (`lender`) at a time: a batch from
 another (a client that reattached to the session) lets the last one's go. A batch's buffers are
 views of a fresh array over the mapping; if anything still holds one once the batch is done (an
-op kept a CPU argument, a fetch of an upload), the reply says `kept` and the worker lets that
-mapping go with its views.
+op kept a CPU argument, a fetch of an upload), the reply says `kept`, and the client retires that
+segment (the mapping goes here with the name's retirement, its memory with the last view).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import weakref
 from collections.abc import Callable
@@ -31,8 +36,12 @@ from typing import Any
 from ..protocol.contents import DataRef
 from .segment import SHM_DIR, Segment
 
-MIN_SIZE = 1 << 20  # a lent segment's smallest size; sizes are powers of two from here
+MIN_SIZE = 64 << 20  # a lent segment's smallest size; bigger ones are powers of two from here
+WORKING = 256 << 20  # bytes of lent segments made before an upload waits for the worker instead
+WAIT = 1.0  # seconds an upload waits for the worker to answer the oldest batch before making more
 LIMIT = 2 << 30  # bytes a client keeps lent or ready for one worker, at most a quarter of /dev/shm
+ALIGN = 4096  # regions start on a page
+_taken = itertools.count()
 
 
 def default_limit() -> int:
@@ -43,100 +52,206 @@ def default_limit() -> int:
     return min(LIMIT, st.f_blocks * st.f_frsize // 4)
 
 
+class Region:
+    """Bytes of a lent segment that one batch's uploads fill; out with `request` once sent."""
+
+    def __init__(self, segment: Segment, offset: int, size: int) -> None:
+        self.segment, self.offset, self.size = segment, offset, size
+        self.end = offset + size
+        self.request: Any = None
+        self.order = next(_taken)  # which was taken first, across segments
+
+    @property
+    def view(self) -> memoryview:
+        return self.segment.view[self.offset : self.end]
+
+    def settled(self) -> bool:
+        """Answered, or lost with its connection (client/connection.py: Request)."""
+        return self.request is not None and (self.request.answer is not None or self.request.lost)
+
+    def reusable(self) -> bool:
+        """Answered well, and the worker kept no view of it: its bytes may be written again."""
+        answer = self.request.answer if self.request is not None else None
+        return answer is not None and answer.get("status") == "ok" and not answer.get("kept")
+
+
+class Arena:
+    """One lent segment cut into regions in a ring: taken in order, given back in order (a worker
+    answers its batches in order). An upload starts at the segment's start whenever the regions out
+    leave room there, so a segment reused in lockstep stays in the pages it warmed."""
+
+    def __init__(self, segment: Segment) -> None:
+        self.segment = segment
+        self.regions: list[Region] = []  # out (taken or lent), oldest first
+
+    def place(self, size: int) -> Region | None:
+        size = -(-max(size, 1) // ALIGN) * ALIGN
+        capacity = self.segment.size
+        if not self.regions:
+            offset: int | None = 0 if size <= capacity else None
+        else:
+            tail, head = self.regions[0].offset, self.regions[-1].end
+            wrapped = self.regions[-1].offset < tail
+            if wrapped:
+                offset = head if tail - head >= size else None
+            elif size <= tail:
+                offset = 0
+            else:
+                offset = head if capacity - head >= size else None
+        if offset is None:
+            return None
+        region = Region(self.segment, offset, size)
+        self.regions.append(region)
+        return region
+
+
 class LentSegments:
-    """A client's lent segments: free ones, and ones out with the request that named them."""
+    """A client's lent segments (arenas) for one worker, and the regions of them out with requests."""
 
     def __init__(self, limit: int | None = None) -> None:
         self.limit = default_limit() if limit is None else limit
-        self._free: list[Segment] = []
-        self._lent: list[tuple[Segment, Any]] = []  # (segment, the request that carries its name)
-        self._unsent: list[Segment] = []  # taken, not yet lent to a request
+        self._arenas: list[Arena] = []  # oldest first
+        self._spoiled: list[Arena] = []  # answered with an error or a kept view: retired once all is settled
         self._retired: list[str] = []  # names to tell the worker it may unmap
+        self._stalled: Any = None  # a request waited for in vain: not waited for again
         self.lender = os.urandom(6).hex()  # this pool, as the worker knows it (a reattached client's is new)
         self.made = 0  # segments made (a benchmark and the tests read it)
+        self.waits = 0  # uploads that waited for the worker to give a region back
 
-    def take(self, size: int) -> Segment | None:
-        """A segment of at least `size` bytes, warm if one is free; None when none fits the limit."""
+    def take(self, size: int) -> Region | None:
+        """A region of at least `size` bytes: in a segment made before where one has room (waiting
+        for the worker's answer to the oldest batch out, once WORKING bytes are made), else in a new
+        one; None when a new one would pass the limit (the caller sends a one-off segment)."""
         self._reclaim()
-        fits = [s for s in self._free if size <= s.size <= 4 * max(size, MIN_SIZE)]
-        if fits:
-            segment = min(fits, key=lambda s: s.size)
-            self._free.remove(segment)
-        else:
-            capacity = max(MIN_SIZE, 1 << (size - 1).bit_length())
-            if self._out() + capacity > self.limit:
-                return None  # (no free one is retired for nothing)
-            while self._free and self._held() + capacity > self.limit:
-                self._retire(self._free.pop(0))  # the oldest free one makes room
-            try:
-                segment = Segment.create("genie-c", capacity)
-            except OSError:  # /dev/shm is short of a power of two: a one-off segment of the size may fit
-                return None
-            self.made += 1
-        self._unsent.append(segment)
-        return segment
+        region = self._place(size)
+        past_working = self._held() + self._capacity(size) > min(WORKING, self.limit)
+        if region is None and past_working and self._wait_for_oldest():
+            self._reclaim()
+            region = self._place(size)
+        return region if region is not None else self._new_arena(size)
 
-    def ref(self, segment: Segment, sizes: list[int]) -> DataRef:
-        """The reference a batch carries for a filled segment (and the names retired since the last)."""
-        ref = DataRef(segment=segment.name, sizes=sizes, lent=True, lender=self.lender)
+    def ref(self, region: Region, sizes: list[int]) -> DataRef:
+        """The reference a batch carries for a filled region (and the names retired since the last)."""
+        ref = DataRef(segment=region.segment.name, sizes=sizes, lent=True, lender=self.lender, offset=region.offset)
         if self._retired:
             ref["retired"], self._retired = self._retired, []
         return ref
 
-    def lend(self, name: str, request: Any) -> None:
-        """The segment named `name` went out with `request`: free again once it is answered."""
-        segment = self._pop_unsent(name)
-        if segment is not None:
-            self._lent.append((segment, request))
+    def lend(self, ref: DataRef, request: Any) -> None:
+        """The region `ref` names went out with `request`: free again once that is answered well."""
+        region = self._find(ref)
+        if region is not None and region.request is None:
+            region.request = request
 
     def forget(self, ref: DataRef) -> None:
-        """A taken segment whose request was not sent, or may not have been (its filling or sending
-        failed): retired, as the worker may or may not have mapped it; the names `ref` carried to
-        retire are carried by the next. (One not taken from here, or lent already, is left alone.)"""
-        segment = self._pop_unsent(ref["segment"])
-        if segment is not None:
-            self._retired.extend(ref.get("retired") or ())
-            self._retire(segment)
+        """A taken region whose request was not sent, or may not have been (its filling or sending
+        failed): its segment is retired once nothing else in it is out, as the worker may or may not
+        map it; the names `ref` carried to retire are carried by the next. (A region not taken here,
+        or lent already, is left alone.)"""
+        region = self._find(ref)
+        if region is None or region.request is not None:
+            return
+        self._retired.extend(ref.get("retired") or ())
+        region.request = _NOT_SENT
+        self._reclaim()  # (its segment is spoiled now)
 
-    def _pop_unsent(self, name: str) -> Segment | None:
-        for segment in self._unsent:
-            if segment.name == name:
-                self._unsent.remove(segment)
-                return segment
+    def _find(self, ref: DataRef) -> Region | None:
+        for arena in (*self._arenas, *self._spoiled):
+            if arena.segment.name == ref["segment"]:
+                for region in arena.regions:
+                    if region.offset == ref.get("offset", 0):
+                        return region
         return None
 
+    def _place(self, size: int) -> Region | None:
+        for arena in self._arenas:
+            region = arena.place(size)
+            if region is not None:
+                return region
+        return None
+
+    def _capacity(self, size: int) -> int:
+        capacity = 1 << (max(size, 1) - 1).bit_length()
+        return capacity if self.limit < MIN_SIZE else max(capacity, MIN_SIZE)
+
+    def _new_arena(self, size: int) -> Region | None:
+        capacity = self._capacity(size)
+        if self._out() + capacity > self.limit:
+            return None  # (no free one is retired for nothing)
+        for arena in [a for a in self._arenas if not a.regions]:
+            if self._held() + capacity <= self.limit:
+                break
+            self._arenas.remove(arena)  # the oldest free ones make room
+            self._retire(arena)
+        try:
+            segment = Segment.create("genie-c", capacity)
+        except OSError:  # /dev/shm is short of a power of two: a one-off segment of the size may fit
+            return None
+        self.made += 1
+        arena = Arena(segment)
+        self._arenas.append(arena)
+        return arena.place(size)
+
+    def _wait_for_oldest(self) -> bool:
+        """Wait (at most WAIT seconds) for the oldest region out to be answered; False if there is
+        none to wait for, or the worker did not answer it in time (a busy worker: not waited for again)."""
+        out = [r for a in self._arenas for r in a.regions[:1] if r.request is not None and not r.settled()]
+        if not out:
+            return False
+        request = min(out, key=lambda r: r.order).request
+        settled = getattr(request, "settled", None)
+        if request is self._stalled or settled is None:
+            return False
+        self.waits += 1
+        if not settled.wait(WAIT):
+            self._stalled = request
+            return False
+        return True
+
     def _reclaim(self) -> None:
-        still = []
-        for segment, request in self._lent:
-            answer = request.answer  # (client/connection.py: Request)
-            if answer is not None:
-                if answer.get("status") == "ok" and not answer.get("kept"):
-                    self._free.append(segment)
-                else:
-                    self._retire(segment)
-            elif request.lost:
-                self._retire(segment)
-            else:
-                still.append((segment, request))
-        self._lent = still
+        for arena in list(self._arenas):
+            if any(r.settled() and not r.reusable() for r in arena.regions):
+                self._spoil(arena)
+                continue
+            while arena.regions and arena.regions[0].reusable():
+                arena.regions.pop(0)
+        for arena in list(self._spoiled):
+            if all(r.settled() for r in arena.regions):
+                self._spoiled.remove(arena)
+                self._retire(arena)
+
+    def _spoil(self, arena: Arena) -> None:
+        if arena in self._arenas:
+            self._arenas.remove(arena)
+            self._spoiled.append(arena)
 
     def _out(self) -> int:
-        """Bytes taken or lent: not to be retired to make room."""
-        return sum(s.size for s in self._unsent) + sum(s.size for s, _ in self._lent)
+        """Bytes of segments with regions out (taken or lent): not to be retired to make room."""
+        return sum(a.segment.size for a in (*self._arenas, *self._spoiled) if a.regions)
 
     def _held(self) -> int:
-        return sum(s.size for s in self._free) + self._out()
+        return sum(a.segment.size for a in (*self._arenas, *self._spoiled))
 
-    def _retire(self, segment: Segment) -> None:
-        segment.close()
-        segment.unlink()  # (the worker removed the name at its first mapping; not if it never mapped it)
-        self._retired.append(segment.name)
+    def _retire(self, arena: Arena) -> None:
+        arena.segment.close()
+        arena.segment.unlink()  # (the worker removed the name at its first mapping; not if it never mapped it)
+        self._retired.append(arena.segment.name)
 
     def close(self) -> None:
-        for segment in [*self._free, *self._unsent, *(s for s, _ in self._lent)]:
-            segment.close()
-            segment.unlink()
-        self._free, self._unsent, self._lent, self._retired = [], [], [], []
+        for arena in (*self._arenas, *self._spoiled):
+            arena.segment.close()
+            arena.segment.unlink()
+        self._arenas, self._spoiled, self._retired = [], [], []
+
+
+class _NotSent:
+    """The request of a region whose batch never went: settled, not reusable."""
+
+    answer = None
+    lost = True
+
+
+_NOT_SENT = _NotSent()
 
 
 class LentMaps:
@@ -149,7 +264,7 @@ class LentMaps:
     def buffers(self, ref: DataRef) -> tuple[list[memoryview], Callable[[], bool]]:
         """The batch's buffers (views of a fresh array over the mapping, made on first use), and a
         test to call once the batch is done and its buffers dropped: whether anything still views
-        them (then the mapping is let go here, and the reply must say `kept`)."""
+        them (then the reply must say `kept`, and the client retires the segment)."""
         import numpy as np
 
         lender = ref.get("lender", "")
@@ -158,25 +273,23 @@ class LentMaps:
             self._lender = lender
         for name in ref.get("retired") or ():
             self._let_go(str(name))
-        name = str(ref["segment"])
+        name, offset = str(ref["segment"]), int(ref.get("offset", 0))
         segment = self._maps.get(name)
         if segment is None:
             segment = self._maps[name] = Segment.attach(name)
             segment.unlink()  # both sides hold it mapped: no name needed from here
+        if offset < 0 or offset + sum(int(n) for n in ref["sizes"]) > segment.size:
+            raise ValueError(f"a lent region past the end of {name} ({segment.size} bytes)")
         array = np.frombuffer(segment.map, dtype=np.uint8)
-        out, offset = [], 0
+        out = []
         for n in (int(size) for size in ref["sizes"]):
             out.append(array[offset : offset + n].data)
             offset += n
         viewed = weakref.ref(array)
         del array
 
-        def kept() -> bool:
-            if viewed() is None:
-                return False
-            self._maps.pop(name, None)  # its memory goes with the last view (Segment.close leaves it)
-            segment.close()
-            return True
+        def kept() -> bool:  # (other batches out may name other regions of it: mapped until retired)
+            return viewed() is not None
 
         return out, kept
 

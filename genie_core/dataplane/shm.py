@@ -57,24 +57,25 @@ class ShmChannel(Channel):
         return pool
 
     def put_lent(self, buffers: list[Any], worker: int) -> DataRef:
-        """Into a segment lent to `worker` (lent.py), filled again once it is done with it; a one-off
-        segment, adopted, when every lent one is out and a new one would pass the limit."""
+        """Into a region of a segment lent to `worker` (lent.py), filled again once it is done with
+        it; a one-off segment, adopted, when no lent one has room and a new one would pass the limit."""
         pool = self.lent_segments(worker)
-        segment = pool.take(sum(memoryview(b).nbytes for b in buffers))
-        if segment is None:
+        region = pool.take(sum(memoryview(b).nbytes for b in buffers))
+        if region is None:
             ref = self.put(buffers)
             self.after()
             return ref
+        ref = pool.ref(region, [])
         try:
-            sizes = pack_into(segment.view, buffers)
+            ref["sizes"] = pack_into(region.view, buffers)
         except BaseException:
-            pool.forget(DataRef(segment=segment.name, sizes=[]))
+            pool.forget(ref)
             raise
-        return pool.ref(segment, sizes)
+        return ref
 
     def lent_to(self, ref: DataRef, request: Any) -> None:
         for pool in self._lent.values():
-            pool.lend(ref["segment"], request)
+            pool.lend(ref, request)
 
     def discard(self, ref: DataRef) -> None:
         if ref.get("lent"):

@@ -27,6 +27,7 @@ class DataRef(TypedDict):
     lent: NotRequired[bool]  # the worker copies the bytes out; the client fills the segment again (dataplane/lent.py)
     retired: NotRequired[list[str]]  # lent segments the client let go since its last lent one: unmap them
     lender: NotRequired[str]  # the client's pool of lent segments (a client that reattached has a new one)
+    offset: NotRequired[int]  # where in a lent segment the buffers start (its region: dataplane/lent.py)
 
 
 class SyncState(TypedDict):
