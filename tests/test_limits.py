@@ -13,6 +13,7 @@ from reliability import record
 
 import genie_core
 from genie_core.errors import LimitExceeded
+from genie_core.remote_tensor.stream import OpStream
 
 SECTION = "Session limits"
 
@@ -101,6 +102,22 @@ def test_an_upload_over_the_limit_is_refused_before_a_byte_moves(limited):
     assert limited.segments() <= before
     assert held.cpu().tolist() == [0.0]  # the session and what it held go on
     assert torch.ones(MiB).to(DEV).sum().item() == MiB
+
+
+def test_a_part_of_an_upload_over_the_limit_fails_it_and_keeps_the_rest(limited, monkeypatch):
+    """An upload in parts (a GPU server's, past UPLOAD_PART) whose first part passes the server's
+    limit fails as one upload would, naming the limit; its later parts do nothing, and the tensors
+    held before stay intact."""
+    monkeypatch.setenv("GENIE_UPLOAD_SEGMENTS", "lent")
+    monkeypatch.setattr(OpStream, "UPLOAD_PART", MiB)
+    kept = [torch.full((4,), float(i), device=DEV) for i in range(39)]  # then .to()'s destination: 40
+    assert kept[38].cpu().tolist() == [38.0] * 4
+    with pytest.raises(LimitExceeded, match=r"a tensor sent from here would make this session hold 41 remote"):
+        torch.ones(MiB).to(DEV).cpu()  # 4 MiB: 4 parts
+    assert [t.cpu().tolist() for t in kept[::13]] == [[float(i)] * 4 for i in range(0, 39, 13)]
+    del kept
+    gc.collect()
+    assert torch.equal(torch.arange(float(MiB)).to(DEV).cpu(), torch.arange(float(MiB)))
 
 
 def test_limits_are_per_session(limited):

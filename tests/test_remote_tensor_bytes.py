@@ -22,7 +22,7 @@ from genie_core.dataplane.segment import SHM_DIR, Segment
 from genie_core.dataplane.shm import ShmChannel
 from genie_core.errors import RemoteError
 from genie_core.protocol.contents import DataRef
-from genie_core.remote_tensor.stream import lends_uploads
+from genie_core.remote_tensor.stream import OpStream, lends_uploads
 
 DEV = "remote_accelerator:0"
 MiB = 1 << 20
@@ -161,6 +161,31 @@ def test_a_lent_region_is_filled_again_only_once_its_batch_is_answered(lent, mon
         assert torch.equal((x + i).to(DEV).cpu(), x + i), i
     assert lent.made - made <= 1 and [r["offset"] for r in refs[3:]] == [0, 0, 0]
     assert not (SHM_DIR / refs[0]["segment"]).exists()
+    model = nn.Linear(1024, 1024)
+    remote = nn.Linear(1024, 1024).to(DEV)
+    remote.load_state_dict(model.state_dict())
+    inp = torch.randn(4, 1024)
+    assert torch.allclose(remote(inp.to(DEV)).cpu(), model(inp), atol=1e-5)
+
+
+def test_a_big_upload_to_a_worker_that_copies_it_out_goes_in_parts(lent, monkeypatch):
+    """Past UPLOAD_PART bytes an upload to a GPU server goes in parts, a batch each, sent before
+    the op returns (a later change to the CPU tensor does not reach it): every byte arrives, in any
+    dtype and layout, and each part takes a region of its own size, not a segment of the tensor's."""
+    monkeypatch.setattr(OpStream, "UPLOAD_PART", MiB)
+    refs: list[DataRef] = []
+    monkeypatch.setattr(lent, "ref", lambda region, sizes, ref=lent.ref: refs.append(ref(region, sizes)) or refs[-1])
+    for x in (
+        torch.randn(1000, 1500).to(torch.bfloat16),  # 2.9 MiB: three parts
+        torch.randn(1500, 1000).t(),  # not contiguous: one copy here, then 6 parts
+        torch.arange(3 * MiB // 8, dtype=torch.float64),  # exactly 3 parts
+    ):
+        refs.clear()
+        y = x.to(DEV)
+        before = x.clone()
+        x.add_(1)
+        assert torch.equal(y.cpu(), before) and y.stride() == before.stride()
+        assert len(refs) == -(-x.nbytes // MiB) and max(sum(r["sizes"]) for r in refs) == MiB
     model = nn.Linear(1024, 1024)
     remote = nn.Linear(1024, 1024).to(DEV)
     remote.load_state_dict(model.state_dict())

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 if TYPE_CHECKING:
-    from .tensor_ops import HostTensor
+    from .tensor_ops import HostBytes, HostTensor
 
 # What the worker must find in an op's output: shape, strides, storage offset, dtype (the output of
 # the op's meta kernel on the client); None where the output is not a tensor, or not checked.
@@ -31,6 +31,10 @@ OpRecord: TypeAlias = tuple[
 # "aten_backward" (the backward of "aten" and "graph" calls; kwargs retain: keep the autograd graph).
 CallRecord: TypeAlias = tuple[Literal["call"], str, tuple[Any, ...], dict[str, Any], Sequence[int | None], Expects]
 PutRecord: TypeAlias = tuple[Literal["put"], int, "HostTensor"]  # a CPU tensor uploaded (bytes out of band)
+# A part of a big upload to a GPU server (stream.py: OpStream.upload): bytes from `start` on of the
+# tensor under the id; the first part (start 0) says how to make it (shape, strides, dtype).
+Layout: TypeAlias = tuple[tuple[int, ...], tuple[int, ...], Any]
+PartRecord: TypeAlias = tuple[Literal["part"], int, int, "HostBytes", Layout | None]
 FreeRecord: TypeAlias = tuple[Literal["free"], int]  # the client dropped its last reference
 # Outputs (ids) of an op (its name) that failed on the client during backward, with the error text.
 FailRecord: TypeAlias = tuple[Literal["fail"], list[int], str, str]
@@ -57,6 +61,7 @@ Record: TypeAlias = (
     OpRecord
     | CallRecord
     | PutRecord
+    | PartRecord
     | FreeRecord
     | FailRecord
     | SeedRecord

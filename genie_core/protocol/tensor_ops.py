@@ -90,6 +90,32 @@ class HostTensor:
         )
 
 
+class HostBytes:
+    """Bytes [start, end) of a dense CPU tensor (HostTensor's), sent out of band with no copy: a
+    part of a big upload. Unpickled as a flat uint8 tensor."""
+
+    __slots__ = ("end", "start", "tensor")
+
+    def __init__(self, tensor: Any, start: int, end: int) -> None:
+        self.tensor, self.start, self.end = tensor, start, end
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        import pickle
+
+        raw = memoryview(torch_bytes(self.tensor))[self.start : self.end]
+        return (_rebuild_host_bytes, (pickle.PickleBuffer(raw),))
+
+
+def _rebuild_host_bytes(raw: Any) -> Any:
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only message frames: ours now
+        return torch.frombuffer(raw, dtype=torch.uint8)
+
+
 def torch_bytes(t: Any) -> Any:
     """The bytes of a dense tensor's storage, as a numpy uint8 array (no copy)."""
     import torch

@@ -41,6 +41,7 @@ class OpStream:
     them while more are recorded here. A failure in any batch is raised at the wait, naming the op."""
 
     SUBMIT_EVERY = 256
+    UPLOAD_PART = 32 << 20  # bytes of a big upload's part (to a worker that copies uploads out)
     SPARE_CORES = 4  # a server on this host runs alongside the notebook from this many cores up
 
     def __init__(self, client: Any, index: int) -> None:
@@ -102,12 +103,23 @@ class OpStream:
         """Record a CPU tensor's values going to the server as `rid`. One that goes by the data
         plane (64 KiB and up, a data plane chosen) is refused first when it is more than the session
         may hold, and is not copied here: the batch goes out at the end of the op that records it
-        (`send_uploads`), the bytes read from the tensor's own memory as they are sent."""
-        from ..protocol.tensor_ops import HostTensor
+        (`send_uploads`), the bytes read from the tensor's own memory as they are sent. Past
+        UPLOAD_PART bytes, an upload to a worker that copies it out (a GPU's) goes in parts, each
+        in a batch sent at once: the worker copies one to the device while the next is copied
+        here, and each takes a region of the lent segments (none as big as the tensor is made)."""
+        from ..protocol.tensor_ops import HostBytes, HostTensor
 
         nbytes = tensor.numel() * tensor.element_size()
         self.transfers.refuse_over_limit(nbytes, "this upload to remote_accelerator")
         borrow = self.transfers.goes_by_data_plane(nbytes) and self._uncaptured is None
+        if borrow and nbytes > self.UPLOAD_PART and lends_uploads(self.device_kind):
+            whole = HostTensor(tensor, snapshot=False).tensor  # dense, at offset 0 (copied if it was not)
+            layout = (tuple(whole.shape), whole.stride(), whole.dtype)
+            for start in range(0, nbytes, self.UPLOAD_PART):
+                end = min(start + self.UPLOAD_PART, nbytes)
+                self.record(("part", rid, start, HostBytes(whole, start, end), None if start else layout))
+                self._submit()
+            return
         self.record(("put", rid, HostTensor(tensor, snapshot=not borrow)))
         self._borrowed |= borrow
 

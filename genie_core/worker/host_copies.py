@@ -157,6 +157,16 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return out
 
 
+def bytes_into(host: torch.Tensor, out: torch.Tensor, start: int) -> None:
+    """Host bytes (flat uint8) into `out`'s bytes from `start` on (`out` dense, at offset 0): a part
+    of a big upload. Done with `host` when it returns."""
+    dst = _bytes(out)[start : start + host.numel()]
+    if out.device.type != "cuda" or host.numel() < RING_MIN or way() == "pageable":
+        dst.copy_(host)
+        return
+    _copy(host, dst, out.device, way())
+
+
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """A tensor's values in host memory: what a fetch sends. From a GPU, a contiguous view copies
     only its own bytes and a dense permuted one its storage into the same layout; any other view is

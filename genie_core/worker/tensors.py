@@ -280,7 +280,7 @@ class TensorExecutor:
     def _poison(self, record: Record, op: str, error: BaseException) -> None:
         """What a record that failed, or was skipped after a failure, would have made: later uses
         name the failure."""
-        if record[0] == "put":
+        if record[0] == "put" or record[0] == "part":
             self.store[record[1]] = _Failed("put", error)
         elif record[0] == "op" or record[0] == "call":
             out_ids = record[4]
@@ -322,6 +322,15 @@ class TensorExecutor:
             stored = host_copies.to_device(uploaded, self.device)
             self.store[rid] = stored.clone() if self.lent and stored is uploaded else stored  # (a CPU server's)
             self._check_limits("a tensor sent from here")
+        elif record[0] == "part":
+            _, rid, start, data, layout = record
+            if layout is not None:  # the first part: the tensor made, then filled part by part
+                shape, stride, dtype = layout
+                self.store[rid] = torch.empty_strided(shape, stride, dtype=dtype, device=self.device)
+                self._check_limits("a tensor sent from here")
+            target = self.store.get(rid)
+            if type(target) is torch.Tensor:  # (not if its first part failed: that failure names it)
+                host_copies.bytes_into(cast(torch.Tensor, data), target, start)
         elif record[0] == "fail":  # outputs of an op that failed on the client during backward
             _, failed, op, message = record
             for rid in failed:
