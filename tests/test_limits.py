@@ -13,6 +13,7 @@ from reliability import record
 
 import genie_core
 from genie_core.errors import LimitExceeded
+from genie_core.remote_tensor.connection import stream_for
 from genie_core.remote_tensor.stream import OpStream
 
 SECTION = "Session limits"
@@ -112,8 +113,11 @@ def test_a_part_of_an_upload_over_the_limit_fails_it_and_keeps_the_rest(limited,
     monkeypatch.setattr(OpStream, "UPLOAD_PART", MiB)
     kept = [torch.full((4,), float(i), device=DEV) for i in range(39)]  # then .to()'s destination: 40
     assert kept[38].cpu().tolist() == [38.0] * 4
+    stream = stream_for(0)
+    sent = stream.messages
     with pytest.raises(LimitExceeded, match=r"a tensor sent from here would make this session hold 41 remote"):
-        torch.ones(MiB).to(DEV).cpu()  # 4 MiB: 4 parts
+        torch.ones(MiB).to(DEV).cpu()  # 4 MiB: 4 parts, a batch each
+    assert stream.messages - sent >= 4
     assert [t.cpu().tolist() for t in kept[::13]] == [[float(i)] * 4 for i in range(0, 39, 13)]
     del kept
     gc.collect()

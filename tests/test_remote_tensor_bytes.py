@@ -22,6 +22,7 @@ from genie_core.dataplane.segment import SHM_DIR, Segment
 from genie_core.dataplane.shm import ShmChannel
 from genie_core.errors import RemoteError
 from genie_core.protocol.contents import DataRef
+from genie_core.remote_tensor.connection import stream_for
 from genie_core.remote_tensor.stream import OpStream, lends_uploads
 
 DEV = "remote_accelerator:0"
@@ -142,7 +143,7 @@ def lent(remote, monkeypatch):
     return genie_core.get_cluster_state().client.transfers.channel.lent_segments(0)
 
 
-def test_a_lent_region_is_filled_again_only_once_its_batch_is_answered(lent, monkeypatch):
+def test_a_lent_region_is_filled_again_only_once_its_batch_is_answered(lent, monkeypatch, tmp_path):
     """Uploads sent while the worker is busy each take a region of their own in one segment; once
     answered, the next ones fill the segment again from its start (the pages already warm), and no
     name is left in /dev/shm."""
@@ -151,8 +152,12 @@ def test_a_lent_region_is_filled_again_only_once_its_batch_is_answered(lent, mon
     monkeypatch.setattr(lent, "ref", lambda region, sizes, ref=lent.ref: refs.append(ref(region, sizes)) or refs[-1])
     made = lent.made
     x = torch.randn(MiB)  # 4 MiB
-    busy = client.execute("import time; time.sleep(1)")  # the worker runs nothing else meanwhile
+    gate = tmp_path / "go"
+    busy = client.execute(  # the worker runs nothing else until the uploads are sent (at most 30 s)
+        f"import os, time\nfor _ in range(3000):\n    if os.path.exists({str(gate)!r}): break\n    time.sleep(0.01)"
+    )
     queued = [(x + i).to(DEV) for i in range(3)]
+    gate.touch()
     assert len({(r["segment"], r["offset"]) for r in refs}) == 3 and len({r["segment"] for r in refs}) == 1
     for i, y in enumerate(queued):
         assert torch.equal(y.cpu(), x + i), i
@@ -179,18 +184,44 @@ def test_a_big_upload_to_a_worker_that_copies_it_out_goes_in_parts(lent, monkeyp
         torch.randn(1000, 1500).to(torch.bfloat16),  # 2.9 MiB: three parts
         torch.randn(1500, 1000).t(),  # not contiguous: one copy here, then 6 parts
         torch.arange(3 * MiB // 8, dtype=torch.float64),  # exactly 3 parts
+        torch.arange(MiB // 4 + 16),  # 64 bytes over a part: two of half that, both by the data plane
     ):
         refs.clear()
         y = x.to(DEV)
         before = x.clone()
         x.add_(1)
         assert torch.equal(y.cpu(), before) and y.stride() == before.stride()
-        assert len(refs) == -(-x.nbytes // MiB) and max(sum(r["sizes"]) for r in refs) == MiB
+        assert len(refs) == -(-x.nbytes // MiB) and max(sum(r["sizes"]) for r in refs) <= MiB
     model = nn.Linear(1024, 1024)
     remote = nn.Linear(1024, 1024).to(DEV)
     remote.load_state_dict(model.state_dict())
     inp = torch.randn(4, 1024)
     assert torch.allclose(remote(inp.to(DEV)).cpu(), model(inp), atol=1e-5)
+
+
+def test_an_upload_interrupted_between_parts_leaves_nothing_on_the_worker(lent, monkeypatch):
+    """Ctrl-C between two parts of an upload: what parts went are let go on the worker with the
+    next batch, and the session goes on."""
+    monkeypatch.setattr(OpStream, "UPLOAD_PART", MiB)
+    stream = stream_for(0)
+    torch.remote_accelerator.synchronize()
+    held = stream.server_tensors
+    submit, calls = OpStream._submit, []
+
+    def interrupted(self, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        submit(self, **kwargs)
+
+    monkeypatch.setattr(OpStream, "_submit", interrupted)
+    x = torch.arange(float(MiB))  # 4 MiB: 4 parts
+    with pytest.raises(KeyboardInterrupt):
+        x.to(DEV)
+    monkeypatch.setattr(OpStream, "_submit", submit)
+    torch.remote_accelerator.synchronize()
+    assert stream.server_tensors == held
+    assert torch.equal(x.to(DEV).cpu(), x)
 
 
 def _request(answer: dict | None = None) -> SimpleNamespace:
@@ -245,12 +276,12 @@ def test_lent_segments_stay_within_their_limit(monkeypatch):
 
 
 def test_an_upload_past_the_working_bytes_waits_for_the_worker_once_not_for_a_busy_one(monkeypatch):
-    """Once WORKING bytes are made, an upload with no room waits for the oldest batch's answer and
+    """Once WORKING_BYTES are made, an upload with no room waits for the oldest batch's answer and
     takes the region it frees; one the worker does not answer within WAIT is not waited for again
     (a busy worker: a new segment instead)."""
     monkeypatch.setattr(lent_module, "MIN_SIZE", 4 * MiB)
-    monkeypatch.setattr(lent_module, "WORKING", 4 * MiB)
-    monkeypatch.setattr(lent_module, "WAIT", 0.3)
+    monkeypatch.setattr(lent_module, "WORKING_BYTES", 4 * MiB)
+    monkeypatch.setattr(lent_module, "WAIT", 30)  # (answered after 0.1 s)
     pool = LentSegments(limit=64 * MiB)
     try:
         oldest, newer = _request(), _request()
@@ -259,11 +290,27 @@ def test_an_upload_past_the_working_bytes_waits_for_the_worker_once_not_for_a_bu
         threading.Timer(0.1, _answer, (oldest,)).start()
         third = _lend(pool, 2 * MiB, _request())
         assert third == {**first, "sizes": [2 * MiB]} and pool.made == 1 and pool.waits == 1
+        monkeypatch.setattr(lent_module, "WAIT", 0.3)
         start = time.monotonic()
         fourth = _lend(pool, 4 * MiB, _request())  # `newer` is never answered: WAIT, then a new segment
         fifth = _lend(pool, 2 * MiB, _request())  # no room again, and `newer` not waited for again
         assert fourth and fifth and len({first["segment"], fourth["segment"], fifth["segment"]}) == 3
         assert pool.made == 3 and pool.waits == 2 and time.monotonic() - start >= 0.3
+    finally:
+        pool.close()
+
+
+def test_a_region_whose_batch_did_not_go_is_free_again_and_its_segment_kept(monkeypatch):
+    """A region whose filling failed (its batch certainly not sent) is taken again at once, and its
+    warm segment is not retired for it."""
+    pool = LentSegments(limit=256 * MiB)
+    try:
+        region = pool.take(MiB)
+        ref = pool.ref(region, [])
+        pool.forget(ref, sent=False)
+        again = _lend(pool, MiB, _request())
+        assert again and again["segment"] == ref["segment"] and again["offset"] == ref["offset"] == 0
+        assert pool.made == 1 and (SHM_DIR / ref["segment"]).exists()
     finally:
         pool.close()
 

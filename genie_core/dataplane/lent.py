@@ -9,11 +9,11 @@ lent segment is made once, mapped once on each side, and its regions filled agai
 that named each is answered; its name goes at the worker's first mapping (as an adopted segment's
 does), so nothing is left in /dev/shm whichever side dies.
 
-Client side, `LentSegments`: each segment (an `Arena`) is cut into regions in a ring, one for each
+Client side, `LentSegments`: each segment (a `SegmentRing`) is cut into regions in a ring, one for each
 batch's uploads (`model.to` sends a batch per parameter). A region answered with no error and not
 `kept` is free again; any other answer, or a lost connection, spoils its segment, retired once
 nothing in it is out (its name goes in the next lent reference's `retired`, for the worker to
-unmap). Once WORKING bytes of segments are made, an upload that finds no room waits (at most WAIT
+unmap). Once WORKING_BYTES of segments are made, an upload that finds no room waits (at most WAIT
 seconds) for the worker to answer the oldest batch out rather than make more: a model moved in
 lockstep with the worker's copies stays in memory already warm. Where a new segment would pass
 `limit`, `take` returns None and the caller makes a one-off segment, adopted as before.
@@ -29,19 +29,30 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from ..protocol.contents import DataRef
 from .segment import SHM_DIR, Segment
 
 MIN_SIZE = 64 << 20  # a lent segment's smallest size; bigger ones are powers of two from here
-WORKING = 256 << 20  # bytes of lent segments made before an upload waits for the worker instead
-WAIT = 1.0  # seconds an upload waits for the worker to answer the oldest batch before making more
+WORKING_BYTES = 256 << 20  # of lent segments made before an upload waits for the worker instead
+# seconds an upload waits for the worker to answer the oldest batch before making more (it waits
+# holding the client's data-plane lock: another thread's transfer waits with it)
+WAIT = 1.0
 LIMIT = 2 << 30  # bytes a client keeps lent or ready for one worker, at most a quarter of /dev/shm
 ALIGN = 4096  # regions start on a page
 _taken = itertools.count()
+
+
+class Answerable(Protocol):
+    """What a region reads of the request that carries it (client/connection.py: Request)."""
+
+    answer: dict[str, Any] | None
+    lost: bool
+    settled: threading.Event
 
 
 def default_limit() -> int:
@@ -58,7 +69,7 @@ class Region:
     def __init__(self, segment: Segment, offset: int, size: int) -> None:
         self.segment, self.offset, self.size = segment, offset, size
         self.end = offset + size
-        self.request: Any = None
+        self.request: Answerable | None = None
         self.order = next(_taken)  # which was taken first, across segments
 
     @property
@@ -75,7 +86,7 @@ class Region:
         return answer is not None and answer.get("status") == "ok" and not answer.get("kept")
 
 
-class Arena:
+class SegmentRing:
     """One lent segment cut into regions in a ring: taken in order, given back in order (a worker
     answers its batches in order). An upload starts at the segment's start whenever the regions out
     leave room there, so a segment reused in lockstep stays in the pages it warmed."""
@@ -85,7 +96,7 @@ class Arena:
         self.regions: list[Region] = []  # out (taken or lent), oldest first
 
     def place(self, size: int) -> Region | None:
-        size = -(-max(size, 1) // ALIGN) * ALIGN
+        """A region of `size` bytes (a multiple of ALIGN) where the ring has room, or None."""
         capacity = self.segment.size
         if not self.regions:
             offset: int | None = 0 if size <= capacity else None
@@ -106,12 +117,12 @@ class Arena:
 
 
 class LentSegments:
-    """A client's lent segments (arenas) for one worker, and the regions of them out with requests."""
+    """A client's lent segments for one worker, and the regions of them out with requests."""
 
     def __init__(self, limit: int | None = None) -> None:
         self.limit = default_limit() if limit is None else limit
-        self._arenas: list[Arena] = []  # oldest first
-        self._spoiled: list[Arena] = []  # answered with an error or a kept view: retired once all is settled
+        self._rings: list[SegmentRing] = []  # oldest first
+        self._spoiled: list[SegmentRing] = []  # answered with an error or a kept view: retired once all is settled
         self._retired: list[str] = []  # names to tell the worker it may unmap
         self._stalled: Any = None  # a request waited for in vain: not waited for again
         self.lender = os.urandom(6).hex()  # this pool, as the worker knows it (a reattached client's is new)
@@ -120,15 +131,16 @@ class LentSegments:
 
     def take(self, size: int) -> Region | None:
         """A region of at least `size` bytes: in a segment made before where one has room (waiting
-        for the worker's answer to the oldest batch out, once WORKING bytes are made), else in a new
+        for the worker's answer to the oldest batch out, once WORKING_BYTES are made), else in a new
         one; None when a new one would pass the limit (the caller sends a one-off segment)."""
+        size = -(-max(size, 1) // ALIGN) * ALIGN
         self._reclaim()
         region = self._place(size)
-        past_working = self._held() + self._capacity(size) > min(WORKING, self.limit)
+        past_working = self._held() + self._capacity(size) > min(WORKING_BYTES, self.limit)
         if region is None and past_working and self._wait_for_oldest():
             self._reclaim()
             region = self._place(size)
-        return region if region is not None else self._new_arena(size)
+        return region if region is not None else self._new_ring(size)
 
     def ref(self, region: Region, sizes: list[int]) -> DataRef:
         """The reference a batch carries for a filled region (and the names retired since the last)."""
@@ -137,118 +149,129 @@ class LentSegments:
             ref["retired"], self._retired = self._retired, []
         return ref
 
-    def lend(self, ref: DataRef, request: Any) -> None:
+    def lend(self, ref: DataRef, request: Answerable) -> None:
         """The region `ref` names went out with `request`: free again once that is answered well."""
         region = self._find(ref)
         if region is not None and region.request is None:
             region.request = request
 
-    def forget(self, ref: DataRef) -> None:
-        """A taken region whose request was not sent, or may not have been (its filling or sending
-        failed): its segment is retired once nothing else in it is out, as the worker may or may not
-        map it; the names `ref` carried to retire are carried by the next. (A region not taken here,
-        or lent already, is left alone.)"""
+    def forget(self, ref: DataRef, *, sent: bool = True) -> None:
+        """A taken region whose request failed. `sent=False`: it certainly did not go (its filling
+        failed), and the region is free again. Else it may have: the worker may or may not map its
+        segment, which is retired once nothing else in it is out. The names `ref` carried to retire
+        are carried by the next. (A region not taken here, or lent already, is left alone.)"""
         region = self._find(ref)
         if region is None or region.request is not None:
             return
         self._retired.extend(ref.get("retired") or ())
+        if not sent:
+            for ring in self._rings:
+                if region in ring.regions:
+                    ring.regions.remove(region)  # (a gap inside the ring is not taken again before it turns)
+            return
         region.request = _NOT_SENT
         self._reclaim()  # (its segment is spoiled now)
 
     def _find(self, ref: DataRef) -> Region | None:
-        for arena in (*self._arenas, *self._spoiled):
-            if arena.segment.name == ref["segment"]:
-                for region in arena.regions:
+        for ring in (*self._rings, *self._spoiled):
+            if ring.segment.name == ref["segment"]:
+                for region in ring.regions:
                     if region.offset == ref.get("offset", 0):
                         return region
         return None
 
     def _place(self, size: int) -> Region | None:
-        for arena in self._arenas:
-            region = arena.place(size)
+        for ring in self._rings:
+            region = ring.place(size)
             if region is not None:
                 return region
         return None
 
     def _capacity(self, size: int) -> int:
+        """A new segment's size: MIN_SIZE at least, unless the limit is smaller (a small /dev/shm,
+        such as a container's 64 MiB, gives a 16 MiB limit): then the upload's own power of two."""
         capacity = 1 << (max(size, 1) - 1).bit_length()
         return capacity if self.limit < MIN_SIZE else max(capacity, MIN_SIZE)
 
-    def _new_arena(self, size: int) -> Region | None:
+    def _new_ring(self, size: int) -> Region | None:
         capacity = self._capacity(size)
         if self._out() + capacity > self.limit:
             return None  # (no free one is retired for nothing)
-        for arena in [a for a in self._arenas if not a.regions]:
+        for ring in [r for r in self._rings if not r.regions]:
             if self._held() + capacity <= self.limit:
                 break
-            self._arenas.remove(arena)  # the oldest free ones make room
-            self._retire(arena)
+            self._rings.remove(ring)  # the oldest free ones make room
+            self._retire(ring)
         try:
             segment = Segment.create("genie-c", capacity)
         except OSError:  # /dev/shm is short of a power of two: a one-off segment of the size may fit
             return None
         self.made += 1
-        arena = Arena(segment)
-        self._arenas.append(arena)
-        return arena.place(size)
+        ring = SegmentRing(segment)
+        self._rings.append(ring)
+        return ring.place(size)
 
     def _wait_for_oldest(self) -> bool:
-        """Wait (at most WAIT seconds) for the oldest region out to be answered; False if there is
-        none to wait for, or the worker did not answer it in time (a busy worker: not waited for again)."""
-        out = [r for a in self._arenas for r in a.regions[:1] if r.request is not None and not r.settled()]
-        if not out:
+        """Wait (at most WAIT seconds) for the oldest region out to be answered. True when one was
+        (or already is: room may be free); False if there is none to wait for, or the worker did not
+        answer in time (a busy worker: that request is not waited for again)."""
+        first = [r for ring in self._rings for r in ring.regions[:1] if r.request is not None]
+        if any(r.settled() for r in first):
+            return True
+        if not first:
             return False
-        request = min(out, key=lambda r: r.order).request
-        settled = getattr(request, "settled", None)
-        if request is self._stalled or settled is None:
+        request = min(first, key=lambda r: r.order).request
+        assert request is not None
+        if request is self._stalled:
             return False
         self.waits += 1
-        if not settled.wait(WAIT):
+        if not request.settled.wait(WAIT):
             self._stalled = request
             return False
         return True
 
     def _reclaim(self) -> None:
-        for arena in list(self._arenas):
-            if any(r.settled() and not r.reusable() for r in arena.regions):
-                self._spoil(arena)
+        for ring in list(self._rings):
+            if any(r.settled() and not r.reusable() for r in ring.regions):
+                self._spoil(ring)
                 continue
-            while arena.regions and arena.regions[0].reusable():
-                arena.regions.pop(0)
-        for arena in list(self._spoiled):
-            if all(r.settled() for r in arena.regions):
-                self._spoiled.remove(arena)
-                self._retire(arena)
+            while ring.regions and ring.regions[0].reusable():
+                ring.regions.pop(0)
+        for ring in list(self._spoiled):
+            if all(r.settled() for r in ring.regions):
+                self._spoiled.remove(ring)
+                self._retire(ring)
 
-    def _spoil(self, arena: Arena) -> None:
-        if arena in self._arenas:
-            self._arenas.remove(arena)
-            self._spoiled.append(arena)
+    def _spoil(self, ring: SegmentRing) -> None:
+        if ring in self._rings:
+            self._rings.remove(ring)
+            self._spoiled.append(ring)
 
     def _out(self) -> int:
         """Bytes of segments with regions out (taken or lent): not to be retired to make room."""
-        return sum(a.segment.size for a in (*self._arenas, *self._spoiled) if a.regions)
+        return sum(r.segment.size for r in (*self._rings, *self._spoiled) if r.regions)
 
     def _held(self) -> int:
-        return sum(a.segment.size for a in (*self._arenas, *self._spoiled))
+        return sum(r.segment.size for r in (*self._rings, *self._spoiled))
 
-    def _retire(self, arena: Arena) -> None:
-        arena.segment.close()
-        arena.segment.unlink()  # (the worker removed the name at its first mapping; not if it never mapped it)
-        self._retired.append(arena.segment.name)
+    def _retire(self, ring: SegmentRing) -> None:
+        ring.segment.close()
+        ring.segment.unlink()  # (the worker removed the name at its first mapping; not if it never mapped it)
+        self._retired.append(ring.segment.name)
 
     def close(self) -> None:
-        for arena in (*self._arenas, *self._spoiled):
-            arena.segment.close()
-            arena.segment.unlink()
-        self._arenas, self._spoiled, self._retired = [], [], []
+        for ring in (*self._rings, *self._spoiled):
+            ring.segment.close()
+            ring.segment.unlink()
+        self._rings, self._spoiled, self._retired = [], [], []
 
 
 class _NotSent:
-    """The request of a region whose batch never went: settled, not reusable."""
+    """The request of a region whose batch may not have gone: settled, not reusable."""
 
-    answer = None
+    answer: dict[str, Any] | None = None
     lost = True
+    settled = threading.Event()
 
 
 _NOT_SENT = _NotSent()

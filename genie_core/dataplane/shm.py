@@ -69,7 +69,7 @@ class ShmChannel(Channel):
         try:
             ref["sizes"] = pack_into(region.view, buffers)
         except BaseException:
-            pool.forget(ref)
+            pool.forget(ref, sent=False)
             raise
         return ref
 

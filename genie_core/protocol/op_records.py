@@ -80,4 +80,6 @@ Record: TypeAlias = (
 
 def name_of(record: Record) -> str:
     """What a record is called in an error or a profile: an op's or call's name, else its kind."""
-    return record[1] if record[0] == "op" or record[0] == "call" else record[0]
+    if record[0] == "op" or record[0] == "call":
+        return record[1]
+    return "put" if record[0] == "part" else record[0]  # (a part of an upload fails as the upload)

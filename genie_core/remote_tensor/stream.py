@@ -115,10 +115,16 @@ class OpStream:
         if borrow and nbytes > self.UPLOAD_PART and lends_uploads(self.device_kind):
             whole = HostTensor(tensor, snapshot=False).tensor  # dense, at offset 0 (copied if it was not)
             layout = (tuple(whole.shape), whole.stride(), whole.dtype)
-            for start in range(0, nbytes, self.UPLOAD_PART):
-                end = min(start + self.UPLOAD_PART, nbytes)
-                self.record(("part", rid, start, HostBytes(whole, start, end), None if start else layout))
-                self._submit()
+            parts = -(-nbytes // self.UPLOAD_PART)
+            size = -(-nbytes // parts)  # parts of one size: none too small for the data plane
+            try:
+                for start in range(0, nbytes, size):
+                    end = min(start + size, nbytes)
+                    self.record(("part", rid, start, HostBytes(whole, start, end), None if start else layout))
+                    self._submit()
+            except BaseException:  # (interrupted, or a part refused): what parts went are let go
+                self.record(("free", rid))
+                raise
             return
         self.record(("put", rid, HostTensor(tensor, snapshot=not borrow)))
         self._borrowed |= borrow

@@ -587,8 +587,9 @@ def _encode_storage(storage: Any, stream: OpStream) -> StorageOf:
     loaded = serialization.loaded.get(storage.data_ptr()) if storage.device.type == DEVICE_TYPE else None
     if loaded is not None:  # torch.load onto the device: the bytes go up once per storage
         if loaded.rid is None or loaded.stream is not stream:
-            loaded.rid, loaded.stream = new_id(), stream
-            stream.upload(loaded.rid, torch.empty(0, dtype=torch.uint8).set_(loaded.cpu))
+            rid = new_id()
+            stream.upload(rid, torch.empty(0, dtype=torch.uint8).set_(loaded.cpu))
+            loaded.rid, loaded.stream = rid, stream  # (once the upload is recorded: not if it was refused)
         return StorageOf(Ref(loaded.rid))
     raise RuntimeError(
         f"set_: this {storage.device} storage is not the storage of a remote tensor; use a remote tensor's "

@@ -161,10 +161,11 @@ def bytes_into(host: torch.Tensor, out: torch.Tensor, start: int) -> None:
     """Host bytes (flat uint8) into `out`'s bytes from `start` on (`out` dense, at offset 0): a part
     of a big upload. Done with `host` when it returns."""
     dst = _bytes(out)[start : start + host.numel()]
-    if out.device.type != "cuda" or host.numel() < RING_MIN or way() == "pageable":
+    chosen = way() if out.device.type == "cuda" and host.numel() >= RING_MIN else "pageable"
+    if chosen == "pageable":
         dst.copy_(host)
         return
-    _copy(host, dst, out.device, way())
+    _copy(host, dst, out.device, chosen)
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
