@@ -143,13 +143,27 @@ def lent(remote, monkeypatch):
     return genie_core.get_cluster_state().client.transfers.channel.lent_segments(0)
 
 
+def _lent_refs(lent: LentSegments, monkeypatch) -> list[DataRef]:
+    """The references of the lent regions filled from here on, as they are made."""
+    refs: list[DataRef] = []
+    monkeypatch.setattr(lent, "ref", lambda region, sizes, ref=lent.ref: refs.append(ref(region, sizes)) or refs[-1])
+    return refs
+
+
+def _a_model_moves_and_computes() -> None:
+    model = nn.Linear(1024, 1024)
+    remote = nn.Linear(1024, 1024).to(DEV)
+    remote.load_state_dict(model.state_dict())
+    inp = torch.randn(4, 1024)
+    assert torch.allclose(remote(inp.to(DEV)).cpu(), model(inp), atol=1e-5)
+
+
 def test_a_lent_region_is_filled_again_only_once_its_batch_is_answered(lent, monkeypatch, tmp_path):
     """Uploads sent while the worker is busy each take a region of their own in one segment; once
     answered, the next ones fill the segment again from its start (the pages already warm), and no
     name is left in /dev/shm."""
     client = genie_core.get_cluster_state().client
-    refs: list[DataRef] = []
-    monkeypatch.setattr(lent, "ref", lambda region, sizes, ref=lent.ref: refs.append(ref(region, sizes)) or refs[-1])
+    refs = _lent_refs(lent, monkeypatch)
     made = lent.made
     x = torch.randn(MiB)  # 4 MiB
     gate = tmp_path / "go"
@@ -166,11 +180,7 @@ def test_a_lent_region_is_filled_again_only_once_its_batch_is_answered(lent, mon
         assert torch.equal((x + i).to(DEV).cpu(), x + i), i
     assert lent.made - made <= 1 and [r["offset"] for r in refs[3:]] == [0, 0, 0]
     assert not (SHM_DIR / refs[0]["segment"]).exists()
-    model = nn.Linear(1024, 1024)
-    remote = nn.Linear(1024, 1024).to(DEV)
-    remote.load_state_dict(model.state_dict())
-    inp = torch.randn(4, 1024)
-    assert torch.allclose(remote(inp.to(DEV)).cpu(), model(inp), atol=1e-5)
+    _a_model_moves_and_computes()
 
 
 def test_a_big_upload_to_a_worker_that_copies_it_out_goes_in_parts(lent, monkeypatch):
@@ -178,8 +188,7 @@ def test_a_big_upload_to_a_worker_that_copies_it_out_goes_in_parts(lent, monkeyp
     the op returns (a later change to the CPU tensor does not reach it): every byte arrives, in any
     dtype and layout, and each part takes a region of its own size, not a segment of the tensor's."""
     monkeypatch.setattr(OpStream, "UPLOAD_PART", MiB)
-    refs: list[DataRef] = []
-    monkeypatch.setattr(lent, "ref", lambda region, sizes, ref=lent.ref: refs.append(ref(region, sizes)) or refs[-1])
+    refs = _lent_refs(lent, monkeypatch)
     for x in (
         torch.randn(1000, 1500).to(torch.bfloat16),  # 2.9 MiB: three parts
         torch.randn(1500, 1000).t(),  # not contiguous: one copy here, then 6 parts
@@ -192,11 +201,7 @@ def test_a_big_upload_to_a_worker_that_copies_it_out_goes_in_parts(lent, monkeyp
         x.add_(1)
         assert torch.equal(y.cpu(), before) and y.stride() == before.stride()
         assert len(refs) == -(-x.nbytes // MiB) and max(sum(r["sizes"]) for r in refs) <= MiB
-    model = nn.Linear(1024, 1024)
-    remote = nn.Linear(1024, 1024).to(DEV)
-    remote.load_state_dict(model.state_dict())
-    inp = torch.randn(4, 1024)
-    assert torch.allclose(remote(inp.to(DEV)).cpu(), model(inp), atol=1e-5)
+    _a_model_moves_and_computes()
 
 
 def test_an_upload_interrupted_between_parts_leaves_nothing_on_the_worker(lent, monkeypatch):
