@@ -320,6 +320,22 @@ def test_a_region_whose_batch_did_not_go_is_free_again_and_its_segment_kept(monk
         pool.close()
 
 
+def test_a_region_whose_batch_may_have_gone_retires_its_segment():
+    """A region whose sending failed (the worker may or may not map its segment) spoils it: the
+    segment is unlinked, its name goes to the worker with the next lent reference, and the next
+    upload takes a new one."""
+    pool = LentSegments(limit=256 * MiB)
+    try:
+        region = pool.take(MiB)
+        ref = pool.ref(region, [MiB])
+        pool.forget(ref)
+        after = _lend(pool, MiB, _request())
+        assert after and after["segment"] != ref["segment"] and after["retired"] == [ref["segment"]]
+        assert pool.made == 2 and not (SHM_DIR / ref["segment"]).exists()
+    finally:
+        pool.close()
+
+
 def test_a_segment_a_batch_kept_a_view_of_is_retired_once_nothing_in_it_is_out():
     """An answer that says `kept` (or an error) spoils the region's segment: nothing more is placed
     in it, and it is retired (unlinked, its name sent for the worker to unmap) only once every

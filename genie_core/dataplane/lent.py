@@ -67,8 +67,7 @@ class Region:
     """Bytes of a lent segment that one batch's uploads fill; out with `request` once sent."""
 
     def __init__(self, segment: Segment, offset: int, size: int) -> None:
-        self.segment, self.offset, self.size = segment, offset, size
-        self.end = offset + size
+        self.segment, self.offset, self.end = segment, offset, offset + size
         self.request: Answerable | None = None
         self.order = next(_taken)  # which was taken first, across segments
 
@@ -124,7 +123,7 @@ class LentSegments:
         self._rings: list[SegmentRing] = []  # oldest first
         self._spoiled: list[SegmentRing] = []  # answered with an error or a kept view: retired once all is settled
         self._retired: list[str] = []  # names to tell the worker it may unmap
-        self._stalled: Any = None  # a request waited for in vain: not waited for again
+        self._stalled: Answerable | None = None  # a request waited for in vain: not waited for again
         self.lender = os.urandom(6).hex()  # this pool, as the worker knows it (a reattached client's is new)
         self.made = 0  # segments made (a benchmark and the tests read it)
         self.waits = 0  # uploads that waited for the worker to give a region back
