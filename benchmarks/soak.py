@@ -16,6 +16,7 @@ from typing import Any
 
 import psutil
 
+from genie_core.dataplane import memcopy
 from genie_core.protocol.codec import HASHERS
 from genie_core.server.admission import VERIFIERS
 
@@ -163,7 +164,7 @@ def _thread_names(pid: int) -> dict[str, int]:
 
 # Thread pools the server grows on first use, up to a fixed size (genie_core.threads names them):
 # threads in them are not a leak while each pool stays within its size.
-POOLS = {"genie-verify": VERIFIERS, "genie-hash": HASHERS}
+POOLS = {"genie-verify": VERIFIERS, "genie-hash": HASHERS, "genie-copy": memcopy.THREADS - 1}
 
 
 def _pooled(names: dict[str, int]) -> dict[str, int]:

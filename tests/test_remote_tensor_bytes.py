@@ -503,9 +503,9 @@ def test_the_workers_host_copies_leave_a_cpu_server_alone_and_refuse_an_unknown_
     assert all(map(host_copies._dense, dense)) and not any(map(host_copies._dense, not_dense))
 
 
-def test_packing_copies_every_byte_on_torchs_threads_or_not_and_warns_of_nothing():
-    """pack_into: big writable buffers through torch's copy, read-only ones (and small ones) by
-    memoryview, without a warning from torch about a buffer it could write."""
+def test_packing_copies_every_byte_and_warns_of_nothing():
+    """pack_into: big buffers on memcopy's threads (read-only ones too), small ones by memoryview,
+    without a warning from torch about a buffer it could write."""
     import warnings
 
     import numpy as np
@@ -527,3 +527,61 @@ def test_packing_copies_every_byte_on_torchs_threads_or_not_and_warns_of_nothing
     finally:
         segment.close()
         segment.unlink()
+
+
+def test_big_copies_go_in_pieces_on_the_copy_threads_and_land_whole(monkeypatch):
+    """memcopy: a copy past PIECE is cut into pieces (page-aligned starts, a short last one), each
+    but the caller's on a thread of the pool; every byte lands, whatever the size."""
+    import numpy as np
+
+    from genie_core.dataplane import memcopy
+
+    monkeypatch.setattr(memcopy, "THREADS", 4)  # (a pool even on a 2-core machine)
+    names: set[str] = set()
+    move = memcopy.ctypes.memmove
+
+    def noted(dst, src, n):
+        names.add(threading.current_thread().name.split("_")[0])
+        return move(dst, src, n)
+
+    monkeypatch.setattr(memcopy.ctypes, "memmove", noted)
+    rng = np.random.default_rng(0)
+    for n in (0, 1, MiB - 1, 3 * MiB + 7, 9 * MiB + 4097):
+        src = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        dst = bytearray(n)
+        memcopy.copy_buffer(memoryview(dst), src)  # (a read-only source)
+        assert bytes(dst) == src, n
+    assert names == {"MainThread", "genie-copy"}, names
+    with pytest.raises(ValueError, match="copying 4 bytes into 3"):
+        memcopy.copy_buffer(bytearray(3), bytes(4))
+    with pytest.raises(ValueError, match="read-only"):
+        memcopy.copy_buffer(bytes(4), bytes(4))
+
+
+def test_a_forked_child_copies_without_its_parents_threads():
+    """The copy pool's threads are not in a forked child: it makes its own (else its first big
+    copy would wait forever on threads that do not exist there)."""
+    import os
+
+    from genie_core.dataplane import memcopy
+
+    if memcopy.THREADS < 2:
+        pytest.skip("one copy thread here: no pool to lose")
+    memcopy.copy_buffer(bytearray(8 * MiB), bytes(8 * MiB))  # the parent's pool running
+    pid = os.fork()
+    if pid == 0:
+        try:
+            dst = bytearray(8 * MiB)
+            memcopy.copy_buffer(dst, b"\1" * (8 * MiB))
+            os._exit(0 if dst == b"\1" * (8 * MiB) else 1)
+        finally:
+            os._exit(2)
+    for _ in range(100):  # 10 s at most
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.1)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child's copy did not finish in 10 s")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import mmap
 import os
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..threads import name_os_thread
+from . import memcopy
 
 SHM_DIR = Path("/dev/shm")
 
@@ -217,18 +217,16 @@ def sweep_dead() -> int:
     return removed
 
 
-THREADED_COPY_MIN = 1 << 20  # bytes: from here torch's copy wins, even on 2 cores (37 against 39 us)
+THREADED_COPY_MIN = 1 << 20  # bytes: from here a copy on threads wins, even on 2 cores (37 against 39 us)
 
 
 def copy_bytes(dst: memoryview, src: memoryview) -> None:
-    """dst[:] = src (bytes, same length): on torch's threads when torch is loaded already, the copy
-    is big and the source writable (torch warns of a read-only one). A memoryview copy is one
-    thread: 8 GiB/s on a 16-core GPU machine, where torch's copy_ moved 48 (benchmarks/RESULTS.md)."""
-    torch = sys.modules.get("torch")
-    if torch is None or len(src) < THREADED_COPY_MIN or src.readonly:
+    """dst[:] = src (bytes, same length); a big copy on memcopy's threads. A memoryview copy is one
+    thread: 8 GiB/s on a 16-core GPU machine, where 16 threads moved 48 (benchmarks/RESULTS.md)."""
+    if len(src) < THREADED_COPY_MIN:
         dst[:] = src
         return
-    torch.frombuffer(dst, dtype=torch.uint8).copy_(torch.frombuffer(src, dtype=torch.uint8))
+    memcopy.copy_buffer(dst, src)
 
 
 def pack_into(view: memoryview, buffers: list[Any], progress: Any = None, chunk: int = 64 << 20) -> list[int]:

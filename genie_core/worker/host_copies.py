@@ -21,6 +21,8 @@ from contextlib import contextmanager
 
 import torch
 
+from ..dataplane import memcopy
+
 CHUNK = 16 << 20  # bytes per staging buffer
 SLOTS = 2
 RING_MIN = 1 << 20
@@ -56,7 +58,9 @@ def _dense(t: torch.Tensor) -> bool:
 
 class PinnedRing:
     """SLOTS pinned buffers of `chunk` bytes and a copy stream; `slot_ready[i]` is recorded after the
-    copy engine's last use of buffer i (the host waits on it before filling the buffer again)."""
+    copy engine's last use of buffer i (the host waits on it before filling the buffer again). The
+    host copies go on memcopy's threads, not torch's: the client copies the next upload on its own
+    at the same time (dataplane/memcopy.py)."""
 
     def __init__(self, device: torch.device, chunk: int = CHUNK, slots: int = SLOTS) -> None:
         self.device = device
@@ -76,7 +80,7 @@ class PinnedRing:
                 slot, size = i % slots, min(self.chunk, n - start)
                 self.slot_ready[slot].synchronize()
                 staged = self.buffers[slot][:size]
-                staged.copy_(src[start : start + size])
+                memcopy.copy(staged.data_ptr(), src.data_ptr() + start, size)
                 with torch.cuda.stream(stream):
                     dst[start : start + size].copy_(staged, non_blocking=True)
                     self.slot_ready[slot].record(stream)
@@ -99,7 +103,7 @@ class PinnedRing:
             issue(*piece)
         for i, (slot, start, size) in enumerate(pieces):
             self.slot_ready[slot].synchronize()
-            dst[start : start + size].copy_(self.buffers[slot][:size])
+            memcopy.copy(dst.data_ptr() + start, self.buffers[slot].data_ptr(), size)
             if i + slots < len(pieces):
                 issue(*pieces[i + slots])
 
