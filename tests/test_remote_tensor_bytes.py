@@ -585,3 +585,41 @@ def test_a_forked_child_copies_without_its_parents_threads():
     os.kill(pid, 9)
     os.waitpid(pid, 0)
     pytest.fail("the forked child's copy did not finish in 10 s")
+
+
+class _StandInStream:
+    """LABELLED STAND-IN for a CUDA stream or event (this machine has no GPU): every copy here is
+    done when issued, so only the ring's pieces and byte offsets are checked, not their overlap
+    (tests/test_gpu.py checks the ring on a GPU)."""
+
+    def wait_stream(self, other):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+
+def test_the_pinned_rings_pieces_land_at_their_offsets_both_ways(monkeypatch):
+    """PinnedRing (worker/host_copies.py) with CPU buffers and stand-in streams: an upload and a
+    download of 3 buffers and a bit, each piece copied by memcopy at its own offset."""
+    import contextlib
+
+    from genie_core.worker import host_copies
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _StandInStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    ring = host_copies.PinnedRing.__new__(host_copies.PinnedRing)  # (its __init__ pins memory: CUDA's)
+    ring.device, ring.chunk = torch.device("cpu"), 2 * MiB
+    ring.buffers = [torch.empty(ring.chunk, dtype=torch.uint8) for _ in range(host_copies.SLOTS)]
+    ring.stream, ring.slot_ready = _StandInStream(), [_StandInStream() for _ in range(host_copies.SLOTS)]
+    n = 3 * ring.chunk + 4097
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    there = torch.zeros(n, dtype=torch.uint8)
+    ring.upload(src[1:], there[1:])  # (views that start past their storage's first byte)
+    assert torch.equal(there[1:], src[1:]) and there[0] == 0
+    back = torch.zeros(n, dtype=torch.uint8)
+    ring.download(there[1:], back[1:])
+    assert torch.equal(back[1:], src[1:]) and back[0] == 0
