@@ -13,6 +13,7 @@ import zmq
 from conftest import run, start_server, stdout_of
 
 from genie_core.client import Client
+from genie_core.errors import ProtocolError
 from genie_core.protocol import Codec, Message, derive_key
 
 LIMIT = 1 << 20  # the server under test refuses messages over 1 MiB
@@ -99,6 +100,49 @@ def test_a_message_with_a_tampered_buffer_does_not_run(victim, marker):
         c._loop.call_soon(lambda: c._loop.send(c.main, tampered))
     _settled(victim)
     assert not marker.exists()
+
+
+class _WrongSigner(Codec):
+    """Signs what it packs wrongly, as if a buffer changed after signing; reads replies rightly."""
+
+    def pack(self, msg: Message) -> list:
+        frames = super().pack(msg)
+        frames[1] = b"0" * len(frames[1])
+        return frames
+
+
+def test_a_request_refused_for_its_signature_is_answered_not_left_waiting(victim, marker):
+    """A request on the client's own connection whose bytes no longer match its signature ends in
+    one error within seconds instead of a wait with no end; nothing of it runs, and the session
+    goes on (its sequence number was not taken)."""
+    c = victim.connection
+    right = c.codec
+    c.codec = _WrongSigner(right.key)
+    try:
+        request = victim.execute(_code(marker))
+    finally:
+        c.codec = right
+    with pytest.raises(ProtocolError, match="signature does not match its bytes"):
+        request.wait(10)
+    _settled(victim)
+    assert not marker.exists()
+
+
+def test_a_request_refused_for_its_signature_is_answered_on_the_sessions_own_connection_only(srv, victim, marker):
+    """The same wrongly signed request naming the victim's session from another client's connection
+    gets no answer there (an answer would tell it the session exists), and does not run."""
+    intruder = srv.client()
+    try:
+        heard: list[Message] = []
+        intruder.connection.on_orphan = heard.append
+        msg = Message("execute", {"code": _code(marker)})
+        _inject(intruder, msg, codec=_WrongSigner(intruder.connection.codec.key), session=victim.session)
+        _settled(intruder)  # (an answer to the refused one would have come first: one connection, in order)
+        _settled(victim)
+        assert [m for m in heard if m.parent == msg.id] == []
+        assert not marker.exists()
+    finally:
+        intruder.close()
 
 
 def test_a_replayed_message_runs_once(victim, marker):

@@ -124,6 +124,7 @@ class Admission:
         except ProtocolError as exc:
             log.warning("dropped a message that failed authentication or parsing: %s", exc)
             self._answer_failed_hello(identity, body, str(exc))
+            self._answer_own_connection(identity, body, str(exc))
             return
         if msg.type == MessageType.HELLO:
             if self._fresh_hello(msg):
@@ -216,6 +217,26 @@ class Admission:
             ours = local_versions()
             answer = {"protocol": ours["protocol"], "genie": ours["genie"]}
             self._send_raw(identity, [VERSIONS_TAG, json.dumps(answer).encode()])
+
+    def _answer_own_connection(self, identity: bytes, body: list[Any], reason: str) -> None:
+        """A request whose signature fails on its session's own control connection (its bytes
+        changed while it was sent, or a client's bug) is answered with an error, signed, to that
+        connection alone: its sender stops waiting instead of hanging. Nothing of it runs, and its
+        sequence number is not taken. Any other connection still hears nothing."""
+        if reason != "bad signature":
+            return
+        try:
+            claimed = self.codec.unpack(body, verify=False)
+        except ProtocolError:
+            return
+        session = self.sessions.get(claimed.session)
+        if session is None or session.peer(identity) is not Peer.CLIENT:
+            return
+        why = (
+            f"the server refused a {claimed.type!r} request: its signature does not match its bytes "
+            "(did a buffer change while it was being sent?); nothing of it ran"
+        )
+        self._reply(identity, claimed, MessageType.ERROR_REPLY, error_content("ProtocolError", why))
 
     def _answer_failed_hello(self, identity: bytes, body: list[Any], reason: str) -> None:
         """Tell a client whose hello fails authentication why, so it need not wait for a timeout.
