@@ -55,6 +55,10 @@ class ProtocolError(GenieError):
     """A message was malformed, unsigned, replayed or too large."""
 
 
+class BadSignature(ProtocolError):
+    """A message's signature does not match its bytes (the wrong key, or bytes changed after signing)."""
+
+
 class LimitExceeded(GenieError):
     """A session went over a limit its server sets (remote tensors held, bytes held)."""
 

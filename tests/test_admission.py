@@ -125,6 +125,20 @@ def test_a_request_refused_for_its_signature_is_answered_not_left_waiting(victim
     with pytest.raises(ProtocolError, match="signature does not match its bytes"):
         request.wait(10)
     _settled(victim)
+    _inject(victim, Message("execute", {"code": _code(marker)}), codec=_WrongSigner(right.key), seq=10**9)
+    _settled(victim)  # (had the refused one's sequence number been taken, this would be a replay)
+    assert not marker.exists()
+
+
+def test_a_wrongly_signed_request_with_a_header_past_its_bound_gets_no_answer(victim, marker):
+    """To answer a refused request the server reads its unverified header, and only one of at most
+    4 KiB (a real header is about 200 bytes): past that, nothing is parsed and nothing answered."""
+    heard: list[Message] = []
+    victim.connection.on_orphan = heard.append
+    msg = Message("execute", {"code": _code(marker)}, id="x" * 5000)
+    _inject(victim, msg, codec=_WrongSigner(victim.connection.codec.key))
+    _settled(victim)
+    assert [m for m in heard if m.parent == msg.id] == []
     assert not marker.exists()
 
 

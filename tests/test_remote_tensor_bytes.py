@@ -538,10 +538,12 @@ def test_big_copies_go_in_pieces_on_the_copy_threads_and_land_whole(monkeypatch)
 
     monkeypatch.setattr(memcopy, "THREADS", 4)  # (a pool even on a 2-core machine)
     names: set[str] = set()
+    pieces: list[tuple[int, int]] = []
     move = memcopy.ctypes.memmove
 
     def noted(dst, src, n):
         names.add(threading.current_thread().name.split("_")[0])
+        pieces.append((dst, n))
         return move(dst, src, n)
 
     monkeypatch.setattr(memcopy.ctypes, "memmove", noted)
@@ -549,8 +551,15 @@ def test_big_copies_go_in_pieces_on_the_copy_threads_and_land_whole(monkeypatch)
     for n in (0, 1, MiB - 1, 3 * MiB + 7, 9 * MiB + 4097):
         src = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
         dst = bytearray(n)
+        pieces.clear()
         memcopy.copy_buffer(memoryview(dst), src)  # (a read-only source)
         assert bytes(dst) == src, n
+        base = min(at for at, _ in pieces)
+        starts = sorted((at - base, size) for at, size in pieces)
+        assert len(starts) == (1 if n < 2 * MiB else min(4, n // MiB)), (n, starts)
+        assert all(start % 4096 == 0 for start, _ in starts), starts  # (pages of the buffer)
+        assert [start for start, _ in starts] == [0, *(start + size for start, size in starts[:-1])]
+        assert sum(size for _, size in starts) == n
     assert names == {"MainThread", "genie-copy"}, names
     with pytest.raises(ValueError, match="copying 4 bytes into 3"):
         memcopy.copy_buffer(bytearray(3), bytes(4))
@@ -623,3 +632,7 @@ def test_the_pinned_rings_pieces_land_at_their_offsets_both_ways(monkeypatch):
     back = torch.zeros(n, dtype=torch.uint8)
     ring.download(there[1:], back[1:])
     assert torch.equal(back[1:], src[1:]) and back[0] == 0
+    with pytest.raises(ValueError, match="cannot copy"):  # (a shorter buffer: the copy would run past it)
+        ring.download(there, back[: n // 2])
+    with pytest.raises(ValueError, match="flat contiguous uint8"):
+        ring.upload(src[: n // 8 * 4].view(torch.int32), there[: n // 8 * 4])

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ProtocolError
+from ..errors import BadSignature, ProtocolError
 from ..threads import name_os_thread
 
 PROTOCOL = b"genie/2"
@@ -118,7 +118,7 @@ class Codec:
         if verify and self.key is not None:
             expected = self.sign([header_b, content_b, *buffers])
             if not hmac.compare_digest(expected, bytes(parts[1])):
-                raise ProtocolError("bad signature")
+                raise BadSignature("bad signature")
         try:
             header = json.loads(bytes(header_b))
             content = json.loads(bytes(content_b))

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ProtocolError
+from ..errors import BadSignature, ProtocolError
 from ..protocol import RUNS, VERSIONS_TAG, Codec, Message, MessageType, Peer, contents, parse, split_identities
 from ..protocol.errors import SESSION_NOT_FOUND, error_content
 from ..threads import name_os_thread
@@ -29,6 +29,7 @@ log = logging.getLogger("genie.server")
 
 VERIFIERS = 2  # threads that check big messages' signatures (a bounded pool)
 BIG_MESSAGE = 8 << 20  # bytes of buffers above which a signature is checked off the loop thread
+HEADER_BYTES = 4096  # of an unverified header read to answer a refused request (a real one is ~200)
 HELLO_MAX_AGE = 300.0  # seconds: a hello stamped further from our clock is refused (replayed, or a clock far off)
 HELLOS_REMEMBERED = 10_000  # ids of recent hellos: a hello is taken once
 
@@ -124,7 +125,7 @@ class Admission:
         except ProtocolError as exc:
             log.warning("dropped a message that failed authentication or parsing: %s", exc)
             self._answer_failed_hello(identity, body, str(exc))
-            self._answer_own_connection(identity, body, str(exc))
+            self._answer_own_connection(identity, body, exc)
             return
         if msg.type == MessageType.HELLO:
             if self._fresh_hello(msg):
@@ -218,23 +219,25 @@ class Admission:
             answer = {"protocol": ours["protocol"], "genie": ours["genie"]}
             self._send_raw(identity, [VERSIONS_TAG, json.dumps(answer).encode()])
 
-    def _answer_own_connection(self, identity: bytes, body: list[Any], reason: str) -> None:
+    def _answer_own_connection(self, identity: bytes, body: list[Any], exc: ProtocolError) -> None:
         """A request whose signature fails on its session's own control connection (its bytes
         changed while it was sent, or a client's bug) is answered with an error, signed, to that
-        connection alone: its sender stops waiting instead of hanging. Nothing of it runs, and its
-        sequence number is not taken. Any other connection still hears nothing."""
-        if reason != "bad signature":
+        connection alone: its sender stops waiting instead of hanging. It does not run, and its
+        sequence number is not taken. Only its header is read (at most HEADER_BYTES, unverified, for
+        its session and id); any other connection still hears nothing."""
+        if not isinstance(exc, BadSignature) or len(body) < 4 or len(body[2]) > HEADER_BYTES:
             return
         try:
-            claimed = self.codec.unpack(body, verify=False)
-        except ProtocolError:
+            header = json.loads(bytes(body[2].buffer if hasattr(body[2], "buffer") else body[2]))
+            session = self.sessions.get(str(header["session"]))
+            claimed = Message(str(header["type"]), {}, session=str(header["session"]), id=str(header["id"]), seq=0)
+        except Exception:  # (anything unparseable, nested past the recursion limit, or missing a key)
             return
-        session = self.sessions.get(claimed.session)
-        if session is None or session.peer(identity) is not Peer.CLIENT:
+        if session is None or session.peer(identity) is not Peer.CLIENT or claimed.type == MessageType.HELLO:
             return
         why = (
-            f"the server refused a {claimed.type!r} request: its signature does not match its bytes "
-            "(did a buffer change while it was being sent?); nothing of it ran"
+            "the server refused this request: its signature does not match its bytes "
+            "(did a buffer change while it was being sent?); it was not run"
         )
         self._reply(identity, claimed, MessageType.ERROR_REPLY, error_content("ProtocolError", why))
 

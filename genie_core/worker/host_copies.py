@@ -72,6 +72,7 @@ class PinnedRing:
     def upload(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Host bytes `src` into device bytes `dst` (flat uint8, same size). Returns once `src` has
         been read; the device's current stream waits for the copies (nothing else does)."""
+        _check_bytes(src, dst, host=src)
         stream, n, slots = self.stream, src.numel(), len(self.buffers)
         current = torch.cuda.current_stream(self.device)
         stream.wait_stream(current)  # (dst was allocated there)
@@ -90,6 +91,7 @@ class PinnedRing:
     def download(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Device bytes `src` into host bytes `dst` (flat uint8, same size), done when it returns.
         The copy engine fills one buffer while the host empties another."""
+        _check_bytes(src, dst, host=dst)
         stream, n, slots = self.stream, src.numel(), len(self.buffers)
         pieces = [(i % slots, start, min(self.chunk, n - start)) for i, start in enumerate(range(0, n, self.chunk))]
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -106,6 +108,17 @@ class PinnedRing:
             memcopy.copy(dst.data_ptr() + start, self.buffers[slot].data_ptr(), size)
             if i + slots < len(pieces):
                 issue(*pieces[i + slots])
+
+
+def _check_bytes(src: torch.Tensor, dst: torch.Tensor, host: torch.Tensor) -> None:
+    """The ring copies host bytes by address: both sides flat contiguous uint8 of one length, the
+    host side in CPU memory (else a copy could run past a buffer)."""
+    if any(t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous() for t in (src, dst)):
+        raise ValueError("the pinned ring copies flat contiguous uint8 tensors only")
+    if src.numel() != dst.numel() or host.device.type != "cpu":
+        raise ValueError(
+            f"the pinned ring cannot copy {src.numel()} bytes on {src.device} into {dst.numel()} on {dst.device}"
+        )
 
 
 _rings: dict[torch.device, PinnedRing] = {}
