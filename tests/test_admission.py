@@ -253,6 +253,18 @@ def test_an_oversized_message_does_not_run_and_the_client_carries_on(victim, mar
     assert not marker.exists()
 
 
+def test_only_a_bad_signature_is_answered_as_one(victim, marker):
+    """The answer to a refused request says its signature did not match: a message refused for
+    anything else (here its size, its signature right) on the same connection gets none."""
+    heard: list[Message] = []
+    victim.connection.on_orphan = heard.append
+    msg = Message("execute", {"code": _code(marker)}, [bytes(LIMIT // 4)] * 5)
+    _inject(victim, msg)
+    _settled(victim)
+    assert [m for m in heard if m.parent == msg.id] == []
+    assert not marker.exists()
+
+
 def test_one_oversized_frame_drops_only_that_connection(victim, marker):
     """A frame over the limit: zmq drops the connection. What was in flight on it fails at once
     (ConnectionLost, never a hang), and the client carries on once zmq has reconnected."""

@@ -539,14 +539,14 @@ def test_big_copies_go_in_pieces_on_the_copy_threads_and_land_whole(monkeypatch)
     monkeypatch.setattr(memcopy, "THREADS", 4)  # (a pool even on a 2-core machine)
     names: set[str] = set()
     pieces: list[tuple[int, int]] = []
-    move = memcopy.ctypes.memmove
+    move = memcopy._move
 
     def noted(dst, src, n):
         names.add(threading.current_thread().name.split("_")[0])
         pieces.append((dst, n))
         return move(dst, src, n)
 
-    monkeypatch.setattr(memcopy.ctypes, "memmove", noted)
+    monkeypatch.setattr(memcopy, "_move", noted)
     rng = np.random.default_rng(0)
     for n in (0, 1, MiB - 1, 3 * MiB + 7, 9 * MiB + 4097):
         src = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
@@ -565,6 +565,58 @@ def test_big_copies_go_in_pieces_on_the_copy_threads_and_land_whole(monkeypatch)
         memcopy.copy_buffer(bytearray(3), bytes(4))
     with pytest.raises(ValueError, match="read-only"):
         memcopy.copy_buffer(bytes(4), bytes(4))
+
+
+def test_a_copy_lands_whole_when_its_threads_are_gone_fails_loudly_and_outlasts_an_interrupt(monkeypatch):
+    """memcopy's edges: at interpreter shutdown (a pool that takes no more tasks) the caller copies
+    every piece itself; a piece that fails raises, never a silent partial copy; an interrupt while
+    the pieces run is raised only once every piece is done (none writes after `copy` returns)."""
+    import concurrent.futures
+
+    import numpy as np
+
+    from genie_core.dataplane import memcopy
+
+    monkeypatch.setattr(memcopy, "THREADS", 4)
+    src = np.random.default_rng(1).integers(0, 256, 8 * MiB, dtype=np.uint8).tobytes()
+    shut = concurrent.futures.ThreadPoolExecutor(1)
+    shut.shutdown()
+    monkeypatch.setattr(memcopy, "_pool", shut)
+    dst = bytearray(8 * MiB)
+    memcopy.copy_buffer(dst, src)
+    assert bytes(dst) == src
+    monkeypatch.setattr(memcopy, "_pool", None)  # (a pool of its own for the rest; monkeypatch ends it)
+    move, done = memcopy._move, []
+
+    def failing(d, s, n):
+        if threading.current_thread() is not threading.main_thread():
+            raise OSError("a piece failed")
+        return move(d, s, n)
+
+    monkeypatch.setattr(memcopy, "_move", failing)
+    with pytest.raises(OSError, match="a piece failed"):
+        memcopy.copy_buffer(bytearray(8 * MiB), src)
+
+    def slow(d, s, n):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.2)
+        move(d, s, n)
+        done.append(n)
+
+    waits = [KeyboardInterrupt]
+    real_wait = memcopy.wait
+
+    def interrupted_wait(futures):
+        if waits:
+            raise waits.pop()()
+        return real_wait(futures)
+
+    monkeypatch.setattr(memcopy, "_move", slow)
+    monkeypatch.setattr(memcopy, "wait", interrupted_wait)
+    with pytest.raises(KeyboardInterrupt):
+        memcopy.copy_buffer(bytearray(8 * MiB), src)
+    assert len(done) == 4 and sum(done) == 8 * MiB, done  # (all pieces done before it was raised)
+    memcopy._threads().shutdown()
 
 
 def test_a_forked_child_copies_without_its_parents_threads():
@@ -636,3 +688,5 @@ def test_the_pinned_rings_pieces_land_at_their_offsets_both_ways(monkeypatch):
         ring.download(there, back[: n // 2])
     with pytest.raises(ValueError, match="flat contiguous uint8"):
         ring.upload(src[: n // 8 * 4].view(torch.int32), there[: n // 8 * 4])
+    with pytest.raises(ValueError, match="cannot copy"):  # (the host side not in CPU memory)
+        ring.upload(torch.empty(n, dtype=torch.uint8, device="meta"), there)

@@ -29,6 +29,7 @@ from ..threads import name_os_thread
 
 THREADS = max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 PIECE = 1 << 20
+_move = ctypes.memmove  # (releases the GIL while it copies; the tests watch the pieces here)
 _pool: ThreadPoolExecutor | None = None
 _lock = threading.Lock()
 
@@ -38,7 +39,7 @@ def copy(dst: int, src: int, n: int) -> None:
     caller's thread copies a piece too. The caller keeps both buffers alive."""
     pieces = min(THREADS, n // PIECE)
     if pieces <= 1:
-        ctypes.memmove(dst, src, n)
+        _move(dst, src, n)
         return
     step = (-(-n // pieces) + 4095) & ~4095  # (pieces start on a page)
     pool = _threads()
@@ -47,10 +48,10 @@ def copy(dst: int, src: int, n: int) -> None:
         for start in range(step, n, step):
             size = min(step, n - start)
             try:
-                futures.append(pool.submit(ctypes.memmove, dst + start, src + start, size))
+                futures.append(pool.submit(_move, dst + start, src + start, size))
             except RuntimeError:  # (no new tasks at interpreter shutdown: this thread copies it)
-                ctypes.memmove(dst + start, src + start, size)
-        ctypes.memmove(dst, src, min(step, n))
+                _move(dst + start, src + start, size)
+        _move(dst, src, min(step, n))
     finally:
         _wait_all(futures)
     for future in futures:

@@ -124,8 +124,7 @@ class Admission:
             msg = verified or self.codec.unpack(body)
         except ProtocolError as exc:
             log.warning("dropped a message that failed authentication or parsing: %s", exc)
-            self._answer_failed_hello(identity, body, str(exc))
-            self._answer_own_connection(identity, body, exc)
+            self._answer_bad_signature(identity, body, exc)
             return
         if msg.type == MessageType.HELLO:
             if self._fresh_hello(msg):
@@ -219,42 +218,31 @@ class Admission:
             answer = {"protocol": ours["protocol"], "genie": ours["genie"]}
             self._send_raw(identity, [VERSIONS_TAG, json.dumps(answer).encode()])
 
-    def _answer_own_connection(self, identity: bytes, body: list[Any], exc: ProtocolError) -> None:
-        """A request whose signature fails on its session's own control connection (its bytes
-        changed while it was sent, or a client's bug) is answered with an error, signed, to that
-        connection alone: its sender stops waiting instead of hanging. It does not run, and its
-        sequence number is not taken. Only its header is read (at most HEADER_BYTES, unverified, for
-        its session and id); any other connection still hears nothing."""
-        if not isinstance(exc, BadSignature) or len(body) < 4 or len(body[2]) > HEADER_BYTES:
+    def _answer_bad_signature(self, identity: bytes, body: list[Any], exc: ProtocolError) -> None:
+        """Answer a message whose signature fails, so that its sender need not wait for a timeout;
+        only its header is read (at most HEADER_BYTES, unverified: its type, session and id).
+        - A hello: the wrong token. Unsigned (we share no key with it) and carrying nothing.
+        - A request on its session's own control connection (its bytes changed while it was sent,
+          or a client's bug): an error, signed, to that connection alone. It does not run, and its
+          sequence number is not taken.
+        Any other connection hears nothing."""
+        if not isinstance(exc, BadSignature) or len(body[2]) > HEADER_BYTES:
             return
         try:
             header = json.loads(bytes(body[2].buffer if hasattr(body[2], "buffer") else body[2]))
-            session = self.sessions.get(str(header["session"]))
-            claimed = Message(str(header["type"]), {}, session=str(header["session"]), id=str(header["id"]), seq=0)
+            kind, session_id, msg_id = str(header["type"]), str(header["session"]), str(header["id"])
         except Exception:  # (anything unparseable, nested past the recursion limit, or missing a key)
             return
-        if session is None or session.peer(identity) is not Peer.CLIENT or claimed.type == MessageType.HELLO:
+        if kind == MessageType.HELLO:
+            reason = contents.AuthFailed(reason="signature does not match: wrong token")
+            self._send_raw(identity, Codec(None).pack(Message(MessageType.AUTH_FAILED, reason, parent=msg_id)))
+            return
+        session = self.sessions.get(session_id)
+        if session is None or session.peer(identity) is not Peer.CLIENT:
             return
         why = (
             "the server refused this request: its signature does not match its bytes "
             "(did a buffer change while it was being sent?); it was not run"
         )
+        claimed = Message(kind, session=session_id, id=msg_id)
         self._reply(identity, claimed, MessageType.ERROR_REPLY, error_content("ProtocolError", why))
-
-    def _answer_failed_hello(self, identity: bytes, body: list[Any], reason: str) -> None:
-        """Tell a client whose hello fails authentication why, so it need not wait for a timeout.
-        The reply is unsigned (we cannot sign for a key we do not share) and carries nothing."""
-        if "signature" not in reason:
-            return
-        try:
-            header = json.loads(bytes(body[2].buffer if hasattr(body[2], "buffer") else body[2]))
-            if header.get("type") != MessageType.HELLO:
-                return
-            reply = Message(
-                MessageType.AUTH_FAILED,
-                contents.AuthFailed(reason="signature does not match: wrong token"),
-                parent=str(header.get("id", "")),
-            )
-            self._send_raw(identity, Codec(None).pack(reply))
-        except Exception:
-            return
