@@ -167,14 +167,30 @@ def test_a_replayed_request_runs_once(server):
 @pytest.mark.repeat(STRESS)
 def test_interrupt_stops_the_cell_and_keeps_the_session(client):
     run(client, "kept = 'yes'")
-    request = client.execute("import time\ntime.sleep(60)")
-    time.sleep(0.5)
-    start = time.monotonic()
-    client.interrupt()
-    replies = [(m.type, m.content) for m in request.replies(10)]
-    assert time.monotonic() - start < 1.0
-    assert any(t == "error" and c["ename"] == "KeyboardInterrupt" for t, c in replies)
+    # The worker's first traceback imports IPython's formatting (stack_data, pygments): 0.25 s
+    # unloaded here, a few times that beside a 4 GiB transfer. Only that first one gets the slack;
+    # the second is the interrupt's own latency (0.03 to 0.06 s unloaded).
+    for bound in (5.0, 1.0):
+        request = client.execute("import time\ntime.sleep(60)")
+        time.sleep(0.5)
+        start = time.monotonic()
+        client.interrupt()
+        replies = [(m.type, m.content) for m in request.replies(10)]
+        assert time.monotonic() - start < bound
+        assert any(t == "error" and c["ename"] == "KeyboardInterrupt" for t, c in replies)
     assert stdout_of(run(client, "print(kept)")) == "yes\n"
+
+
+def test_an_interrupt_sent_right_after_its_cell_stops_it(client):
+    """Sent at once, the interrupt can reach the worker before its main thread takes the cell: it
+    still stops it (it did not, about one time in five, before the worker counted cells received)."""
+    run(client, "x = 1")
+    for _ in range(20):
+        request = client.execute("import time\ntime.sleep(60)")
+        client.interrupt()
+        replies = [(m.type, m.content) for m in request.replies(5)]
+        assert any(t == "error" and c["ename"] == "KeyboardInterrupt" for t, c in replies)
+    assert stdout_of(run(client, "print(x)")) == "1\n"
 
 
 @pytest.mark.repeat(STRESS)
