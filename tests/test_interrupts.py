@@ -219,3 +219,43 @@ def test_an_interrupt_that_lands_as_a_blocking_call_starts_is_not_lost(client):
         "100 interrupts sent the moment a cell enters time.sleep",
         f"every one ended the cell; slowest {slowest:.2f} s",
     )
+
+
+def test_a_wait_for_a_reply_returns_on_time_through_an_interrupt_press():
+    """The %%remote magic notes each press of the interrupt button (a SIGINT whose handler returns)
+    and acts on it between waits of 0.1 s for the next reply. On Python 3.10 to 3.12 a
+    queue.SimpleQueue's get(timeout=...) that such a signal lands in can wait forever: the magic
+    was seen stuck on a cell that sleeps an hour, the press taken and never sent. A request's
+    wait must end on time whatever signal lands in it. (A watchdog ends a stuck wait after 1 s.)"""
+    import threading
+
+    from genie_core.client.connection import Request
+    from genie_core.protocol import Message
+
+    request = Request(Message("execute", {}), "127.0.0.1:0")
+    presses: list[int] = []
+    waiting_since: list[float] = []
+    finished = threading.Event()
+
+    def watchdog() -> None:
+        while not finished.wait(0.05):
+            if waiting_since and time.monotonic() - waiting_since[0] > 1.0:
+                request.put(Message("stream", {"name": "stdout", "text": "rescued"}))
+                return
+
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: presses.append(signum))
+    threading.Thread(target=watchdog, daemon=True).start()
+    rng, slowest = random.Random(1), 0.0
+    try:
+        for _ in range(300):
+            press = threading.Timer(rng.uniform(0, 0.012), os.kill, (os.getpid(), signal.SIGINT))
+            press.start()
+            waiting_since[:] = [time.monotonic()]
+            got = request.next(timeout=0.01)
+            slowest = max(slowest, time.monotonic() - waiting_since.pop())
+            press.join()
+            assert got is None, f"a wait of 0.01 s took {slowest:.1f} s (ended by the watchdog)"
+    finally:
+        finished.set()
+        signal.signal(signal.SIGINT, previous)
+    assert len(presses) == 300 and slowest < 1.0, (len(presses), slowest)

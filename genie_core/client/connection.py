@@ -64,7 +64,10 @@ class Request:
         self.summary = ""  # a few words on what it does, should it be lost
         self.background = False  # a job: it follows itself after a lost connection (client/jobs.py)
         self.data: Any = None  # where its bytes went over the data plane, for its sender to free if it fails
-        self._queue: queue.SimpleQueue[Message | Closed] = queue.SimpleQueue()
+        # A Queue, not a SimpleQueue: on Python 3.10 to 3.12 SimpleQueue.get(timeout=...) can wait
+        # forever when a signal whose handler returns lands in it, and a notebook waits here with
+        # its interrupt button's handler installed (genie_jupyter/magics.py)
+        self._queue: queue.Queue[Message | Closed] = queue.Queue()
         self.done = False
         # set as the terminal reply arrives (or the connection goes), before anyone waits: a data
         # plane's lent segments (dataplane/lent.py) are free again once their request is answered

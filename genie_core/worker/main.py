@@ -70,6 +70,7 @@ class Worker:
         self.armed = False  # user code is running: a SIGINT raises KeyboardInterrupt in it
         self.interrupt_pending = False  # interrupted before its user code started
         self.cancelled: OrderedDict[str, None] = OrderedDict()  # interrupted before the worker took them
+        self.queued: OrderedDict[str, None] = OrderedDict()  # cells received, not yet taken by the main thread
         self.sigints_sent = self.sigints_seen = 0  # a signal that lands just before a blocking call is resent
         self.loop.call_every(0.1, self._resend_sigint)
         self.shell: Any = None
@@ -87,8 +88,11 @@ class Worker:
         msg = self.codec.unpack(frames)
         if msg.type == T.INTERRUPT:  # handled here, at once: the main thread may be busy for hours
             self._interrupt(cast(contents.Interrupt, msg.content).get("request"))
-        else:
-            self.inbox.put(msg)
+            return
+        if msg.type == T.EXECUTE:
+            with self._interrupt_lock:
+                self.queued[msg.id] = None
+        self.inbox.put(msg)
 
     def _check_parent(self) -> None:
         """A fallback for the lifeline's SIGIO, should user code catch or ignore it, and a sandboxed
@@ -100,17 +104,19 @@ class Worker:
 
     def _interrupt(self, target: str | None) -> None:
         """Interrupt the cell `target` (None: whichever runs). It gets a KeyboardInterrupt in its
-        user code; a cell that has not started yet will not run; a finished one is left alone."""
+        user code; a cell that has not started yet will not run; a finished one is left alone. With
+        no cell running, None means the cells received and not yet started (sent just before it)."""
         with self._interrupt_lock:
             if self.cell and target in (None, self.cell):
                 if self.armed:
                     self._send_sigint()
                 else:
                     self.interrupt_pending = True  # raised as its user code starts
-            elif target:
-                self.cancelled[target] = None
-                while len(self.cancelled) > REMEMBERED_CANCELS:
-                    self.cancelled.popitem(last=False)
+                return
+            for cell in list(self.queued) if target is None else [target]:
+                self.cancelled[cell] = None
+            while len(self.cancelled) > REMEMBERED_CANCELS:
+                self.cancelled.popitem(last=False)
 
     def _send_sigint(self) -> None:
         self.sigints_sent += 1
@@ -238,6 +244,7 @@ class Worker:
         code = execute.get("code", "")
         silent = bool(execute.get("silent", False))
         with self._interrupt_lock:
+            self.queued.pop(msg.id, None)
             cancelled = self.cancelled.pop(msg.id, False) is None
             self.cell = "" if cancelled else msg.id
             self.sigints_seen = self.sigints_sent  # nothing sent for an earlier cell is resent into this one
