@@ -22,6 +22,7 @@ ALL = [
     "remote_tensors",
     "bulk_transfer",
     "tensor_bytes",
+    "across_hosts",
     "host_copies",
     "cell_roundtrip",
     "connect_time",
@@ -47,6 +48,7 @@ QUICK_SECONDS = {
     "monitor_overhead": 5,
     "remote_tensors": 5,
     "tensor_bytes": 8,
+    "across_hosts": 14,
     "host_copies": 1,
     "message_signing": 5,
 }

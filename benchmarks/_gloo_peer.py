@@ -1,6 +1,7 @@
 """One rank of a gloo pair: for every line on stdin, one send/recv of SIZE bytes (fresh
 receive buffer each time, as a new tensor on the far side would need); the receiver prints
-seconds per transfer."""
+seconds per transfer. MASTER_ADDR (default 127.0.0.1) is rank 0's address: another host's, as
+seen from a network namespace."""
 
 import os
 import sys
@@ -10,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 rank, size_bytes, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+os.environ["MASTER_PORT"] = port
 dist.init_process_group("gloo", rank=rank, world_size=2)
 src = torch.randn(size_bytes // 4)
 print("ready", flush=True)

@@ -11,7 +11,8 @@ from genie_core.config import ConnectionInfo
 from genie_core.local_server import start_server_process, stop_process
 
 
-def start(*args: str) -> tuple[subprocess.Popen, ConnectionInfo]:
+def start(*args: str, prefix: tuple[str, ...] = ()) -> tuple[subprocess.Popen, ConnectionInfo]:
+    """`genie serve ARGS` (behind `prefix`, e.g. a network namespace's `ip netns exec NS`), ready."""
     folder = Path(tempfile.mkdtemp(prefix="genie-bench-"))
     env = dict(
         os.environ,
@@ -20,7 +21,7 @@ def start(*args: str) -> tuple[subprocess.Popen, ConnectionInfo]:
         GENIE_RUNTIME_DIR=str(folder),
     )
     proc, info, _ = start_server_process(
-        "--port", "0", *args, env=env, connection_file=folder / "server.json", stderr=subprocess.DEVNULL
+        "--port", "0", *args, env=env, connection_file=folder / "server.json", stderr=subprocess.DEVNULL, prefix=prefix
     )
     return proc, info
 

@@ -7,7 +7,7 @@ import pytest
 from benchmarks.__main__ import ALL, main
 
 
-@pytest.mark.timeout(480)  # twelve benchmarks one after another, a small LLM among them, on two shared cores
+@pytest.mark.timeout(480)  # thirteen benchmarks one after another, a small LLM among them, on two shared cores
 def test_benchmarks_run_in_quick_mode(tmp_path):
     names = [name for name in ALL if name != "soak"]  # tests/test_soak.py runs it for real
     # One lane: two at once would add two busy processes to the suite's own on two cores

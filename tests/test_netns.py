@@ -16,81 +16,19 @@ import time
 import pytest
 from conftest import STRESS
 
+from benchmarks._netns import SERVER_IP, Unavailable, host_pair, inside, sh
 from genie_core.local_server import start_server_process, stop_process
 
 RATE_MBIT = 200
-SERVER_IP, CLIENT_IP = "10.231.77.1", "10.231.77.2"  # inside namespaces this test makes
-
-
-def sh(*cmd: str) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=30)
 
 
 @pytest.fixture
 def hosts():
-    tag = os.urandom(2).hex()
-    srv, cli = f"genie-s{tag}", f"genie-c{tag}"
-    if os.geteuid() != 0 or sh("ip", "netns", "add", srv).returncode != 0:
-        pytest.skip("cannot create network namespaces here (needs root and `ip netns`)")
     try:
-        steps = [
-            ("ip", "netns", "add", cli),
-            ("ip", "link", "add", f"v{tag}s", "type", "veth", "peer", "name", f"v{tag}c"),
-            ("ip", "link", "set", f"v{tag}s", "netns", srv),
-            ("ip", "link", "set", f"v{tag}c", "netns", cli),
-            ("ip", "-n", srv, "addr", "add", f"{SERVER_IP}/24", "dev", f"v{tag}s"),
-            ("ip", "-n", cli, "addr", "add", f"{CLIENT_IP}/24", "dev", f"v{tag}c"),
-            ("ip", "-n", srv, "link", "set", f"v{tag}s", "up"),
-            ("ip", "-n", cli, "link", "set", f"v{tag}c", "up"),
-            ("ip", "-n", srv, "link", "set", "lo", "up"),
-            ("ip", "-n", cli, "link", "set", "lo", "up"),
-            (
-                "ip",
-                "netns",
-                "exec",
-                srv,
-                "tc",
-                "qdisc",
-                "add",
-                "dev",
-                f"v{tag}s",
-                "root",
-                "tbf",
-                "rate",
-                f"{RATE_MBIT}mbit",
-                "burst",
-                "64kb",
-                "latency",
-                "100ms",
-            ),
-            (
-                "ip",
-                "netns",
-                "exec",
-                cli,
-                "tc",
-                "qdisc",
-                "add",
-                "dev",
-                f"v{tag}c",
-                "root",
-                "tbf",
-                "rate",
-                f"{RATE_MBIT}mbit",
-                "burst",
-                "64kb",
-                "latency",
-                "100ms",
-            ),
-        ]
-        for step in steps:
-            result = sh(*step)
-            if result.returncode != 0:
-                pytest.skip(f"network namespace set-up failed at {' '.join(step)}: {result.stderr.strip()}")
-        yield srv, cli
-    finally:
-        sh("ip", "netns", "del", srv)
-        sh("ip", "netns", "del", cli)
+        with host_pair(RATE_MBIT) as pair:
+            yield pair
+    except Unavailable as exc:
+        pytest.skip(str(exc))
 
 
 @contextlib.contextmanager
@@ -132,10 +70,9 @@ def test_discovery_across_a_rate_limited_link(hosts, tmp_path):
     with server_in(srv_ns, tmp_path) as info:
         script = tmp_path / "client.py"
         script.write_text(CLIENT)
-        inner = f"mount -t tmpfs tmpfs /dev/shm && exec {sys.executable} {script} {SERVER_IP}:{info.port} {info.token}"
         start = time.monotonic()
         result = subprocess.run(
-            ["ip", "netns", "exec", cli_ns, "unshare", "--mount", "sh", "-c", inner],
+            inside(cli_ns, sys.executable, str(script), f"{SERVER_IP}:{info.port}", info.token, own_shm=True),
             capture_output=True,
             text=True,
             timeout=120,
@@ -203,9 +140,8 @@ def test_round_trips_reflect_a_delayed_link(hosts, tmp_path):
                 genie_core.shutdown_sync()
             """)
             )
-            inner = f"mount -t tmpfs tmpfs /dev/shm && exec {sys.executable} {script} 127.0.0.1:17001 {info.token}"
             result = subprocess.run(
-                ["ip", "netns", "exec", cli_ns, "unshare", "--mount", "sh", "-c", inner],
+                inside(cli_ns, sys.executable, str(script), "127.0.0.1:17001", info.token, own_shm=True),
                 capture_output=True,
                 text=True,
                 timeout=120,

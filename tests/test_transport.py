@@ -433,3 +433,65 @@ def test_a_put_may_hold_empty_buffers_beside_big_ones(server, connect):
     assert torch.equal(got["t"], t) and got["empty"].shape == (0,)
     ref = state.client.channel.put([b"", bytes(2 << 20)])
     assert ref  # taken
+
+
+@pytest.mark.parametrize("side", ["receiving", "sending"])
+def test_a_tcp_payload_cut_partway_waits_for_the_pieces_still_being_hashed(side):
+    """Pieces are hashed in the background while the next moves; when a transfer fails partway,
+    its memory may be reused or freed as soon as the error is out, so no hashing thread may
+    still be reading it by then. (The hashing pool is held busy for 0.3 s, so the pieces' hashes
+    are still waiting when the connection ends.)"""
+    import threading
+    from concurrent.futures import Future
+
+    from genie_core.dataplane import stream, tcp
+    from genie_core.protocol import codec
+
+    pool = codec._hashing_pool()
+    release = threading.Event()
+    blockers = [pool.submit(release.wait) for _ in range(codec.HASHERS)]
+    threading.Timer(0.3, release.set).start()
+    here, there = socket.socketpair()
+
+    def one_piece_then_the_end() -> None:  # of the two the payload has
+        if side == "receiving":
+            there.sendall(os.urandom(wire.CHUNK))
+        else:
+            wire.recv_exact(there, wire.CHUNK)
+        there.close()
+
+    peer = threading.Thread(target=one_piece_then_the_end)
+    peer.start()
+    mac = wire.PayloadMacs(os.urandom(32), os.urandom(32)).start(b"down")
+    payload = memoryview(bytearray(2 * wire.CHUNK))
+    with here:
+        start = time.monotonic()
+        with pytest.raises(ConnectionError):
+            if side == "receiving":
+                tcp._receive_payload(here, stream.ReceivePayload(payload, mac))
+            else:
+                tcp._send_payload(here, stream.SendPayload([payload], mac))
+        assert time.monotonic() - start >= 0.25  # it waited for the hashing it had started
+    peer.join(5)
+    assert mac.digests and all(d.done() for d in mac.digests if isinstance(d, Future))
+    for blocker in blockers:
+        blocker.result(5)
+
+
+def test_payload_macs_are_the_same_when_the_hashing_pool_is_gone(monkeypatch):
+    """At interpreter shutdown the hashing pool takes no new tasks (a transfer in an atexit hook):
+    pieces are then hashed by the caller, to the same MAC, never an error."""
+    import concurrent.futures
+
+    from genie_core.protocol import codec
+
+    key, nonce, piece = os.urandom(32), os.urandom(32), os.urandom(codec.PARALLEL_FROM)
+    pooled = wire.PayloadMacs(key, nonce).start(b"up")
+    pooled.update(piece)
+    shut = concurrent.futures.ThreadPoolExecutor(1)
+    shut.shutdown()
+    monkeypatch.setattr(codec, "_pool", shut)
+    here = wire.PayloadMacs(key, nonce).start(b"up")
+    here.update(piece)
+    assert here.digest() == pooled.digest()
+    assert codec.chunk_digests(piece) == codec._digests_in_turn(piece)

@@ -47,32 +47,40 @@ def drive(sock: socket.socket, exchange: stream.Exchange) -> Any:
 def _send_payload(sock: socket.socket, step: stream.SendPayload) -> None:
     total = sum(memoryview(b).nbytes for b in step.buffers)
     done = 0
-    for b in step.buffers:
-        view = memoryview(b).cast("B")
-        for start in range(0, len(view), wire.CHUNK):
-            piece = view[start : start + wire.CHUNK]
-            sock.sendall(piece)  # sendall and hashlib both release the GIL
-            if step.mac is not None:
-                step.mac.update(piece)
-            done += len(piece)
-            if step.progress is not None:
-                step.progress(done, total)
+    try:
+        for b in step.buffers:
+            view = memoryview(b).cast("B")
+            for start in range(0, len(view), wire.CHUNK):
+                piece = view[start : start + wire.CHUNK]
+                if step.mac is not None:
+                    step.mac.update(piece)  # hashed while it is sent
+                sock.sendall(piece)
+                done += len(piece)
+                if step.progress is not None:
+                    step.progress(done, total)
+    finally:
+        if step.mac is not None:
+            step.mac.settle()
     if step.mac is not None:
         sock.sendall(step.mac.digest())
 
 
 def _receive_payload(sock: socket.socket, step: stream.ReceivePayload) -> bool:
     offset, total = 0, len(step.view)
-    for size in step.pieces or [total]:
-        buffer = step.view[offset : offset + size]
-        for start in range(0, size, wire.CHUNK):
-            piece = buffer[start : start + wire.CHUNK]
-            wire.recv_exact_into(sock, piece)
-            if step.mac is not None:
-                step.mac.update(piece)
-            if step.progress is not None:
-                step.progress(offset + start + len(piece), total)
-        offset += size
+    try:
+        for size in step.pieces or [total]:
+            buffer = step.view[offset : offset + size]
+            for start in range(0, size, wire.CHUNK):
+                piece = buffer[start : start + wire.CHUNK]
+                wire.recv_exact_into(sock, piece)
+                if step.mac is not None:
+                    step.mac.update(piece)  # hashed while the next piece arrives
+                if step.progress is not None:
+                    step.progress(offset + start + len(piece), total)
+            offset += size
+    finally:
+        if step.mac is not None:
+            step.mac.settle()
     return stream.mac_matches(step.mac, wire.recv_exact(sock, 32) if step.mac is not None else b"")
 
 

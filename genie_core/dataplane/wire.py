@@ -9,9 +9,11 @@ import json
 import socket
 import struct
 from collections.abc import Callable
+from concurrent import futures
+from concurrent.futures import Future
 from typing import Any
 
-from ..protocol import chunk_digests
+from ..protocol import chunk_digests_soon
 
 GREETING = b"GENIE-DATA/2"
 CHUNK = 8 << 20  # bytes per socket call; a multiple of the MAC's 4 MiB chunks
@@ -30,13 +32,20 @@ class PayloadMac:
 
     def __init__(self, key: bytes, label: bytes) -> None:
         self.key, self.label = key, label
-        self.digests: list[bytes] = []
+        self.digests: list[bytes | Future[bytes]] = []
 
     def update(self, piece: Any) -> None:
-        self.digests.append(chunk_digests(piece))
+        """Hash `piece` in the background (kept unchanged and alive until `digest` or `settle`)."""
+        self.digests.append(chunk_digests_soon(piece))
+
+    def settle(self) -> None:
+        """Wait for the pieces still being hashed: a transfer that fails must not free or reuse
+        memory a hashing thread still reads."""
+        futures.wait([d for d in self.digests if isinstance(d, Future)])
 
     def digest(self) -> bytes:
-        return hmac.new(self.key, self.label + b"".join(self.digests), hashlib.sha256).digest()
+        joined = b"".join(d if isinstance(d, bytes) else d.result() for d in self.digests)
+        return hmac.new(self.key, self.label + joined, hashlib.sha256).digest()
 
 
 class PayloadMacs:

@@ -15,7 +15,7 @@ import json
 import os
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,16 +34,42 @@ HASHERS = min(8, os.cpu_count() or 2)  # threads of the hashing pool, made on fi
 _pool: ThreadPoolExecutor | None = None
 
 
-def chunk_digests(buffer: Any) -> bytes:
-    """SHA-256 of each CHUNK of `buffer`, concatenated."""
+def _hashing_pool() -> ThreadPoolExecutor:
     global _pool
-    view = memoryview(buffer).cast("B")
-    chunks = [view[i : i + CHUNK] for i in range(0, len(view), CHUNK)] or [view]
-    if len(view) < PARALLEL_FROM or (os.cpu_count() or 1) < 2:
-        return b"".join(hashlib.sha256(c).digest() for c in chunks)
     if _pool is None:
         _pool = ThreadPoolExecutor(max_workers=HASHERS, thread_name_prefix="genie-hash", initializer=name_os_thread)
-    return b"".join(_pool.map(lambda c: hashlib.sha256(c).digest(), chunks))
+    return _pool
+
+
+def _chunks(buffer: Any) -> list[memoryview]:
+    view = memoryview(buffer).cast("B")
+    return [view[i : i + CHUNK] for i in range(0, len(view), CHUNK)] or [view]
+
+
+def _digests_in_turn(buffer: Any) -> bytes:
+    return b"".join(hashlib.sha256(c).digest() for c in _chunks(buffer))
+
+
+def chunk_digests(buffer: Any) -> bytes:
+    """SHA-256 of each CHUNK of `buffer`, concatenated."""
+    if memoryview(buffer).nbytes < PARALLEL_FROM or (os.cpu_count() or 1) < 2:
+        return _digests_in_turn(buffer)
+    try:
+        return b"".join(_hashing_pool().map(lambda c: hashlib.sha256(c).digest(), _chunks(buffer)))
+    except RuntimeError:  # the pool takes no new tasks at interpreter shutdown: hashed here
+        return _digests_in_turn(buffer)
+
+
+def chunk_digests_soon(buffer: Any) -> Future[bytes]:
+    """`chunk_digests(buffer)`, computed on the hashing pool: a transfer hashes the pieces it has
+    moved while it moves the next (hashlib and socket calls both release the GIL). The caller keeps
+    `buffer` unchanged and alive until the result is in."""
+    try:
+        return _hashing_pool().submit(_digests_in_turn, buffer)
+    except RuntimeError:  # the pool takes no new tasks at interpreter shutdown: hashed here
+        done: Future[bytes] = Future()
+        done.set_result(_digests_in_turn(buffer))
+        return done
 
 
 def derive_key(token: str) -> bytes:
