@@ -52,9 +52,10 @@ def host_pair(rate_mbit: int | None = None) -> Iterator[tuple[str, str]]:
             if result.returncode != 0:
                 raise Unavailable(f"network namespace set-up failed at {' '.join(step)}: {result.stderr.strip()}")
         yield srv, cli
-    finally:
-        sh("ip", "netns", "del", srv)
-        sh("ip", "netns", "del", cli)
+    finally:  # (the veth pair goes with its namespaces; if it never got there, it is deleted here)
+        for cmd in (("ip", "netns", "del", srv), ("ip", "netns", "del", cli), ("ip", "link", "del", srv)):
+            with contextlib.suppress(subprocess.SubprocessError):
+                sh(*cmd)
 
 
 def inside(namespace: str, *cmd: str, own_shm: bool = False) -> list[str]:

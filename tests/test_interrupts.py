@@ -223,10 +223,9 @@ def test_an_interrupt_that_lands_as_a_blocking_call_starts_is_not_lost(client):
 
 def test_a_wait_for_a_reply_returns_on_time_through_an_interrupt_press():
     """The %%remote magic notes each press of the interrupt button (a SIGINT whose handler returns)
-    and acts on it between waits of 0.1 s for the next reply. On Python 3.10 to 3.12 a
-    queue.SimpleQueue's get(timeout=...) that such a signal lands in can wait forever: the magic
-    was seen stuck on a cell that sleeps an hour, the press taken and never sent. A request's
-    wait must end on time whatever signal lands in it. (A watchdog ends a stuck wait after 1 s.)"""
+    and acts on it between waits of 0.1 s for the next reply, so a wait must end on time whatever
+    signal lands in it (on Python 3.10 to 3.12 a queue.SimpleQueue's get(timeout=...) does not:
+    the press is taken and the magic waits on). A watchdog ends a stuck wait after 1 s."""
     import threading
 
     from genie_core.client.connection import Request

@@ -46,7 +46,7 @@ def server_in(namespace: str, tmp_path, **env: str):
             env=full_env,
             connection_file=tmp_path / "server.json",
             stderr=log,
-            prefix=("ip", "netns", "exec", namespace),
+            prefix=tuple(inside(namespace)),
         )
     try:
         yield info
@@ -109,10 +109,7 @@ def test_round_trips_reflect_a_delayed_link(hosts, tmp_path):
     with server_in(srv_ns, tmp_path, GENIE_DATA_PORT="17100") as info:
         try:
             relay = subprocess.Popen(
-                [
-                    "ip",
-                    "netns",
-                    "exec",
+                inside(
                     cli_ns,
                     sys.executable,
                     os.path.join(os.path.dirname(__file__), "delay_relay.py"),
@@ -124,7 +121,7 @@ def test_round_trips_reflect_a_delayed_link(hosts, tmp_path):
                     SERVER_IP,
                     "17100",
                     str(DELAY_S),
-                ],
+                ),
                 stdout=subprocess.PIPE,
                 text=True,
             )
@@ -228,7 +225,7 @@ def _run_partitioned(hosts, tmp_path, client_code: str, server_env: dict[str, st
             script = tmp_path / "client.py"
             script.write_text(client_code)
             client = subprocess.Popen(
-                ["ip", "netns", "exec", cli_ns, sys.executable, str(script), f"{SERVER_IP}:{info.port}", info.token],
+                inside(cli_ns, sys.executable, str(script), f"{SERVER_IP}:{info.port}", info.token),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -241,7 +238,7 @@ def _run_partitioned(hosts, tmp_path, client_code: str, server_env: dict[str, st
                 seen.append(line)
                 if line == "cut":
                     r = subprocess.run(
-                        ["ip", "netns", "exec", cli_ns, "nft", "-f", "-"],
+                        inside(cli_ns, "nft", "-f", "-"),
                         input=PARTITION.format(ip=SERVER_IP),
                         capture_output=True,
                         text=True,
@@ -249,7 +246,7 @@ def _run_partitioned(hosts, tmp_path, client_code: str, server_env: dict[str, st
                     )
                     assert r.returncode == 0, r.stderr
                 elif line == "heal":
-                    r = sh("ip", "netns", "exec", cli_ns, "nft", "delete", "table", "inet", "genie_partition")
+                    r = sh(*inside(cli_ns, "nft", "delete", "table", "inet", "genie_partition"))
                     assert r.returncode == 0, r.stderr
                 elif line.startswith("RESULT "):
                     return json.loads(line[len("RESULT ") :])

@@ -244,8 +244,9 @@ class Client:
         return list(cast(contents.JobsReply, reply.content).get("jobs") or [])
 
     def interrupt(self, request: Request | str | None = None) -> None:
-        """Interrupt a cell (default: whichever runs): KeyboardInterrupt in its code, or, if it has
-        not started yet, it never runs. Its own reply says which; a finished cell is left alone."""
+        """Interrupt a cell (default: whichever runs, or if none does yet, the next to run; the cells
+        behind it still run): KeyboardInterrupt in its code, or, if it has not started yet, it never
+        runs. Its own reply says which; a finished cell is left alone."""
         target = request.id if isinstance(request, Request) else request
         self.request(Message(T.INTERRUPT, contents.Interrupt(request=target)))
 

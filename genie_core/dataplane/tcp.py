@@ -58,9 +58,10 @@ def _send_payload(sock: socket.socket, step: stream.SendPayload) -> None:
                 done += len(piece)
                 if step.progress is not None:
                     step.progress(done, total)
-    finally:
+    except BaseException:
         if step.mac is not None:
-            step.mac.settle()
+            step.mac.abandon()
+        raise
     if step.mac is not None:
         sock.sendall(step.mac.digest())
 
@@ -78,9 +79,10 @@ def _receive_payload(sock: socket.socket, step: stream.ReceivePayload) -> bool:
                 if step.progress is not None:
                     step.progress(offset + start + len(piece), total)
             offset += size
-    finally:
+    except BaseException:
         if step.mac is not None:
-            step.mac.settle()
+            step.mac.abandon()
+        raise
     return stream.mac_matches(step.mac, wire.recv_exact(sock, 32) if step.mac is not None else b"")
 
 

@@ -16,7 +16,6 @@ import time
 from typing import Any
 
 from ..errors import AuthenticationError, ConnectionFailed
-from ..protocol import chunk_digests
 from ..protocol.contents import DataRef
 from . import stream, wire
 from .base import Backend, Candidate, Channel, Link, ServerSide, measure_stream
@@ -54,7 +53,6 @@ def _slices(view: memoryview) -> list[memoryview]:
 async def drive(ep: Any, exchange: stream.Exchange) -> Any:
     """Run one side of the exchange over a UCX endpoint; payload pieces are hashed on other
     threads while the next piece is on the wire."""
-    loop = asyncio.get_running_loop()
     value: Any = None
     while True:
         try:
@@ -73,37 +71,52 @@ async def drive(ep: Any, exchange: stream.Exchange) -> Any:
         elif isinstance(step, stream.ReceiveHeader):
             value = wire.decode_header(bytes(await ep.recv_obj()), step.limit)
         elif isinstance(step, stream.SendPayload):
-            total = sum(memoryview(b).nbytes for b in step.buffers)
-            done, digests = 0, []
-            for b in step.buffers:
-                for piece in _slices(memoryview(b).cast("B")):
-                    if step.mac is not None:
-                        digests.append(loop.run_in_executor(None, chunk_digests, piece))
-                    await ep.send(_array(piece))
-                    done += len(piece)
-                    if step.progress is not None:
-                        step.progress(done, total)
-            if step.mac is not None:
-                step.mac.digests.extend(await asyncio.gather(*digests))
-                await ep.send(_array(memoryview(step.mac.digest())))
+            await _send_payload(ep, step)
         else:
-            offset, done, total, digests = 0, 0, len(step.view), []
-            for size in step.pieces or [total]:
-                for piece in _slices(step.view[offset : offset + size]):
-                    await ep.recv(_array(piece))
-                    if step.mac is not None:
-                        digests.append(loop.run_in_executor(None, chunk_digests, piece))
-                    done += len(piece)
-                    if step.progress is not None:
-                        step.progress(done, total)
-                offset += size
-            trailer = b""
-            if step.mac is not None:
-                step.mac.digests.extend(await asyncio.gather(*digests))
-                sent = bytearray(32)
-                await ep.recv(_array(memoryview(sent)))
-                trailer = bytes(sent)
-            value = stream.mac_matches(step.mac, trailer)
+            value = await _receive_payload(ep, step)
+
+
+async def _send_payload(ep: Any, step: stream.SendPayload) -> None:
+    total = sum(memoryview(b).nbytes for b in step.buffers)
+    done = 0
+    try:
+        for b in step.buffers:
+            for piece in _slices(memoryview(b).cast("B")):
+                if step.mac is not None:
+                    step.mac.update(piece)  # hashed while it is sent
+                await ep.send(_array(piece))
+                done += len(piece)
+                if step.progress is not None:
+                    step.progress(done, total)
+    except BaseException:
+        if step.mac is not None:
+            await asyncio.to_thread(step.mac.abandon)
+        raise
+    if step.mac is not None:
+        await ep.send(_array(memoryview(await asyncio.to_thread(step.mac.digest))))
+
+
+async def _receive_payload(ep: Any, step: stream.ReceivePayload) -> bool:
+    offset, done, total = 0, 0, len(step.view)
+    try:
+        for size in step.pieces or [total]:
+            for piece in _slices(step.view[offset : offset + size]):
+                await ep.recv(_array(piece))
+                if step.mac is not None:
+                    step.mac.update(piece)  # hashed while the next piece arrives
+                done += len(piece)
+                if step.progress is not None:
+                    step.progress(done, total)
+            offset += size
+    except BaseException:
+        if step.mac is not None:
+            await asyncio.to_thread(step.mac.abandon)
+        raise
+    if step.mac is None:
+        return True
+    sent = bytearray(32)
+    await ep.recv(_array(memoryview(sent)))
+    return stream.mac_matches(step.mac, bytes(sent))
 
 
 class _LoopThread:

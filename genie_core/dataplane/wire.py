@@ -9,8 +9,7 @@ import json
 import socket
 import struct
 from collections.abc import Callable
-from concurrent import futures
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Any
 
 from ..protocol import chunk_digests_soon
@@ -35,13 +34,16 @@ class PayloadMac:
         self.digests: list[bytes | Future[bytes]] = []
 
     def update(self, piece: Any) -> None:
-        """Hash `piece` in the background (kept unchanged and alive until `digest` or `settle`)."""
+        """Hash `piece` in the background (kept unchanged and alive until `digest` or `abandon`)."""
         self.digests.append(chunk_digests_soon(piece))
 
-    def settle(self) -> None:
-        """Wait for the pieces still being hashed: a transfer that fails must not free or reuse
-        memory a hashing thread still reads."""
-        futures.wait([d for d in self.digests if isinstance(d, Future)])
+    def abandon(self) -> None:
+        """The transfer failed: drop the hashing not yet begun and wait for the hashing under way,
+        so that no hashing thread reads the payload's memory once the error is out."""
+        pending = [d for d in self.digests if isinstance(d, Future)]
+        for digest in pending:
+            digest.cancel()
+        wait(pending)
 
     def digest(self) -> bytes:
         joined = b"".join(d if isinstance(d, bytes) else d.result() for d in self.digests)

@@ -236,7 +236,7 @@ class OpBatch(TypedDict):
 
 
 class Interrupt(TypedDict):
-    request: str | None  # None: whichever cell runs
+    request: str | None  # None: whichever cell runs, or else the next to run
 
 
 class Outcome(TypedDict):

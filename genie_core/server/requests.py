@@ -193,8 +193,9 @@ class ClientRequests:
         self._to_worker(session, msg)
 
     def _on_interrupt(self, session: Session, msg: Message) -> None:
-        """Interrupt one cell (content "request"; none: whichever runs). A cell still waiting for
-        its worker to start is answered here and never runs; the worker judges the rest."""
+        """Interrupt one cell (content "request"; none: whichever runs, or else the next to run). A
+        cell still waiting for its worker to start is answered here and never runs; the worker
+        judges the rest."""
         target = cast(contents.Interrupt, msg.content).get("request")
         cancelled, forwarded = self.workers.interrupt(session, str(target)[:64] if target else None)
         for request in cancelled:  # answered as its worker would have

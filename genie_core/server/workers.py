@@ -477,11 +477,12 @@ class WorkerPool:
         return ""
 
     def interrupt(self, session: Session, target: str | None) -> tuple[list[Message], int]:
-        """Interrupt a cell (None: whichever runs). Cells still waiting for their worker to start
-        are taken back (returned: the caller answers them; they never run); ready workers are told."""
+        """Interrupt a cell (None: whichever runs, or else the next to run). A cell still waiting for
+        its worker to start is taken back (returned: the caller answers it; it never runs); ready
+        workers are told."""
         cancelled, forwarded = [], 0
         for worker in self.of(session).values():
-            for waiting in [m for m in worker.waiting if m.type == T.EXECUTE and target in (None, m.id)]:
+            for waiting in [m for m in worker.waiting if m.type == T.EXECUTE and target in (None, m.id)][:1]:
                 worker.waiting.remove(waiting)
                 worker.inflight.pop(waiting.id, None)
                 cancelled.append(waiting)

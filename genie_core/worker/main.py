@@ -105,7 +105,8 @@ class Worker:
     def _interrupt(self, target: str | None) -> None:
         """Interrupt the cell `target` (None: whichever runs). It gets a KeyboardInterrupt in its
         user code; a cell that has not started yet will not run; a finished one is left alone. With
-        no cell running, None means the cells received and not yet started (sent just before it)."""
+        no cell running, None means the next cell to run (received, not yet started: sent just
+        before the interrupt); those behind it still run."""
         with self._interrupt_lock:
             if self.cell and target in (None, self.cell):
                 if self.armed:
@@ -113,8 +114,11 @@ class Worker:
                 else:
                     self.interrupt_pending = True  # raised as its user code starts
                 return
-            for cell in list(self.queued) if target is None else [target]:
-                self.cancelled[cell] = None
+            if target is None:
+                target = next(iter(self.queued), None)
+                if target is None:
+                    return  # between cells: nothing to interrupt
+            self.cancelled[target] = None
             while len(self.cancelled) > REMEMBERED_CANCELS:
                 self.cancelled.popitem(last=False)
 
@@ -228,8 +232,11 @@ class Worker:
                         T.ERROR_REPLY, error_content("ProtocolError", f"a worker does not take {msg.type!r} requests")
                     )
                     continue
-                self.synced.update(cast(contents.ToWorker, msg.content).get("sync"))
-                handler(msg)
+                try:
+                    self.synced.update(cast(contents.ToWorker, msg.content).get("sync"))
+                    handler(msg)
+                finally:
+                    self.queued.pop(msg.id, None)  # (on_execute took it: this is for a failure before that)
                 self.synced.note_imports()
             except KeyboardInterrupt:
                 continue  # an interrupt that arrived just as a cell ended
