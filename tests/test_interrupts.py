@@ -258,3 +258,20 @@ def test_a_wait_for_a_reply_returns_on_time_through_an_interrupt_press():
         finished.set()
         signal.signal(signal.SIGINT, previous)
     assert len(presses) == 300 and slowest < 1.0, (len(presses), slowest)
+
+
+def test_an_unnamed_interrupt_before_the_worker_is_ready_cancels_the_next_cell_only(tmp_path):
+    """Cells sent while their worker starts wait at the server; an interrupt naming none then
+    cancels the one that would run next, as a ready worker would: the cell behind it runs."""
+    srv = start_server(tmp_path, env={"GENIE_SPARE_WORKERS": "0"})
+    client = srv.client()
+    try:
+        first = client.execute("n = 1")
+        second = client.execute("n = 2")
+        client.interrupt()
+        assert [m.content for m in first.replies(15)][-1].get("ran") is False
+        assert second.wait(15).content["status"] == "ok"
+        assert stdout_of(run(client, "print(n)")) == "2\n"
+    finally:
+        client.close()
+        srv.stop()

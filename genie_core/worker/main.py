@@ -8,7 +8,6 @@ Unix socket; a SIGINT from the server interrupts the running cell and nothing el
 from __future__ import annotations
 
 import builtins
-import contextlib
 import logging
 import os
 import queue
@@ -17,7 +16,7 @@ import sys
 import threading
 import traceback
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import zmq
@@ -31,7 +30,7 @@ from ..lifeline import die_with_parent, parent_gone
 from ..loop import SocketLoop
 from ..protocol import Codec, Message, MessageType, contents, error_content, for_worker
 from ..serialize import deserialize_namespace, serialize_namespace
-from . import files
+from .file_requests import FileRequests
 from .streams import FLUSH_INTERVAL, OutStream, capture_fd
 from .synced_code import SyncedCode
 
@@ -48,7 +47,7 @@ def _main_thread_id() -> int:
     return ident
 
 
-class Worker:
+class Worker(FileRequests):
     def __init__(self, endpoint: str, worker_id: str, server_pid: int, lifeline: int | None = None) -> None:
         self.codec = Codec(key=None)
         self.ctx = zmq.Context()
@@ -346,45 +345,6 @@ class Worker:
         segment.close()
         self.staged = [segment]
         return contents.DataRef(segment=segment.name, sizes=sizes)
-
-    # -- files (%genie_upload, %genie_download) ------------------------------------------------
-    def on_file_stat(self, msg: Message) -> None:
-        with self._file_errors():
-            self.send(T.FILE_REPLY, files.stat(cast(contents.FileStat, msg.content), self.synced.root))
-
-    def on_file_put(self, msg: Message) -> None:
-        piece = cast(contents.FilePut, msg.content)
-        ref = piece.get("data")
-        data = Segment.adopt(ref["segment"]) if ref else memoryview(msg.buffers[0] if msg.buffers else b"")
-        with self._file_errors():
-            self.send(T.FILE_REPLY, files.put(piece, data[: int(ref["sizes"][0])] if ref else data, self.synced.root))
-
-    def on_file_get(self, msg: Message) -> None:
-        asked = cast(contents.FileGet, msg.content)
-        length = int(asked.get("length") or 0)
-        with self._file_errors():
-            if asked.get("staged") and length >= DATA_THRESHOLD:  # fetched over the client's data plane
-                for old in self.staged:
-                    old.unlink()
-                segment = self.spares.take(length, refill=False)
-                n = files.read(asked, segment.view[:length], self.synced.root)
-                segment.close()
-                self.staged = [segment]
-                staged = contents.DataRef(segment=segment.name, sizes=[n])
-                self.send(T.FILE_REPLY, contents.FileReply(status="ok", data=staged))
-                self.spares.refill(length)
-                return
-            buffer = bytearray(length)
-            n = files.read(asked, memoryview(buffer), self.synced.root)
-            self.send(T.FILE_REPLY, contents.FileReply(status="ok", size=n), [bytes(buffer[:n])])
-
-    @contextlib.contextmanager
-    def _file_errors(self) -> Iterator[None]:
-        """A file that cannot be read or written is the request's error, said in one line."""
-        try:
-            yield
-        except (OSError, ValueError) as exc:
-            self.send(T.FILE_REPLY, contents.FileReply(status="error", ename=type(exc).__name__, evalue=str(exc)))
 
     def on_tensor_ops(self, msg: Message) -> None:
         """Replay a client's recorded tensor ops (see genie_core.remote_tensor)."""
