@@ -182,7 +182,8 @@ class Transfers:
         """A request whose reply's bytes come over the data plane (staged by the worker, or inline);
         `consume(reply content, buffers)` runs while the channel's receive buffer is ours."""
         with self._lock:
-            reply = self.connection.request(Message(kind, {**content, "staged": self.channel.staged})).wait(timeout)
+            asked = {**content, "staged": self.channel.staged, "streamed": self.channel.streams}
+            reply = self.connection.request(Message(kind, asked)).wait(timeout)
             answer = cast(contents.Staged, reply.content)
             if answer.get("status") != "ok":
                 raise error_from(answer)

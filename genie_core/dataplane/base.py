@@ -93,6 +93,7 @@ class Channel:
 
     name = ""
     staged = True  # a pull's bytes are staged by the worker and fetched with `get`
+    streams = False  # `get` goes through the server's data port, which sends bytes as they are staged
 
     def put(self, buffers: list[Any], progress: Any = None) -> DataRef | None:
         raise NotImplementedError

@@ -6,6 +6,7 @@ reused while big enough: fresh large allocations are slow, reused mappings are n
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import shutil
@@ -19,6 +20,7 @@ from ..threads import name_os_thread
 from . import memcopy
 
 SHM_DIR = Path("/dev/shm")
+SENT = ".sent"  # added to a staged segment's name once its data port has sent it: its worker may refill it
 
 
 def shm_available() -> tuple[bool, str]:
@@ -81,6 +83,21 @@ class Segment:
         return segment.view
 
     @staticmethod
+    def send_back(name: str) -> None:
+        """A data port has sent this staged segment: its worker may fill it again (`taken_back`)."""
+        with contextlib.suppress(OSError):  # (the worker has moved on and removed it)
+            os.rename(SHM_DIR / name, SHM_DIR / (name + SENT))
+
+    def taken_back(self) -> bool:
+        """Whether a data port has sent this segment, which it was staged for (`send_back`); it is
+        ours again, under its own name."""
+        try:
+            os.rename(SHM_DIR / (self.name + SENT), self.path)
+        except OSError:
+            return False
+        return True
+
+    @staticmethod
     def discard(name: str) -> None:
         """Remove a segment nobody will adopt (a transfer that failed or was refused)."""
         if "/" not in name and name.startswith("genie-"):
@@ -95,6 +112,7 @@ class Segment:
 
     def unlink(self) -> None:
         self.path.unlink(missing_ok=True)
+        (SHM_DIR / (self.name + SENT)).unlink(missing_ok=True)
 
 
 def touch(view: memoryview) -> None:

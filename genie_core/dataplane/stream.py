@@ -7,7 +7,9 @@ sent back what was received; a backend only drives it over its own connection, s
     server: GREETING + nonce    client: {"session", "proof", "mac"}    server: {"ok", "mac"}
     then, any number of times:
     put   client: {"op": "put", "sizes"} payload      server: {"ok", "segment"} (a segment the worker adopts)
-    get   client: {"op": "get", "segment", "size"}    server: {"ok", "size"} payload (a segment a worker staged)
+    get   client: {"op": "get", "segment", "size"}    server: {"ok", "size", "trailer"} payload [trailer]
+          (a segment a worker staged; with "trailer", one it was still filling: sent as it filled,
+          then {"ok", "ename", "evalue"}: whether it filled it all)
     ping  client: {"op": "ping"}                       server: {"ok"}
     sink  client: {"op": "sink", "size"} payload       server: {"ok"} (discovery: received and discarded)
 
@@ -20,12 +22,14 @@ from __future__ import annotations
 import hmac
 import logging
 import os
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..protocol.contents import DataRef
+from ..protocol.contents import DataRef, Failure
+from ..protocol.errors import error_from
 from . import wire
+from .filling import Filling, Fillings
 from .segment import Segment, segment_spares, split
 
 log = logging.getLogger("genie.data")
@@ -57,9 +61,12 @@ class ReceiveHeader:
 
 @dataclass
 class SendPayload:
+    """Send `buffers`; `ready(n)`, when given, returns once the first n bytes may be sent."""
+
     buffers: list[Any]
     mac: wire.PayloadMac | None
     progress: wire.Progress = None
+    ready: Callable[[int], None] | None = None
 
 
 @dataclass
@@ -74,6 +81,18 @@ class ReceivePayload:
 
 Step = Send | Receive | SendHeader | ReceiveHeader | SendPayload | ReceivePayload
 Exchange = Generator[Step, Any, Any]
+
+
+def cut(buffers: list[Any], size: int) -> Iterator[tuple[memoryview, int]]:
+    """Each buffer in pieces of at most `size` bytes (a multiple of the MAC's chunks, so that both
+    ends cut a payload's MAC alike), with how many bytes the payload has up to each piece's end."""
+    end = 0
+    for b in buffers:
+        view = memoryview(b).cast("B")
+        for start in range(0, len(view), size):
+            piece = view[start : start + size]
+            end += len(piece)
+            yield piece, end
 
 
 def mac_matches(mac: wire.PayloadMac | None, trailer: bytes) -> bool:
@@ -92,6 +111,7 @@ class DataHost:
     session_workers: Callable[[str], list[int] | None]
     owners: dict[str, str] = field(default_factory=dict)  # segment name -> session, shared by all listeners
     max_put: int = 1 << 50
+    fillings: Fillings = field(default_factory=Fillings)  # staged segments their workers still fill
 
 
 def serve(host: DataHost, mac_on: bool) -> Exchange:
@@ -143,13 +163,20 @@ def serve(host: DataHost, mac_on: bool) -> Exchange:
                 yield SendHeader({"ok": True, "segment": segment.name, "sizes": sizes})
                 spares.refill(sum(sizes))
             elif op == "get":
-                view = _staged(host, session, str(header.get("segment", "")))
+                name = str(header.get("segment", ""))
+                filling = host.fillings.take(name, session)
+                view = _staged(host, session, name, filling)
                 if view is None:
-                    yield SendHeader({"ok": False, "error": "no such staged data for this session"})
+                    why = filling.outcome() if filling is not None else {}  # (its worker has died)
+                    yield SendHeader({**why, "ok": False, "error": "no such staged data for this session"})
                     continue
                 size = min(int(header["size"]), len(view))
-                yield SendHeader({"ok": True, "size": size})
-                yield SendPayload([view[:size]], macs.start(b"down"))
+                yield SendHeader({"ok": True, "size": size, "trailer": filling is not None})
+                yield SendPayload([view[:size]], macs.start(b"down"), ready=filling.wait_for if filling else None)
+                del view  # (a mapping kept would keep the memory after its worker lets it go)
+                if filling is not None:
+                    filling.sent(name)  # before the client hears: its next fetch may follow
+                    yield SendHeader(filling.outcome())
             elif op == "sink":
                 n = int(header["size"])
                 wire.check_put([n], host.max_put)
@@ -166,13 +193,17 @@ def serve(host: DataHost, mac_on: bool) -> Exchange:
             segment.unlink()
 
 
-def _staged(host: DataHost, session: str, name: str) -> memoryview | None:
-    """A segment one of this session's workers staged for a pull (and nobody else's)."""
+def _staged(host: DataHost, session: str, name: str, filling: Filling | None) -> memoryview | None:
+    """A segment one of this session's workers staged for a pull (and nobody else's: one with a
+    `filling` is, the server said so). Its name goes as it is mapped, unless its worker fills it
+    again once it is sent."""
     parts = name.split("-")
     pids = host.session_workers(session) or []
-    if len(parts) < 4 or parts[1] != "w" or not parts[2].isdigit() or int(parts[2]) not in pids:
+    if filling is None and (len(parts) < 4 or parts[1] != "w" or not parts[2].isdigit() or int(parts[2]) not in pids):
         return None
     try:
+        if filling is not None and filling.reusable:
+            return Segment.attach(name).view
         return Segment.adopt(name)  # staged for exactly one pull: gone once sent
     except (OSError, ValueError):
         return None
@@ -210,11 +241,24 @@ def get(macs: wire.PayloadMacs, ref: DataRef, into: memoryview, progress: wire.P
     total = sum(sizes)
     yield SendHeader({"op": "get", "segment": ref["segment"], "size": total})
     reply = yield ReceiveHeader()
+    if reply.get("ename"):  # what was staged will not come (its worker died)
+        raise _failure(reply)
     if not reply.get("ok"):
         raise ConnectionError(f"data get failed: {reply.get('error')}")
-    if not (yield ReceivePayload(into[:total], macs.start(b"down"), progress, pieces=[total])):
+    authentic = yield ReceivePayload(into[:total], macs.start(b"down"), progress, pieces=[total])
+    # sent while the worker filled it: did it fill it all? (read in any case: the next reply follows it)
+    outcome = (yield ReceiveHeader()) if reply.get("trailer") else {"ok": True}
+    if not authentic:
         raise ConnectionError("payload failed authentication")
+    if not outcome.get("ok"):
+        raise _failure(outcome)
     return split(into, sizes)
+
+
+def _failure(said: dict[str, Any]) -> Exception:
+    """The error a data port gave for bytes a worker did not finish staging."""
+    failure = Failure(ename=str(said.get("ename") or "ConnectionError"), evalue=str(said.get("evalue", "")))
+    return error_from(failure, "the server could not send these bytes: ")
 
 
 def ping() -> Exchange:

@@ -16,7 +16,7 @@ from ..protocol.contents import DataRef
 from ..threads import name_os_thread
 from . import stream, wire
 from .base import Backend, Candidate, Channel, Link, ServerSide, measure_stream
-from .segment import memory_spares
+from .segment import memory_spares, split
 
 log = logging.getLogger("genie.data")
 
@@ -46,18 +46,15 @@ def drive(sock: socket.socket, exchange: stream.Exchange) -> Any:
 
 def _send_payload(sock: socket.socket, step: stream.SendPayload) -> None:
     total = sum(memoryview(b).nbytes for b in step.buffers)
-    done = 0
     try:
-        for b in step.buffers:
-            view = memoryview(b).cast("B")
-            for start in range(0, len(view), wire.CHUNK):
-                piece = view[start : start + wire.CHUNK]
-                if step.mac is not None:
-                    step.mac.update(piece)  # hashed while it is sent
-                sock.sendall(piece)
-                done += len(piece)
-                if step.progress is not None:
-                    step.progress(done, total)
+        for piece, end in stream.cut(step.buffers, wire.CHUNK):
+            if step.ready is not None:
+                step.ready(end)
+            if step.mac is not None:
+                step.mac.update(piece)  # hashed while it is sent
+            sock.sendall(piece)
+            if step.progress is not None:
+                step.progress(end, total)
     except BaseException:
         if step.mac is not None:
             step.mac.abandon()
@@ -67,18 +64,14 @@ def _send_payload(sock: socket.socket, step: stream.SendPayload) -> None:
 
 
 def _receive_payload(sock: socket.socket, step: stream.ReceivePayload) -> bool:
-    offset, total = 0, len(step.view)
+    total = len(step.view)
     try:
-        for size in step.pieces or [total]:
-            buffer = step.view[offset : offset + size]
-            for start in range(0, size, wire.CHUNK):
-                piece = buffer[start : start + wire.CHUNK]
-                wire.recv_exact_into(sock, piece)
-                if step.mac is not None:
-                    step.mac.update(piece)  # hashed while the next piece arrives
-                if step.progress is not None:
-                    step.progress(offset + start + len(piece), total)
-            offset += size
+        for piece, end in stream.cut(split(step.view, step.pieces or [total]), wire.CHUNK):
+            wire.recv_exact_into(sock, piece)
+            if step.mac is not None:
+                step.mac.update(piece)  # hashed while the next piece arrives
+            if step.progress is not None:
+                step.progress(end, total)
     except BaseException:
         if step.mac is not None:
             step.mac.abandon()
@@ -88,6 +81,7 @@ def _receive_payload(sock: socket.socket, step: stream.ReceivePayload) -> bool:
 
 class TcpChannel(Channel):
     name = "tcp"
+    streams = True
 
     def __init__(self, host: str, port: int, key: bytes, session: str, timeout: float = 5.0) -> None:
         self.address = f"{host}:{port}"

@@ -19,7 +19,7 @@ from ..errors import AuthenticationError, ConnectionFailed
 from ..protocol.contents import DataRef
 from . import stream, wire
 from .base import Backend, Candidate, Channel, Link, ServerSide, measure_stream
-from .segment import memory_spares
+from .segment import memory_spares, split
 from .tcp import ENCRYPTED
 
 log = logging.getLogger("genie.ucx")
@@ -44,10 +44,6 @@ def _array(view: memoryview) -> Any:
     import numpy as np
 
     return np.frombuffer(view, dtype=np.uint8)
-
-
-def _slices(view: memoryview) -> list[memoryview]:
-    return [view[i : i + SLICE] for i in range(0, len(view), SLICE)] or [view]
 
 
 async def drive(ep: Any, exchange: stream.Exchange) -> Any:
@@ -78,16 +74,15 @@ async def drive(ep: Any, exchange: stream.Exchange) -> Any:
 
 async def _send_payload(ep: Any, step: stream.SendPayload) -> None:
     total = sum(memoryview(b).nbytes for b in step.buffers)
-    done = 0
     try:
-        for b in step.buffers:
-            for piece in _slices(memoryview(b).cast("B")):
-                if step.mac is not None:
-                    step.mac.update(piece)  # hashed while it is sent
-                await ep.send(_array(piece))
-                done += len(piece)
-                if step.progress is not None:
-                    step.progress(done, total)
+        for piece, end in stream.cut(step.buffers, SLICE):
+            if step.ready is not None:
+                await asyncio.to_thread(step.ready, end)
+            if step.mac is not None:
+                step.mac.update(piece)  # hashed while it is sent
+            await ep.send(_array(piece))
+            if step.progress is not None:
+                step.progress(end, total)
     except BaseException:
         if step.mac is not None:
             await asyncio.to_thread(step.mac.abandon)
@@ -97,17 +92,14 @@ async def _send_payload(ep: Any, step: stream.SendPayload) -> None:
 
 
 async def _receive_payload(ep: Any, step: stream.ReceivePayload) -> bool:
-    offset, done, total = 0, 0, len(step.view)
+    total = len(step.view)
     try:
-        for size in step.pieces or [total]:
-            for piece in _slices(step.view[offset : offset + size]):
-                await ep.recv(_array(piece))
-                if step.mac is not None:
-                    step.mac.update(piece)  # hashed while the next piece arrives
-                done += len(piece)
-                if step.progress is not None:
-                    step.progress(done, total)
-            offset += size
+        for piece, end in stream.cut(split(step.view, step.pieces or [total]), SLICE):
+            await ep.recv(_array(piece))
+            if step.mac is not None:
+                step.mac.update(piece)  # hashed while the next piece arrives
+            if step.progress is not None:
+                step.progress(end, total)
     except BaseException:
         if step.mac is not None:
             await asyncio.to_thread(step.mac.abandon)
@@ -136,6 +128,7 @@ class _LoopThread:
 
 class UcxChannel(Channel):
     name = "ucx"
+    streams = True
 
     def __init__(self, host: str, port: int, key: bytes, session: str, timeout: float = 5.0) -> None:
         import ucxx

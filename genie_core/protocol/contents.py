@@ -28,6 +28,7 @@ class DataRef(TypedDict):
     retired: NotRequired[list[str]]  # lent segments the client let go since its last lent one: unmap them
     lender: NotRequired[str]  # the client's pool of lent segments (a client that reattached has a new one)
     offset: NotRequired[int]  # where in a lent segment the buffers start (its region: dataplane/lent.py)
+    filling: NotRequired[bool]  # the worker fills it after its reply; the data port sends it as it fills
 
 
 class SyncState(TypedDict):
@@ -215,6 +216,7 @@ class Push(ToWorker):
 class Pull(ToWorker):
     names: list[str]
     staged: NotRequired[bool]  # stage the bytes for the data plane (added by client.transfers.fetch)
+    streamed: NotRequired[bool]  # ... and reply before filling them: the server's data port fetches them
 
 
 class TensorOps(ToWorker):
@@ -223,6 +225,7 @@ class TensorOps(ToWorker):
 
     n: int  # ops in the batch
     staged: NotRequired[bool]  # the client fetches big values over its data plane: stage them
+    streamed: NotRequired[bool]  # ... through the server's data port: reply before filling them
 
 
 class OpBatch(TypedDict):
@@ -290,6 +293,7 @@ class FileGet(ToWorker):
     offset: int
     length: int
     staged: NotRequired[bool]  # added by client.transfers.fetch
+    streamed: NotRequired[bool]  # (added too; a file's bytes are staged whole before the reply)
 
 
 # -- server (or worker) -> client: replies ----------------------------------------------------
@@ -442,6 +446,14 @@ class Ready(TypedDict):
     cuda_visible_devices: str | None
 
 
+class Staging(TypedDict):
+    """How far a worker has filled the segment its last reply named (`filling`), or why it stopped."""
+
+    filled: int
+    ename: NotRequired[str]
+    evalue: NotRequired[str]
+
+
 NOT_STARTED = "interrupted before it started: the cell did not run"
 
 
@@ -497,4 +509,5 @@ CONTENT: dict[MessageType, object] = {
     T.EVENT: Event,
     T.METRICS: Metrics,
     T.READY: Ready,
+    T.STAGING: Staging,
 }

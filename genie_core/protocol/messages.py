@@ -66,6 +66,7 @@ class MessageType(str, enum.Enum):
     METRICS = "metrics"
     # worker <-> server only
     READY = "ready"
+    STAGING = "staging"  # how far the worker has filled a segment its reply named (DataRef.filling)
 
     def __str__(self) -> str:
         return self.value
@@ -131,6 +132,7 @@ TABLE: dict[MessageType, Kind] = {
     T.EVENT: _kind(_S),
     T.METRICS: _kind(_S),
     T.READY: _kind(_W),
+    T.STAGING: _kind(_W),
 }
 
 TERMINAL = frozenset(t for t, k in TABLE.items() if k.terminal)

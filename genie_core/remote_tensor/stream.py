@@ -216,7 +216,8 @@ class OpStream:
         payload = pickle.dumps(request, protocol=5, buffer_callback=oob.append)
         self.messages += 1
         self.ops_sent += n
-        content = contents.TensorOps(gpu=self.index, n=n, staged=self.transfers.channel.staged)
+        channel = self.transfers.channel
+        content = contents.TensorOps(gpu=self.index, n=n, staged=channel.staged, streamed=channel.streams)
         raws = [b.raw() for b in oob]
         lent_to = self.index if lends_uploads(self.device_kind) else None  # (big bytes go by the data plane)
         return self.transfers.request(MessageType.TENSOR_OPS, content, [payload], raws, lent_to=lent_to)

@@ -25,6 +25,7 @@ from ..config import (
     state_dir,
 )
 from ..dataplane import ServerSide
+from ..dataplane.filling import Fillings
 from ..dataplane.stream import DataHost
 from ..errors import ConfigError
 from ..gpus import list_gpus
@@ -96,6 +97,7 @@ class Server:
         self.sandbox_report = ""  # which protections the sandbox gives here (config.sandbox)
         self.sandbox = self._make_sandbox()
         self.sessions = SessionTable()
+        fillings = Fillings()  # segments a worker fills while a data port sends them
         self.workers = WorkerPool(
             limits=self.limits,
             gpus=self.gpus,
@@ -104,6 +106,7 @@ class Server:
             sessions=self.sessions.live,
             sandbox=self.sandbox,
             max_message_bytes=self.config.max_message_bytes,
+            fillings=fillings,
         )
         self.telemetry = Telemetry(
             self.config, self.node_id, self.gpus, gpu_reason, gpu_source, owners=lambda: self.upkeep.process_owners()
@@ -118,7 +121,7 @@ class Server:
                 0,  # the control port, once bound
                 fixed_port=bool(self.config.master_port),
                 data_port=self.config.data_port,
-                host=DataHost(self.signing_key, self.workers.worker_pids, max_put=max_put),
+                host=DataHost(self.signing_key, self.workers.worker_pids, max_put=max_put, fillings=fillings),
                 encrypted=self.config.encrypt,
                 enable_ucx=self.config.enable_ucx,
             )

@@ -26,6 +26,7 @@ import zmq
 from ..config import runtime_dir_for
 from ..crash_record import ENV as CRASH_FD
 from ..crash_record import CrashRecord, innermost
+from ..dataplane.filling import Fillings
 from ..dataplane.segment import sweep_worker
 from ..lifeline import Lifeline
 from ..nodes import GPUInfo
@@ -259,8 +260,10 @@ class WorkerPool:
         sessions: dict[str, Session],
         sandbox: Sandbox | None = None,
         max_message_bytes: int = 0,
+        fillings: Fillings | None = None,
     ) -> None:
         self.limits, self.sandbox = limits, sandbox
+        self.fillings = fillings or Fillings()  # segments workers fill after their replies (the data ports')
         self.gpus, self.spare_count, self.reply = gpus, spares, reply
         self.sessions = sessions  # the live sessions (the session table's), to balance slots
         self.max_message_bytes = max_message_bytes  # sandboxed cells can reach the workers' socket
@@ -448,6 +451,7 @@ class WorkerPool:
         """What a worker that has ended leaves behind: staged segments, its sandbox, a spare's home."""
         worker.let_go()
         worker.crash.close()
+        self.fillings.worker_gone(worker.pid, f"the session's worker process (pid {worker.pid}) ended while staging")
         sweep_worker(worker.pid)
         if worker.sandboxed is not None and not worker.sandboxed.close():
             self.closing.append(worker.sandboxed)  # its cgroup empties a moment later
@@ -522,12 +526,19 @@ class WorkerPool:
                 self._forward(worker, waiting)
             worker.waiting.clear()
             return
+        if kind is T.STAGING:  # (after its reply: the request is no longer in flight)
+            said = cast(contents.Staging, msg.content)
+            self.fillings.advance(worker.pid, int(said["filled"]), said.get("ename", ""), said.get("evalue", ""))
+            return
         session = worker.session
         if worker.inflight.get(msg.parent) is None or session is None or session.id not in self.sessions:
             return
         ref = cast(contents.Staged, msg.content).get("data")  # a pull's or a download's bytes, staged
         if worker.sandboxed is not None and isinstance(ref, dict) and isinstance(ref.get("segment"), str):
             ref["segment"] = worker.sandboxed.move_out(ref["segment"], worker.pid)
+        if isinstance(ref, dict) and ref.get("filling") and ref.get("segment"):
+            total = sum(int(n) for n in ref.get("sizes", []))
+            self.fillings.begin(worker.pid, str(ref["segment"]), total, session.id, reusable=worker.sandboxed is None)
         if kind in TERMINAL:
             worker.inflight.pop(msg.parent, None)
             session.finished(msg.parent, cast(contents.Failure, msg.content))  # a reply, or an error reply

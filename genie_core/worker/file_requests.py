@@ -4,13 +4,14 @@ the session's directory (worker/files.py), each failure answered in one line."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
-from typing import Any, cast
+from collections.abc import Iterator
+from typing import cast
 
 from ..dataplane.base import DATA_THRESHOLD
-from ..dataplane.segment import Segment, Spares
+from ..dataplane.segment import Segment
 from ..protocol import Message, MessageType, contents
 from . import files
+from .staging import Staging
 from .synced_code import SyncedCode
 
 T = MessageType
@@ -18,46 +19,40 @@ T = MessageType
 
 class FileRequests:
     """A mixin of the Worker (worker/main.py): the file requests it serves, using its session
-    directory, its staging segments and its way of answering."""
+    directory, and its staging (segments, and the way to answer)."""
 
     synced: SyncedCode
-    staged: list[Segment]
-    spares: Spares
-
-    def send(
-        self, kind: MessageType, content: Mapping[str, Any], buffers: list[Any] | None = None, parent: str | None = None
-    ) -> None:
-        raise NotImplementedError  # the Worker's
+    staging: Staging
 
     def on_file_stat(self, msg: Message) -> None:
         with self._file_errors():
-            self.send(T.FILE_REPLY, files.stat(cast(contents.FileStat, msg.content), self.synced.root))
+            self._answer(files.stat(cast(contents.FileStat, msg.content), self.synced.root))
 
     def on_file_put(self, msg: Message) -> None:
         piece = cast(contents.FilePut, msg.content)
         ref = piece.get("data")
         data = Segment.adopt(ref["segment"]) if ref else memoryview(msg.buffers[0] if msg.buffers else b"")
         with self._file_errors():
-            self.send(T.FILE_REPLY, files.put(piece, data[: int(ref["sizes"][0])] if ref else data, self.synced.root))
+            self._answer(files.put(piece, data[: int(ref["sizes"][0])] if ref else data, self.synced.root))
 
     def on_file_get(self, msg: Message) -> None:
         asked = cast(contents.FileGet, msg.content)
         length = int(asked.get("length") or 0)
         with self._file_errors():
             if asked.get("staged") and length >= DATA_THRESHOLD:  # fetched over the client's data plane
-                for old in self.staged:
-                    old.unlink()
-                segment = self.spares.take(length, refill=False)
+                segment = self.staging.segment(length)
                 n = files.read(asked, segment.view[:length], self.synced.root)
                 segment.close()
-                self.staged = [segment]
                 staged = contents.DataRef(segment=segment.name, sizes=[n])
-                self.send(T.FILE_REPLY, contents.FileReply(status="ok", data=staged))
-                self.spares.refill(length)
+                self._answer(contents.FileReply(status="ok", data=staged))
+                self.staging.spares.refill(length)
                 return
             buffer = bytearray(length)
             n = files.read(asked, memoryview(buffer), self.synced.root)
-            self.send(T.FILE_REPLY, contents.FileReply(status="ok", size=n), [bytes(buffer[:n])])
+            self._answer(contents.FileReply(status="ok", size=n), [bytes(buffer[:n])])
+
+    def _answer(self, reply: contents.FileReply, buffers: list[bytes] | None = None) -> None:
+        self.staging.send(T.FILE_REPLY, reply, buffers)
 
     @contextlib.contextmanager
     def _file_errors(self) -> Iterator[None]:
@@ -65,4 +60,4 @@ class FileRequests:
         try:
             yield
         except (OSError, ValueError) as exc:
-            self.send(T.FILE_REPLY, contents.FileReply(status="error", ename=type(exc).__name__, evalue=str(exc)))
+            self._answer(contents.FileReply(status="error", ename=type(exc).__name__, evalue=str(exc)))

@@ -22,15 +22,15 @@ from typing import Any, cast
 import zmq
 
 from ..crash_record import record_crashes
-from ..dataplane.base import DATA_THRESHOLD
 from ..dataplane.lent import LentMaps
-from ..dataplane.segment import Segment, pack_into, segment_spares, split
+from ..dataplane.segment import Segment, split
 from ..errors import size_text
 from ..lifeline import die_with_parent, parent_gone
 from ..loop import SocketLoop
 from ..protocol import Codec, Message, MessageType, contents, error_content, for_worker
 from ..serialize import deserialize_namespace, serialize_namespace
 from .file_requests import FileRequests
+from .staging import Staging
 from .streams import FLUSH_INTERVAL, OutStream, capture_fd
 from .synced_code import SyncedCode
 
@@ -74,8 +74,7 @@ class Worker(FileRequests):
         self.loop.call_every(0.1, self._resend_sigint)
         self.shell: Any = None
         self.tensors: Any = None  # the remote-tensor store, made on first use
-        self.staged: list[Segment] = []  # a pull's segment, until the client adopts it
-        self.spares = segment_spares("genie-w")
+        self.staging = Staging(self.send)  # a reply's big bytes, for the client's data plane
         self.lent = LentMaps()  # the client's lent upload segments, mapped once
         self.max_tensors = int(os.environ.get("GENIE_LIMIT_SESSION_TENSORS") or 1_000_000)
         self.max_bytes = (
@@ -325,26 +324,7 @@ class Worker(FileRequests):
             )
             return
         metas, buffers = serialize_namespace({n: self.shell.user_ns[n] for n in names})
-        staged = self._stage(buffers) if pull.get("staged") else None
-        if staged is not None:
-            self.send(T.PULL_REPLY, contents.PullReply(status="ok", values=metas, data=staged))
-            self.spares.refill(sum(staged["sizes"]))
-            return
-        self.send(T.PULL_REPLY, contents.PullReply(status="ok", values=metas), buffers)
-
-    def _stage(self, buffers: list[Any]) -> contents.DataRef | None:
-        """Big reply bytes into a segment the client (or the data port) adopts, for the client to
-        fetch over its data plane; None when they are small enough to go inline."""
-        total = sum(memoryview(b).nbytes for b in buffers)
-        if total < DATA_THRESHOLD:
-            return None
-        for old in self.staged:  # staged earlier and never collected: the client went away
-            old.unlink()
-        segment = self.spares.take(total, refill=False)
-        sizes = pack_into(segment.view, buffers)
-        segment.close()
-        self.staged = [segment]
-        return contents.DataRef(segment=segment.name, sizes=sizes)
+        self.staging.reply(T.PULL_REPLY, contents.PullReply(status="ok", values=metas), buffers, pull)
 
     def on_tensor_ops(self, msg: Message) -> None:
         """Replay a client's recorded tensor ops (see genie_core.remote_tensor)."""
@@ -358,13 +338,7 @@ class Worker(FileRequests):
         del frames
         if kept is not None and kept():
             content["kept"] = True
-        staged = self._stage(buffers) if ops.get("staged") else None
-        if staged is not None:
-            content["data"] = staged
-            buffers = []
-        self.send(T.TENSOR_REPLY, content, buffers)
-        if staged is not None:
-            self.spares.refill(sum(staged["sizes"]))
+        self.staging.reply(T.TENSOR_REPLY, content, buffers, ops)
 
 
 def _uploaded(

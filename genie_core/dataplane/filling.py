@@ -1,0 +1,122 @@
+"""Staged segments that their worker is still filling, for the data port that sends them.
+
+A client that fetches through the server's data port (tcp, ucx) gets a reply as soon as the
+worker has taken a segment for the bytes; the worker then copies them in part by part and says how
+far it got (a `staging` message, read on the server's loop thread). The data port's thread sends
+each part once it is there, so the copy and the network overlap, where a segment filled before
+the reply would add the whole copy to the wait (benchmarks/RESULTS.md, across_hosts).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from .segment import Segment
+
+STALL = 60.0  # seconds a worker may go without filling more before the transfer fails
+
+
+class Filling:
+    """One segment being filled: how many bytes are in, or why no more will come."""
+
+    def __init__(self, total: int, reusable: bool = False) -> None:
+        self.total = total
+        self.reusable = reusable  # its worker fills it again once it has been sent (Segment.send_back)
+        self.worker_gone = False
+        self.filled = 0
+        self.ename, self.evalue = "", ""
+        self._changed = threading.Condition()
+
+    def advance(self, filled: int) -> None:
+        with self._changed:
+            self.filled = max(self.filled, min(int(filled), self.total))
+            self._changed.notify_all()
+
+    def fail(self, ename: str, evalue: str, worker_gone: bool = False) -> None:
+        with self._changed:
+            if not self.ename and self.filled < self.total:
+                self.ename, self.evalue = ename, evalue
+            self.worker_gone = self.worker_gone or worker_gone
+            self._changed.notify_all()
+
+    def sent(self, name: str) -> None:
+        """Its data port has sent all of segment `name`: back to its worker, if that is still there
+        (once its worker is gone, its segments are swept, and a name given back after that would stay)."""
+        with self._changed:
+            if self.reusable and not self.worker_gone and self.filled >= self.total and not self.ename:
+                Segment.send_back(name)
+
+    def wait_for(self, end: int, stall: float = STALL) -> None:
+        """Return once the first `end` bytes are in, or the filling failed (then `outcome` says so):
+        a worker that fills nothing more for `stall` seconds has failed it."""
+        with self._changed:
+            while self.filled < end and not self.ename:
+                before = self.filled
+                deadline = time.monotonic() + stall
+                while self.filled == before and not self.ename:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        self.ename, self.evalue = "TimeoutError", f"the worker staged nothing more for {stall:g} s"
+                        break
+                    self._changed.wait(left)
+
+    def outcome(self) -> dict[str, object]:
+        """The trailer a data port sends after the payload: whether every byte was the worker's."""
+        with self._changed:
+            if self.ename:
+                return {"ok": False, "ename": self.ename, "evalue": self.evalue}
+            return {"ok": self.filled >= self.total}
+
+
+class Fillings:
+    """The server's segments being filled: by name, with the session they are for (a data port
+    takes the one it sends), and by worker (a worker fills one at a time, and its `staging`
+    messages name no segment)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_name: dict[str, tuple[str, Filling]] = {}
+        self._by_worker: dict[int, tuple[str, Filling]] = {}
+
+    def begin(self, pid: int, name: str, total: int, session: str, reusable: bool) -> None:
+        """Worker `pid` has staged segment `name` for `session` and fills it now (its reply went out
+        first); `reusable`: the worker can reach it again once sent (it is not in a sandbox)."""
+        filling = Filling(total, reusable)
+        with self._lock:
+            old = self._by_worker.pop(pid, None)
+            if old is not None:  # never fetched, and the worker has removed it since
+                self._by_name.pop(old[0], None)
+            self._by_worker[pid] = (name, filling)
+            self._by_name[name] = (session, filling)
+
+    def advance(self, pid: int, filled: int, ename: str = "", evalue: str = "") -> None:
+        """Worker `pid` says how far it has filled its segment, or (`ename`) why it stopped."""
+        with self._lock:
+            entry = self._by_worker.get(pid)
+        if entry is None:
+            return
+        if ename:
+            entry[1].fail(ename, evalue)
+        else:
+            entry[1].advance(filled)
+
+    def worker_gone(self, pid: int, why: str) -> None:
+        """Worker `pid` has ended: what it was filling will not be filled (a fetch of it, even one
+        that comes later, says so)."""
+        with self._lock:
+            entry = self._by_worker.pop(pid, None)
+            if entry is not None and entry[1].filled >= entry[1].total:
+                self._by_name.pop(entry[0], None)
+        if entry is not None:
+            entry[1].fail("WorkerDied", why, worker_gone=True)
+
+    def take(self, name: str, session: str) -> Filling | None:
+        """The filling of segment `name` if it is for `session`, for the data port that sends it
+        (None: none, or it was full before its reply went out)."""
+        with self._lock:
+            entry = self._by_name.get(name)
+            if entry is None or entry[0] != session:
+                return None
+            del self._by_name[name]
+            return entry[1]
