@@ -243,6 +243,27 @@ def test_shared_memory_moves_through_the_private_dev_shm(shared, monkeypatch):
         genie_core.shutdown_sync()
 
 
+def test_a_download_over_a_data_port_leaves_no_segment_behind(shared):
+    """Over tcp a sandboxed worker replies before it fills its segment; the server moves that out
+    of the sandbox meanwhile and the data port removes it as it sends it. The bytes arrive whole,
+    and the worker keeps no mapping of it after (its memory counts against the session)."""
+    srv, _alice, _bob = shared
+    state = genie_core.init_sync(f"127.0.0.1:{srv.info.port}", token=srv.info.token, backend="tcp", timeout=30)
+    try:
+        client = state.client
+        x = torch.arange(16 * MiB, dtype=torch.float32)  # 64 MiB
+        client.push({"x": x})
+        for i in range(2):
+            client.execute(f"y = x + {i}").wait(30)
+            assert torch.equal(client.pull(["y"])["y"], x + i)
+        pid = worker_pid(client)
+        mapped = [line for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if "genie-w-" in line]
+        assert mapped == []
+        assert list(Path("/dev/shm").glob(f"genie-w-{pid}-*")) == []
+    finally:
+        genie_core.shutdown_sync()
+
+
 def test_a_sandboxed_session_does_what_it_did_without(shared, tmp_path):
     """What a cell could do before, it can in the sandbox: remote tensors, interrupts, jobs,
     synced modules, uploads and downloads, rich display, `!cmd`. (The cell, tensor, jobs, sync,

@@ -72,38 +72,34 @@ def staged(size: int, reusable: bool, fillings: Fillings) -> Segment:
     return segment
 
 
-def fill(segment: Segment, data: bytes, fillings: Fillings, parts: int, pause: float, stop_at: int | None = None):
-    """What the worker does after its reply: copy the bytes in part by part, saying how far it got."""
+def fill(segment: Segment, data: bytes, fillings: Fillings, parts: int, stop_at: int | None = None, before_last=None):
+    """What the worker does after its reply: copy the bytes in part by part, saying how far it got
+    (and, for a test, wait for `before_last` before the last part)."""
     step = len(data) // parts
     for i in range(parts):
         if i == stop_at:
             fillings.advance(os.getpid(), 0, "MemoryError", "stopped halfway")
             return
-        time.sleep(pause)
+        if i == parts - 1 and before_last is not None:
+            assert before_last.wait(10)
         end = len(data) if i == parts - 1 else (i + 1) * step
         segment.view[i * step : end] = data[i * step : end]
         fillings.advance(os.getpid(), end)
 
 
 def test_a_fetch_is_sent_while_its_worker_fills_it_and_arrives_whole(port):
-    """The port sends each part once the worker says it is there: the first bytes reach the client
-    before the last part is filled, and every byte is the worker's."""
+    """The port sends each part once the worker says it is there: the worker fills its last part
+    only once the client has had bytes (it would wait in vain for a port that sent nothing before
+    the whole was in), and every byte is the worker's."""
     size = 16 * MIB
     data = os.urandom(size)
     segment = staged(size, reusable=False, fillings=port.host.fillings)
-    filling = port.host.fillings._by_name[segment.name][1]
-    filled_at_first_piece: list[int] = []
-
-    def progress(done: int, total: int) -> None:
-        if not filled_at_first_piece:
-            filled_at_first_piece.append(filling.filled)
-
-    worker = threading.Thread(target=fill, args=(segment, data, port.host.fillings, 8, 0.05))
+    first_bytes = threading.Event()
+    worker = threading.Thread(target=fill, args=(segment, data, port.host.fillings, 8, None, first_bytes))
     worker.start()
-    got = port.get(segment, size, progress)
+    got = port.get(segment, size, lambda done, total: first_bytes.set())
     worker.join()
     assert got == data
-    assert filled_at_first_piece[0] < size  # it did not wait for the whole segment
     assert not segment.path.exists()  # not reusable: its name went as it was mapped
 
 
@@ -113,7 +109,7 @@ def test_a_filling_that_fails_fails_the_fetch_in_one_error_and_the_connection_go
     fetch on it works."""
     size = 8 * MIB
     segment = staged(size, reusable=True, fillings=port.host.fillings)
-    worker = threading.Thread(target=fill, args=(segment, os.urandom(size), port.host.fillings, 4, 0.02, 2))
+    worker = threading.Thread(target=fill, args=(segment, os.urandom(size), port.host.fillings, 4, 2))
     worker.start()
     with pytest.raises(RemoteError, match="could not send these bytes: stopped halfway"):
         port.get(segment, size)
@@ -126,9 +122,15 @@ def test_a_filling_that_fails_fails_the_fetch_in_one_error_and_the_connection_go
     with pytest.raises(WorkerDied, match="ended while staging"):
         port.get(again, size)
 
+    swept = staged(size, reusable=False, fillings=port.host.fillings)  # its worker gone, its segment swept
+    port.host.fillings.worker_gone(os.getpid(), "the session's worker process (pid 1) ended while staging")
+    swept.unlink()
+    with pytest.raises(WorkerDied, match="ended while staging"):
+        port.get(swept, size)
+
     data = os.urandom(size)
     last = staged(size, reusable=True, fillings=port.host.fillings)
-    fill(last, data, port.host.fillings, 2, 0.0)
+    fill(last, data, port.host.fillings, 2)
     try:
         assert port.get(last, size) == data
     finally:
@@ -142,7 +144,7 @@ def test_a_sent_segment_goes_back_to_its_worker_to_be_filled_again(port):
     size = 4 * MIB
     segment = staged(size, reusable=True, fillings=port.host.fillings)
     data = os.urandom(size)
-    fill(segment, data, port.host.fillings, 2, 0.0)
+    fill(segment, data, port.host.fillings, 2)
     assert port.get(segment, size) == data
     assert (SHM_DIR / (segment.name + SENT)).exists() and not segment.path.exists()
     assert segment.taken_back() and segment.path.exists()
@@ -152,7 +154,7 @@ def test_a_sent_segment_goes_back_to_its_worker_to_be_filled_again(port):
 
 
 def test_a_worker_that_stalls_fails_the_wait_after_its_stall_limit():
-    filling = Filling(10)
+    filling = Filling("genie-w-1-aa", SESSION, 10)
     filling.advance(4)
     start = time.monotonic()
     filling.wait_for(10, stall=0.2)
@@ -209,13 +211,15 @@ def test_a_worker_killed_while_it_fills_a_fetch_is_a_clear_error_and_the_session
     def get_after_a_kill(ref, progress=None):
         os.kill(pid, signal.SIGSTOP)
         with open(SHM_DIR / ref["segment"], "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
-            filled = np.frombuffer(m, dtype=np.uint8, count=4096, offset=size - 4096).any()
+            tail = np.frombuffer(m, dtype=np.float32, count=1024, offset=size - 4096)
+            filled = bool((tail == value).all())  # (a segment filled again holds the last try's values)
         os.kill(pid, signal.SIGCONT if filled else signal.SIGKILL)  # filled already: nothing to test this time
         outcomes.append("late" if filled else "killed")
         return real_get(ref, progress)
 
-    for _ in range(5):  # bounded: each try kills (or misses) one worker
-        run(client, "import torch; x = torch.ones(64 << 20)")  # 256 MiB, made on the worker
+    for attempt in range(5):  # bounded: each try kills (or misses) one worker
+        value = float(attempt + 1)
+        run(client, f"import torch; x = torch.full((64 << 20,), {value})")  # 256 MiB, made on the worker
         pid = worker_pid(client)
         client.channel.get = get_after_a_kill
         start = time.monotonic()
@@ -238,16 +242,19 @@ def test_a_filling_is_only_taken_for_its_own_session():
     """A data port gives a filling's bytes (unchecked by worker pid: the server registered it) only
     to the session it was staged for."""
     fillings = Fillings()
-    fillings.begin(os.getpid(), "genie-w-1-aa", 10, SESSION, reusable=False)
-    assert fillings.take("genie-w-1-aa", "session-b") is None
-    assert fillings.take("genie-w-1-aa", SESSION) is not None
+    mine = f"genie-w-{os.getpid()}-aa"
+    fillings.begin(os.getpid(), mine, 10, SESSION, reusable=False)
+    assert fillings.take(mine, "session-b") is None
+    assert fillings.take(mine, SESSION) is not None
+    fillings.begin(os.getpid(), "genie-s-1-bb", 10, SESSION, reusable=True)  # not a name this worker made
+    assert fillings.take("genie-s-1-bb", SESSION) is None
 
 
 def test_a_worker_whose_copy_fails_after_its_reply_says_why():
     """The reply has gone when the copy into the segment fails: the worker's `staging` message
     names the error (the data port's trailer passes it on), and the worker serves on."""
     from genie_core.protocol import MessageType as T
-    from genie_core.worker.staging import PART, Staging
+    from genie_core.worker.staging import PART, Stager
 
     sent: list = []
     gone = mmap.mmap(-1, 8 * MIB)
@@ -257,7 +264,7 @@ def test_a_worker_whose_copy_fails_after_its_reply_says_why():
         if kind is T.STAGING:
             gone.close()  # the second buffer cannot be read any more
 
-    staging = Staging(send)
+    staging = Stager(send)
     try:
         staging.reply(T.PULL_REPLY, {"status": "ok"}, [bytes(PART), gone], {"staged": True, "streamed": True})
         assert [kind for kind, _ in sent] == [T.PULL_REPLY, T.STAGING, T.STAGING]
@@ -276,7 +283,30 @@ def test_a_segment_sent_after_its_worker_has_gone_is_not_handed_back():
     fillings.advance(os.getpid(), MIB)
     filling = fillings.take(segment.name, SESSION)
     fillings.worker_gone(os.getpid(), "the session's worker process ended")
-    filling.sent(segment.name)
+    filling.sent()
     assert segment.path.exists() and not (SHM_DIR / (segment.name + SENT)).exists()
     segment.close()
     segment.unlink()
+
+
+def test_a_worker_says_how_far_it_got_per_part_and_keeps_no_segment_over_its_cap(monkeypatch):
+    """A pull of many small buffers is announced per PART, not per buffer (each message crosses the
+    server's loop, shared by all sessions); a segment over KEEP_MAX is not kept for the next fetch
+    (it would hold that much of /dev/shm): the reply says so and the worker lets its mapping go."""
+    from genie_core.protocol import MessageType as T
+    from genie_core.worker import staging as staging_module
+
+    monkeypatch.setattr(staging_module, "KEEP_MAX", 32 * MIB)
+    sent: list = []
+    stager = staging_module.Stager(lambda kind, content, buffers=None: sent.append((kind, dict(content))))
+    small = [bytes(64 << 10)] * 512  # 32 MiB in 512 buffers
+    try:
+        stager.reply(T.PULL_REPLY, {"status": "ok"}, small, {"staged": True, "streamed": True})
+        assert [kind for kind, _ in sent] == [T.PULL_REPLY, T.STAGING]
+        assert sent[0][1]["data"]["reused"] and not stager.staged.map.closed
+        sent.clear()
+        stager.reply(T.PULL_REPLY, {"status": "ok"}, [*small, *small], {"staged": True, "streamed": True})
+        assert [kind for kind, _ in sent] == [T.PULL_REPLY, T.STAGING, T.STAGING]
+        assert not sent[0][1]["data"]["reused"] and stager.staged.map.closed
+    finally:
+        stager.staged.unlink()

@@ -85,6 +85,8 @@ class Segment:
     @staticmethod
     def send_back(name: str) -> None:
         """A data port has sent this staged segment: its worker may fill it again (`taken_back`)."""
+        if "/" in name or not name.startswith("genie-w-"):
+            return
         with contextlib.suppress(OSError):  # (the worker has moved on and removed it)
             os.rename(SHM_DIR / name, SHM_DIR / (name + SENT))
 

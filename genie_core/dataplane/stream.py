@@ -61,12 +61,12 @@ class ReceiveHeader:
 
 @dataclass
 class SendPayload:
-    """Send `buffers`; `ready(n)`, when given, returns once the first n bytes may be sent."""
+    """Send `buffers`; with a `filling`, each piece once its worker has filled it."""
 
     buffers: list[Any]
     mac: wire.PayloadMac | None
     progress: wire.Progress = None
-    ready: Callable[[int], None] | None = None
+    filling: Filling | None = None
 
 
 @dataclass
@@ -172,10 +172,10 @@ def serve(host: DataHost, mac_on: bool) -> Exchange:
                     continue
                 size = min(int(header["size"]), len(view))
                 yield SendHeader({"ok": True, "size": size, "trailer": filling is not None})
-                yield SendPayload([view[:size]], macs.start(b"down"), ready=filling.wait_for if filling else None)
+                yield SendPayload([view[:size]], macs.start(b"down"), filling=filling)
                 del view  # (a mapping kept would keep the memory after its worker lets it go)
                 if filling is not None:
-                    filling.sent(name)  # before the client hears: its next fetch may follow
+                    filling.sent()  # before the client hears: its next fetch may follow
                     yield SendHeader(filling.outcome())
             elif op == "sink":
                 n = int(header["size"])

@@ -48,8 +48,8 @@ def _send_payload(sock: socket.socket, step: stream.SendPayload) -> None:
     total = sum(memoryview(b).nbytes for b in step.buffers)
     try:
         for piece, end in stream.cut(step.buffers, wire.CHUNK):
-            if step.ready is not None:
-                step.ready(end)
+            if step.filling is not None:
+                step.filling.wait_for(end)
             if step.mac is not None:
                 step.mac.update(piece)  # hashed while it is sent
             sock.sendall(piece)

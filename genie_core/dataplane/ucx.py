@@ -8,11 +8,13 @@ so there is no telling loopback from a network."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.util
 import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..errors import AuthenticationError, ConnectionFailed
@@ -38,6 +40,13 @@ def available() -> tuple[bool, str]:
     except Exception as exc:  # ImportError, or a library that fails to load
         return False, f"the ucxx bindings are not usable ({exc}); pip install 'genie-jupyter[ucx]'"
     return True, "ucxx " + getattr(ucxx, "__version__", "")
+
+
+@functools.cache
+def _waits() -> ThreadPoolExecutor:
+    """Threads for waits on a worker's filling (up to its stall limit each), apart from asyncio's
+    default ones, which the MAC's hashing needs meanwhile."""
+    return ThreadPoolExecutor(max_workers=32, thread_name_prefix="genie-ucx-fill")
 
 
 def _array(view: memoryview) -> Any:
@@ -76,8 +85,8 @@ async def _send_payload(ep: Any, step: stream.SendPayload) -> None:
     total = sum(memoryview(b).nbytes for b in step.buffers)
     try:
         for piece, end in stream.cut(step.buffers, SLICE):
-            if step.ready is not None:
-                await asyncio.to_thread(step.ready, end)
+            if step.filling is not None and not step.filling.ready(end):
+                await asyncio.wrap_future(_waits().submit(step.filling.wait_for, end))
             if step.mac is not None:
                 step.mac.update(piece)  # hashed while it is sent
             await ep.send(_array(piece))

@@ -29,6 +29,7 @@ class DataRef(TypedDict):
     lender: NotRequired[str]  # the client's pool of lent segments (a client that reattached has a new one)
     offset: NotRequired[int]  # where in a lent segment the buffers start (its region: dataplane/lent.py)
     filling: NotRequired[bool]  # the worker fills it after its reply; the data port sends it as it fills
+    reused: NotRequired[bool]  # (with filling) the worker takes it back once sent, to fill again
 
 
 class SyncState(TypedDict):

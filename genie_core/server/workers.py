@@ -538,7 +538,8 @@ class WorkerPool:
             ref["segment"] = worker.sandboxed.move_out(ref["segment"], worker.pid)
         if isinstance(ref, dict) and ref.get("filling") and ref.get("segment"):
             total = sum(int(n) for n in ref.get("sizes", []))
-            self.fillings.begin(worker.pid, str(ref["segment"]), total, session.id, reusable=worker.sandboxed is None)
+            reusable = worker.sandboxed is None and bool(ref.get("reused"))  # (a sandbox's is moved out)
+            self.fillings.begin(worker.pid, str(ref["segment"]), total, session.id, reusable)
         if kind in TERMINAL:
             worker.inflight.pop(msg.parent, None)
             session.finished(msg.parent, cast(contents.Failure, msg.content))  # a reply, or an error reply

@@ -11,7 +11,7 @@ from ..dataplane.base import DATA_THRESHOLD
 from ..dataplane.segment import Segment
 from ..protocol import Message, MessageType, contents
 from . import files
-from .staging import Staging
+from .staging import Stager
 from .synced_code import SyncedCode
 
 T = MessageType
@@ -22,7 +22,7 @@ class FileRequests:
     directory, and its staging (segments, and the way to answer)."""
 
     synced: SyncedCode
-    staging: Staging
+    stager: Stager
 
     def on_file_stat(self, msg: Message) -> None:
         with self._file_errors():
@@ -40,19 +40,19 @@ class FileRequests:
         length = int(asked.get("length") or 0)
         with self._file_errors():
             if asked.get("staged") and length >= DATA_THRESHOLD:  # fetched over the client's data plane
-                segment = self.staging.segment(length)
+                segment = self.stager.segment(length)
                 n = files.read(asked, segment.view[:length], self.synced.root)
                 segment.close()
                 staged = contents.DataRef(segment=segment.name, sizes=[n])
                 self._answer(contents.FileReply(status="ok", data=staged))
-                self.staging.spares.refill(length)
+                self.stager.spares.refill(length)
                 return
             buffer = bytearray(length)
             n = files.read(asked, memoryview(buffer), self.synced.root)
             self._answer(contents.FileReply(status="ok", size=n), [bytes(buffer[:n])])
 
     def _answer(self, reply: contents.FileReply, buffers: list[bytes] | None = None) -> None:
-        self.staging.send(T.FILE_REPLY, reply, buffers)
+        self.stager.send(T.FILE_REPLY, reply, buffers)
 
     @contextlib.contextmanager
     def _file_errors(self) -> Iterator[None]:

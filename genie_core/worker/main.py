@@ -30,7 +30,7 @@ from ..loop import SocketLoop
 from ..protocol import Codec, Message, MessageType, contents, error_content, for_worker
 from ..serialize import deserialize_namespace, serialize_namespace
 from .file_requests import FileRequests
-from .staging import Staging
+from .staging import Stager
 from .streams import FLUSH_INTERVAL, OutStream, capture_fd
 from .synced_code import SyncedCode
 
@@ -74,7 +74,8 @@ class Worker(FileRequests):
         self.loop.call_every(0.1, self._resend_sigint)
         self.shell: Any = None
         self.tensors: Any = None  # the remote-tensor store, made on first use
-        self.staging = Staging(self.send)  # a reply's big bytes, for the client's data plane
+        # a reply's big bytes, for the client's data plane (a sandbox's segments are moved out of its reach)
+        self.stager = Stager(self.send, keep=not os.environ.get("GENIE_SANDBOXED"))
         self.lent = LentMaps()  # the client's lent upload segments, mapped once
         self.max_tensors = int(os.environ.get("GENIE_LIMIT_SESSION_TENSORS") or 1_000_000)
         self.max_bytes = (
@@ -324,7 +325,7 @@ class Worker(FileRequests):
             )
             return
         metas, buffers = serialize_namespace({n: self.shell.user_ns[n] for n in names})
-        self.staging.reply(T.PULL_REPLY, contents.PullReply(status="ok", values=metas), buffers, pull)
+        self.stager.reply(T.PULL_REPLY, contents.PullReply(status="ok", values=metas), buffers, pull)
 
     def on_tensor_ops(self, msg: Message) -> None:
         """Replay a client's recorded tensor ops (see genie_core.remote_tensor)."""
@@ -338,7 +339,7 @@ class Worker(FileRequests):
         del frames
         if kept is not None and kept():
             content["kept"] = True
-        self.staging.reply(T.TENSOR_REPLY, content, buffers, ops)
+        self.stager.reply(T.TENSOR_REPLY, content, buffers, ops)
 
 
 def _uploaded(

@@ -19,6 +19,7 @@ from ..protocol import MessageType, contents
 
 T = MessageType
 PART = 32 << 20  # bytes copied between two `staging` messages
+KEEP_MAX = 1 << 30  # bytes: a bigger segment is not kept for the next fetch (it would hold /dev/shm)
 
 
 class Send(Protocol):
@@ -27,11 +28,17 @@ class Send(Protocol):
     def __call__(self, kind: MessageType, content: Mapping[str, Any], buffers: list[Any] | None = None) -> None: ...
 
 
-class Staging:
-    def __init__(self, send: Send) -> None:
+class Stager:
+    """The worker's staging of reply bytes: the segment staged last, a warm spare, and the way to
+    answer. `keep`: a segment sent through a data port comes back to be filled again (not in a
+    sandbox, whose segments the server moves out of its reach)."""
+
+    def __init__(self, send: Send, keep: bool = True) -> None:
         self.send = send
+        self.keep = keep
         self.spares = segment_spares("genie-w")  # one warm segment, for repeated fetches of one size
-        self.staged: Segment | None = None  # the last one staged (mapped here while a data port sends it)
+        self.staged: Segment | None = None  # the last one staged (kept mapped if it may come back)
+        self._announced = 0
 
     def segment(self, size: int, reuse: bool = False) -> Segment:
         """A segment for `size` bytes. The one staged before goes (its client never took it), unless
@@ -57,21 +64,29 @@ class Staging:
             self.send(kind, content, buffers)
             return
         streamed = bool(asked.get("streamed"))
-        segment = self.segment(total, reuse=streamed)
-        sizes = [memoryview(b).nbytes for b in buffers]
+        kept = streamed and self.keep and total <= KEEP_MAX
+        segment = self.segment(total, reuse=kept)
+        ref = contents.DataRef(segment=segment.name, sizes=[memoryview(b).nbytes for b in buffers])
         if not streamed:
             pack_into(segment.view, buffers)
             segment.close()
-            self.send(kind, {**content, "data": contents.DataRef(segment=segment.name, sizes=sizes)})
+            self.send(kind, {**content, "data": ref})
             self.spares.refill(total)  # (after the reply: making it would slow the copy)
             return
-        self.send(kind, {**content, "data": contents.DataRef(segment=segment.name, sizes=sizes, filling=True)})
+        self.send(kind, {**content, "data": {**ref, "filling": True, "reused": kept}})
+        self._announced = 0
         try:
             pack_into(segment.view, buffers, progress=self._filled, chunk=PART)
         except BaseException as exc:  # the data port sends what there is, and says it failed
-            self.send(T.STAGING, contents.Staging(filled=0, ename=type(exc).__name__, evalue=str(exc)))
+            self.send(T.STAGING, contents.Staging(filled=0, ename=type(exc).__name__, evalue=str(exc)[:4000]))
             if not isinstance(exc, Exception):
                 raise
+        finally:
+            if not kept:
+                segment.close()  # (its memory goes once the data port has sent it)
 
     def _filled(self, done: int, total: int) -> None:
-        self.send(T.STAGING, contents.Staging(filled=done))
+        """Say how far the copy got: each PART, and at the end (not after each of many small buffers)."""
+        if done - self._announced >= PART or done == total:
+            self._announced = done
+            self.send(T.STAGING, contents.Staging(filled=done))
