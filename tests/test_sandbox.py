@@ -257,8 +257,9 @@ def test_a_download_over_a_data_port_leaves_no_segment_behind(shared):
             client.execute(f"y = x + {i}").wait(30)
             assert torch.equal(client.pull(["y"])["y"], x + i)
         pid = worker_pid(client)
-        mapped = [line for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if "genie-w-" in line]
-        assert mapped == []
+        maps = Path(f"/proc/{pid}/maps").read_text().splitlines()  # (a segment moved out reads "/ (deleted)")
+        held = [line for line in maps if " rw-s " in line and line.endswith("(deleted)") and "genie-s-" not in line]
+        assert held == []  # only x's segment, the push's
         assert list(Path("/dev/shm").glob(f"genie-w-{pid}-*")) == []
     finally:
         genie_core.shutdown_sync()

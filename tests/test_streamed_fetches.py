@@ -211,8 +211,8 @@ def test_a_worker_killed_while_it_fills_a_fetch_is_a_clear_error_and_the_session
     def get_after_a_kill(ref, progress=None):
         os.kill(pid, signal.SIGSTOP)
         with open(SHM_DIR / ref["segment"], "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
-            tail = np.frombuffer(m, dtype=np.float32, count=1024, offset=size - 4096)
-            filled = bool((tail == value).all())  # (a segment filled again holds the last try's values)
+            tail = np.frombuffer(m, dtype=np.float32, count=1024, offset=size - 4096).copy()
+        filled = bool((tail == value).all())  # (a segment filled again holds the last try's values)
         os.kill(pid, signal.SIGCONT if filled else signal.SIGKILL)  # filled already: nothing to test this time
         outcomes.append("late" if filled else "killed")
         return real_get(ref, progress)
