@@ -108,6 +108,35 @@ def test_the_device_module_answers_from_the_server(remote):
     assert torch.accelerator.current_accelerator() == torch.device("remote_accelerator")
 
 
+def test_an_answer_survives_a_tensor_collected_before_it_is_sent(remote):
+    """A remote tensor garbage-collected (on any thread) between a question's record and its flush
+    records its free after the question: the answer is still the question's (seen on a GPU server:
+    `load` after a big model was dropped answered None)."""
+    from genie_core.remote_tensor.connection import stream_for
+
+    x = torch.ones(4, device=DEV)
+    x.cpu()
+    stream = stream_for(0)
+    stream.record(("ask", "memory", ()))
+    del x  # its free goes after the question
+    assert stream.flush(eager=True)["eager"]["value"]["total_bytes"] > 0
+
+
+def test_an_answer_is_waited_for_when_its_question_fills_a_pipelined_batch(remote, monkeypatch):
+    """A stream that sends every few records without waiting (on a machine with cores to spare)
+    still sends a question in the batch it waits for: a data-dependent op and a device question
+    each as the batch's last record."""
+    from genie_core.remote_tensor.connection import stream_for
+
+    x = torch.tensor([0.0, 2.0, 0.0, 3.0], device=DEV)
+    x.cpu()
+    stream = stream_for(0)
+    monkeypatch.setattr(stream, "pipelined", True)
+    monkeypatch.setattr(stream, "SUBMIT_EVERY", 1)
+    assert torch.nonzero(x).cpu().flatten().tolist() == [1, 3]
+    assert torch.remote_accelerator.memory_allocated() > 0
+
+
 def test_current_device_streams_and_events(remote):
     dev = torch.remote_accelerator
     with dev.device(0):

@@ -19,9 +19,7 @@ from .connection import DEVICE_TYPE, _connected, _index, current_index, device_c
 
 def _ask(index: int, question: str, *args: Any) -> Any:
     """What the server's device says (memory, properties, timing): one round trip."""
-    stream = stream_for(index)
-    stream.record(("ask", question, args))
-    return stream.flush(eager=True)["eager"]["value"]
+    return stream_for(index).answer(("ask", question, args))["value"]
 
 
 @dataclass(frozen=True)

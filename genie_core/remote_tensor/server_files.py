@@ -25,17 +25,14 @@ def load(path: str, device: Any = None) -> Any:
 
     stream = stream_for(_index(device) if device is not None else None)
     first = new_ids().start
-    stream.record(("load", first, str(path)))
-    answer = stream.flush(eager=True)["eager"]["value"]
+    answer = stream.answer(("load", first, str(path)))["value"]
     leaves = [described_tensor(d, stream) if "id" in d else d["value"] for d in answer["leaves"]]
     return tree_unflatten(leaves, treespec_loads(answer["spec"]))
 
 
 def read_text(path: str, device: Any = None) -> str:
     """A small text file on the server (a model's config.json)."""
-    stream = stream_for(_index(device) if device is not None else None)
-    stream.record(("read", str(path)))
-    return str(stream.flush(eager=True)["eager"]["value"])
+    return str(stream_for(_index(device) if device is not None else None).answer(("read", str(path)))["value"])
 
 
 def from_pretrained(model_class: Any, path: str, *, device: Any = None, **config_changes: Any) -> Any:

@@ -99,6 +99,14 @@ class OpStream:
         if full:
             self._submit()
 
+    def answer(self, entry: Record) -> Any:
+        """Record `entry` (an op or a question whose answer the caller needs now) and send it with
+        what came before it: the server's answer to it, one round trip. Never sent on its own
+        without waiting (see record), so the batch that is waited for ends with it."""
+        with self._lock:
+            self._records.append(entry)
+        return self.flush(eager=True)["eager"]
+
     def upload(self, rid: int, tensor: Any) -> None:
         """Record a CPU tensor's values going to the server as `rid`. One that goes by the data
         plane (64 KiB and up, a data plane chosen) is refused first when it is more than the session

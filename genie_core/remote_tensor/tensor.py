@@ -765,8 +765,7 @@ def _run_eagerly(
     is_list = any(isinstance(r.type, torch.ListType) for r in returns)
     out_ids: Any = new_ids() if is_list else [new_id() for _ in returns]
     enc_args, enc_kwargs = _map(encode, args, kwargs)
-    stream.record(("op", str(func), enc_args, enc_kwargs, out_ids, None))
-    described = stream.flush(eager=True)["eager"]
+    described = stream.answer(("op", str(func), enc_args, enc_kwargs, out_ids, None))
     for rid in uploads:
         stream.record(("free", rid))
     results = []
