@@ -7,6 +7,7 @@ import itertools
 import os
 import pickle
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -225,6 +226,48 @@ def test_closing_spares_waits_for_a_refill_under_way_to_remove_its_segment():
     time.sleep(0.1)
     spares.close()
     assert made and not (SHM_DIR / made[0]).exists()
+
+
+def test_a_buffer_asked_for_while_its_refill_is_under_way_is_that_refill():
+    """A transfer that asks for a spare of the size being refilled waits for that refill rather
+    than make and fault in a second buffer beside it (two at once on a busy host: the push after a
+    fetch across hosts lost a third of its rate so); a refill of another size is not waited for,
+    and one that fails lets the taker make its own."""
+    from genie_core.dataplane.segment import Spares
+
+    made: list[int] = []
+    gate = threading.Event()
+
+    def make(size: int) -> bytearray:
+        made.append(size)
+        if len(made) == 1:
+            assert gate.wait(5)  # the refill, held until the taker waits
+        return bytearray(size)
+
+    spares = Spares(make, lambda buffer: None, memoryview)
+    spares.refill(1 << 20)
+    threading.Timer(0.2, gate.set).start()
+    start = time.monotonic()
+    taken = spares.take(1 << 20, refill=False)
+    assert made == [1 << 20] and len(taken) == 1 << 20 and time.monotonic() - start >= 0.15
+    spares.refill(1 << 20)  # (another size asked for meanwhile: made at once)
+    assert len(spares.take(4096, refill=False)) == 4096
+
+    calls: list[int] = []
+
+    def fails_first(size: int) -> bytearray:
+        calls.append(size)
+        if len(calls) == 1:
+            time.sleep(0.1)
+            raise MemoryError("no room for a spare")
+        return bytearray(size)
+
+    failing = Spares(fails_first, lambda buffer: None, memoryview)
+    failing.refill(64)
+    start = time.monotonic()
+    assert len(failing.take(64, refill=False)) == 64 and time.monotonic() - start < 2
+    assert calls == [64, 64]
+    spares.close()
 
 
 # -- detection against fixture trees (the fake sits at the hardware edge only) ---------------

@@ -7,11 +7,13 @@ reused while big enough: fresh large allocations are slow, reused mappings are n
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
 import shutil
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,10 @@ from typing import Any
 from ..threads import name_os_thread
 from . import memcopy
 
+log = logging.getLogger("genie.data")
+
 SHM_DIR = Path("/dev/shm")
+REFILL_WAIT = 5.0  # seconds a buffer is waited for while a refill of its size is under way (then made anew)
 SENT = ".sent"  # added to a staged segment's name once its data port has sent it: its worker may refill it
 
 
@@ -138,15 +143,24 @@ class Spares:
     ) -> None:
         self._make, self._release, self._view, self._cap = make, release, view, cap
         self._lock = threading.Lock()
+        self._landed = threading.Condition(self._lock)  # a refill finished (or the spares closed)
         self._spare: Any = None
         self._size = -1
         self._closed = False
         self._refills: list[threading.Thread] = []  # under way: close waits for them
+        self._coming: Counter[int] = Counter()  # the sizes of the refills under way
 
     def take(self, size: int, refill: bool = True) -> Any:
         """A buffer of `size` bytes; with `refill=False`, call `refill(size)` once the transfer is
-        done, so faulting in the next spare does not compete with this transfer for the CPU."""
+        done, so faulting in the next spare does not compete with this transfer for the CPU. A
+        refill of this size under way is waited for (up to REFILL_WAIT): making another buffer
+        beside it would fault in twice the memory at once."""
+
+        def ready() -> bool:
+            return self._closed or (self._spare is not None and self._size == size) or not self._coming[size]
+
         with self._lock:
+            self._landed.wait_for(ready, REFILL_WAIT)
             spare, self._spare = (self._spare, None) if self._size == size else (None, self._spare)
             stale = None if spare is not None or self._spare is None else self._spare
             if stale is not None:
@@ -164,17 +178,34 @@ class Spares:
             thread = threading.Thread(target=self._refill, args=(size,), daemon=True, name="genie-spare")
             with self._lock:
                 self._refills = [t for t in self._refills if t.is_alive()] + [thread]
-            thread.start()
+                self._coming[size] += 1
+            try:
+                thread.start()
+            except BaseException:
+                self._arrived(size, None)
+                raise
 
     def _refill(self, size: int) -> None:
         name_os_thread()
-        fresh = self._make(size)
-        touch(self._view(fresh))
+        fresh = None
+        try:
+            fresh = self._make(size)
+            touch(self._view(fresh))
+        except Exception as exc:  # (a spare is a head start: the next transfer makes its own, or says why not)
+            log.warning("a spare buffer of %d bytes could not be made: %s", size, exc)
+        finally:
+            self._arrived(size, fresh)
+
+    def _arrived(self, size: int, fresh: Any) -> None:
+        """A refill is over: its buffer becomes the spare (the size last asked for), unless the
+        spares closed or one of that size is there."""
         with self._lock:
-            if self._closed or self._spare is not None:
-                old, fresh = fresh, None
+            self._coming[size] -= 1
+            if fresh is None or self._closed or (self._spare is not None and self._size == size):
+                old = fresh
             else:
-                self._spare, self._size, old = fresh, size, None
+                old, self._spare, self._size = self._spare, fresh, size
+            self._landed.notify_all()
         if old is not None:
             self._release(old)
 
@@ -186,6 +217,7 @@ class Spares:
             self._closed = True
             spare, self._spare = self._spare, None
             refills, self._refills = self._refills, []
+            self._landed.notify_all()
         if spare is not None:
             self._release(spare)
         deadline = time.monotonic() + wait
