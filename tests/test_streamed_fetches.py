@@ -250,6 +250,23 @@ def test_a_filling_is_only_taken_for_its_own_session():
     assert fillings.take("genie-s-1-bb", SESSION) is None
 
 
+def test_the_server_remembers_only_the_last_fillings_whose_worker_died(monkeypatch):
+    """A fetch that comes after its worker died says WorkerDied (its filling is kept), but a
+    server whose workers keep dying does not keep every such filling: the oldest go."""
+    import genie_core.dataplane.filling as filling_module
+
+    monkeypatch.setattr(filling_module, "KEPT_FAILED", 2)
+    fillings = Fillings()
+    names = []
+    for pid in (101, 102, 103, 104):
+        names.append(f"genie-w-{pid}-aa")
+        fillings.begin(pid, names[-1], 10, SESSION, reusable=False)
+        fillings.worker_gone(pid, f"worker {pid} ended")
+    assert fillings.take(names[0], SESSION) is None and fillings.take(names[1], SESSION) is None
+    late = fillings.take(names[3], SESSION)
+    assert late is not None and late.outcome() == {"ok": False, "ename": "WorkerDied", "evalue": "worker 104 ended"}
+
+
 def test_a_worker_whose_copy_fails_after_its_reply_says_why():
     """The reply has gone when the copy into the segment fails: the worker's `staging` message
     names the error (the data port's trailer passes it on), and the worker serves on."""

@@ -9,8 +9,8 @@ the reply would add the whole copy to the wait (benchmarks/RESULTS.md, across_ho
 
 from __future__ import annotations
 
+import functools
 import threading
-import time
 
 from .segment import Segment, creator_pid
 
@@ -47,14 +47,11 @@ class Filling:
         a worker that fills nothing more for `stall` seconds has failed it."""
         with self._changed:
             while self.filled < end and not self.ename:
-                before = self.filled
-                deadline = time.monotonic() + stall
-                while self.filled == before and not self.ename:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        self.ename, self.evalue = "TimeoutError", f"the worker staged nothing more for {stall:g} s"
-                        break
-                    self._changed.wait(left)
+                if not self._changed.wait_for(functools.partial(self._moved, self.filled), stall):
+                    self.ename, self.evalue = "TimeoutError", f"the worker staged nothing more for {stall:g} s"
+
+    def _moved(self, since: int) -> bool:
+        return self.filled != since or bool(self.ename)
 
     def ready(self, end: int) -> bool:
         """Whether the first `end` bytes are in (or no more will come): no wait needed."""
@@ -115,13 +112,13 @@ class Fillings:
         that comes later, says so; the last KEPT_FAILED such are kept)."""
         with self._lock:
             filling = self._by_worker.pop(pid, None)
-            if filling is not None and filling.filled >= filling.total:
-                self._by_name.pop(filling.name, None)
+            if filling is not None:
+                if filling.filled >= filling.total:
+                    self._by_name.pop(filling.name, None)
+                filling.fail("WorkerDied", why, worker_gone=True)
             failed = [f for f in self._by_name.values() if f.worker_gone]
             for old in failed[: max(0, len(failed) - KEPT_FAILED)]:
                 self._by_name.pop(old.name, None)
-        if filling is not None:
-            filling.fail("WorkerDied", why, worker_gone=True)
 
     def take(self, name: str, session: str) -> Filling | None:
         """The filling of segment `name` if it is for `session`, for the data port that sends it

@@ -109,9 +109,9 @@ class DataHost:
 
     key: bytes
     session_workers: Callable[[str], list[int] | None]
+    fillings: Fillings  # staged segments their workers still fill: the worker pool's own (one object)
     owners: dict[str, str] = field(default_factory=dict)  # segment name -> session, shared by all listeners
     max_put: int = 1 << 50
-    fillings: Fillings = field(default_factory=Fillings)  # staged segments their workers still fill
 
 
 def serve(host: DataHost, mac_on: bool) -> Exchange:

@@ -260,10 +260,10 @@ class WorkerPool:
         sessions: dict[str, Session],
         sandbox: Sandbox | None = None,
         max_message_bytes: int = 0,
-        fillings: Fillings | None = None,
+        fillings: Fillings,
     ) -> None:
         self.limits, self.sandbox = limits, sandbox
-        self.fillings = fillings or Fillings()  # segments workers fill after their replies (the data ports')
+        self.fillings = fillings  # segments workers fill after their replies: the data ports' own (one object)
         self.gpus, self.spare_count, self.reply = gpus, spares, reply
         self.sessions = sessions  # the live sessions (the session table's), to balance slots
         self.max_message_bytes = max_message_bytes  # sandboxed cells can reach the workers' socket
@@ -486,7 +486,8 @@ class WorkerPool:
         workers are told."""
         cancelled, forwarded = [], 0
         for worker in self.of(session).values():
-            for waiting in [m for m in worker.waiting if m.type == T.EXECUTE and target in (None, m.id)][:1]:
+            waiting = next((m for m in worker.waiting if m.type == T.EXECUTE and target in (None, m.id)), None)
+            if waiting is not None:
                 worker.waiting.remove(waiting)
                 worker.inflight.pop(waiting.id, None)
                 cancelled.append(waiting)
