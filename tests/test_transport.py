@@ -238,10 +238,14 @@ def test_a_buffer_asked_for_while_its_refill_is_under_way_is_that_refill():
     made: list[int] = []
     gate = threading.Event()
 
+    other_size = threading.Event()
+
     def make(size: int) -> bytearray:
         made.append(size)
         if len(made) == 1:
             assert gate.wait(5)  # the refill, held until the taker waits
+        if made.count(1 << 20) == 2 and size == 1 << 20:
+            assert other_size.wait(5)  # a refill of another size, held while a taker asks
         return bytearray(size)
 
     spares = Spares(make, lambda buffer: None, memoryview)
@@ -250,8 +254,10 @@ def test_a_buffer_asked_for_while_its_refill_is_under_way_is_that_refill():
     start = time.monotonic()
     taken = spares.take(1 << 20, refill=False)
     assert made == [1 << 20] and len(taken) == 1 << 20 and time.monotonic() - start >= 0.15
-    spares.refill(1 << 20)  # (another size asked for meanwhile: made at once)
-    assert len(spares.take(4096, refill=False)) == 4096
+    spares.refill(1 << 20)  # held: a take of another size does not wait for it
+    start = time.monotonic()
+    assert len(spares.take(4096, refill=False)) == 4096 and time.monotonic() - start < 1
+    other_size.set()
 
     calls: list[int] = []
 
@@ -268,6 +274,7 @@ def test_a_buffer_asked_for_while_its_refill_is_under_way_is_that_refill():
     assert len(failing.take(64, refill=False)) == 64 and time.monotonic() - start < 2
     assert calls == [64, 64]
     spares.close()
+    failing.close()
 
 
 # -- detection against fixture trees (the fake sits at the hardware edge only) ---------------

@@ -217,7 +217,7 @@ class TensorExecutor:
         eager: Any = None
         eager_last = request.get("eager_last")
         last = len(records) - 1
-        while last > 0 and records[last][0] == "free":  # a tensor collected after the question (any thread)
+        while eager_last and last > 0 and records[last][0] == "free":  # collected after the question (any thread)
             last -= 1
         pop, graph_of, clocks = self.store.pop, self.graph_of, self.clocks
         tick = start
