@@ -522,7 +522,13 @@ def test_the_worker_checks_each_output_it_is_asked_to():
     from genie_core.worker.tensors import TensorExecutor
 
     def run(executor, records, profile=False):
-        request = {"ops": records, "fetch": [], "eager_last": profile, "sync": False, "profile": profile}
+        request = {
+            "ops": records,
+            "fetch": [],
+            "answer": len(records) - 1 if profile else -1,
+            "sync": False,
+            "profile": profile,
+        }
         oob: list = []
         frame = pickle.dumps(request, protocol=5, buffer_callback=oob.append)
         return executor.run([frame, *[b.raw() for b in oob]])[0]

@@ -174,7 +174,7 @@ def test_a_session_cannot_read_or_adopt_another_sessions_data(server, connect):
 
         with pytest.raises(RemoteError, match="does not belong to this session"):
             other.request(Message("push", {"values": [], "data": ref})).wait(10)
-        batch = pickle.dumps({"ops": [], "fetch": [], "eager_last": False, "sync": False}, protocol=5)
+        batch = pickle.dumps({"ops": [], "fetch": [], "answer": -1, "sync": False}, protocol=5)
         with pytest.raises(RemoteError, match="does not belong to this session"):  # a remote tensors' batch too
             other.request(Message("tensor_ops", {"gpu": 0, "n": 0, "data": ref}, [batch])).wait(10)
         fake = {"segment": f"genie-w-{os.getpid()}-deadbeef0000", "sizes": [10]}

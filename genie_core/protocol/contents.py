@@ -234,7 +234,7 @@ class OpBatch(TypedDict):
 
     ops: list[Record]  # op records, in order (protocol/op_records.py)
     fetch: list[int]  # ids of the remote tensors whose values come back
-    eager_last: bool  # describe what the last op made (or answer the last question) in the reply
+    answer: int  # index in `ops` of the op to describe (what it made) or the question to answer; -1: none
     sync: bool  # wait for the device before answering
     profile: NotRequired[bool]  # time each op (benchmarks)
 

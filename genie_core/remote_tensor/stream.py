@@ -101,11 +101,16 @@ class OpStream:
 
     def answer(self, entry: Record) -> Any:
         """Record `entry` (an op or a question whose answer the caller needs now) and send it with
-        what came before it: the server's answer to it, one round trip. Never sent on its own
-        without waiting (see record), so the batch that is waited for ends with it."""
+        what came before it: the server's answer to it, one round trip. The batch is taken with it
+        under the lock and names it by index: a free recorded after it (a tensor collected, on any
+        thread) or another thread's flush cannot take its place."""
+        self._refuse_while_capturing()
         with self._lock:
+            at = len(self._records)  # (taken first: the append may collect a tensor, recording its free)
             self._records.append(entry)
-        return self.flush(eager=True)["eager"]
+            records, self._records = self._records, []
+            self._borrowed = False
+        return self._exchange(records, [], answer=at, sync=False)["eager"]
 
     def upload(self, rid: int, tensor: Any) -> None:
         """Record a CPU tensor's values going to the server as `rid`. One that goes by the data
@@ -243,27 +248,32 @@ class OpStream:
                 return
         if records:
             try:
-                sent = self._send({"ops": records, "fetch": [], "eager_last": False, "sync": False}, len(records))
+                sent = self._send({"ops": records, "fetch": [], "answer": -1, "sync": False}, len(records))
             except BaseException:
                 self._checking = []  # what they carried to check never ran
                 raise
             self._inflight.append((sent, len(records)))
 
-    def flush(self, fetch: list[int] | None = None, *, eager: bool = False, sync: bool = False) -> contents.TensorReply:
+    def flush(self, fetch: list[int] | None = None, *, sync: bool = False) -> contents.TensorReply:
         """Send what was recorded (and fetch these ids), wait; raise the first failure: one kept
         from backward (see defer), else the first the server reports."""
+        self._refuse_while_capturing()
+        with self._lock:
+            records, self._records = self._records, []
+            self._borrowed = False
+        return self._exchange(records, list(fetch or []), answer=-1, sync=sync)
+
+    def _refuse_while_capturing(self) -> None:
         if self._uncaptured is not None:
             raise RuntimeError(
                 "this needs a value from the server, which is not permitted while a graph is being captured "
                 f"on {self.device} (as on CUDA): capture only device work, read values after the capture"
             )
-        with self._lock:
-            records, self._records = self._records, []
-            self._borrowed = False
+
+    def _exchange(self, records: list[Record], fetch: list[int], *, answer: int, sync: bool) -> contents.TensorReply:
+        """Send `records` and wait for every batch in flight and then theirs (see flush)."""
         checking, self._checking = self._checking, []
-        request = self._send(
-            {"ops": records, "fetch": list(fetch or []), "eager_last": eager, "sync": sync}, len(records)
-        )
+        request = self._send({"ops": records, "fetch": fetch, "answer": answer, "sync": sync}, len(records))
         earlier, self._inflight = self._inflight, []
         failure: tuple[contents.TensorReply, int] | None = None
         relaid: set[str] = set()

@@ -215,10 +215,7 @@ class TensorExecutor:
         self.relaid = set()
         failure: _Failure | None = None
         eager: Any = None
-        eager_last = request.get("eager_last")
-        last = len(records) - 1
-        while eager_last and last > 0 and records[last][0] == "free":  # collected after the question (any thread)
-            last -= 1
+        answer = request.get("answer", -1)  # named by index: frees collected after it may follow it
         pop, graph_of, clocks = self.store.pop, self.graph_of, self.clocks
         tick = start
         for index, record in enumerate(records):
@@ -235,7 +232,7 @@ class TensorExecutor:
                 continue
             try:
                 out = self._run_op(record) if record[0] == "op" else self.step(record)
-                if eager_last and index == last:
+                if index == answer:
                     eager = _answer(record, out)
             except Exception as exc:
                 failure = _Failure(name_of(record), index, exc)
@@ -485,7 +482,7 @@ def _fetched(value: Any) -> Any:
 
 
 def _answer(record: Record, out: Any) -> Any:
-    """The batch's "eager" reply to its last record: a question's answer, or what an op made."""
+    """The batch's "eager" reply to the record it names: a question's answer, or what an op made."""
     if record[0] == "ask" or record[0] == "load" or record[0] == "read":
         return {"value": out}
     if record[0] == "op":
