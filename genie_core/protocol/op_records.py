@@ -50,7 +50,7 @@ RngSetRecord: TypeAlias = tuple[Literal["rng_set"], "HostTensor"]  # ... and set
 ImportRecord: TypeAlias = tuple[Literal["import"], str]  # the module defining a custom op, imported first
 ClockRecord: TypeAlias = tuple[Literal["clock"], int]  # the device's clock when it gets here (Event timing)
 # A question about the device (memory, properties, elapsed time): answered as the batch's
-# "eager" {"value": ...} when it is the batch's last record.
+# "eager" {"value": ...} when the batch names it (OpBatch.answer).
 AskRecord: TypeAlias = tuple[Literal["ask"], str, tuple[Any, ...]]
 # A checkpoint on the server's disk, onto the device: its tensors under ids from first_id on;
 # answered as "ask" is (its structure, each leaf described).

@@ -4,22 +4,24 @@ the worker swaps for its own tensors and device, and CPU tensors uploaded by val
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeAlias
+
+# A remote tensor, by id, inside a recorded op's arguments: the id's 8 bytes. No argument of an
+# aten op (or of a record kind that carries arguments) is ever bytes, so bytes there always name a
+# tensor. Bytes, unlike an object of a class of ours, are pickled without a call back into Python
+# (0.6 against 2.2 us a record, 0.35 against 0.85 to load: timeit, CI VM) and are not tracked by the
+# garbage collector: a record of them is untracked at its first collection, so records waiting for
+# a flush never set off a full collection (0.2 s over torch's 300,000 objects on the CI VM, once
+# every 20,000 ops or so before).
+Ref: TypeAlias = bytes
 
 
-class Ref:
-    """A remote tensor, by id, inside a recorded op's arguments."""
+def ref(rid: int) -> Ref:
+    return rid.to_bytes(8, "little")
 
-    __slots__ = ("id",)
 
-    def __init__(self, rid: int) -> None:
-        self.id = rid
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (Ref, (self.id,))
-
-    def __repr__(self) -> str:
-        return f"Ref({self.id})"
+def ref_id(ref: Ref) -> int:
+    return int.from_bytes(ref, "little")
 
 
 class RemoteDevice:

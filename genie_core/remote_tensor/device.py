@@ -65,7 +65,7 @@ def _factory_kernels(lib: Any) -> None:
             r = remote(stream, spec.made)
             enc_kwargs = {k: encode_value(v) for k, v in kwargs.items()}
             enc_kwargs["device"] = RemoteDevice()
-            stream.record(("op", recorded, tuple(encode_value(a) for a in args), enc_kwargs, [r._rid], spec.expect))
+            stream.record(("op", recorded, tuple(encode_value(a) for a in args), enc_kwargs, (r._rid,), spec.expect))
             return r
 
         return kernel

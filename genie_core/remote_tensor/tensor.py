@@ -11,7 +11,7 @@ from typing import Any, SupportsIndex
 import torch
 from torch.utils._mode_utils import no_dispatch
 
-from ..protocol.tensor_ops import Ref, RemoteDevice, StorageOf, encode_value
+from ..protocol.tensor_ops import Ref, RemoteDevice, StorageOf, encode_value, ref
 from . import device_model, serialization
 from .output_specs import Layout, OutputSpec, aliases, expectations, layout_of
 from .stream import OpStream, _ids, new_id, new_ids
@@ -75,8 +75,8 @@ class RemoteTensor(torch.Tensor):
             _streams_of([self, value])  # raises, saying which devices or sessions
         torch.Tensor.data.__set__(self, value)  # type: ignore[attr-defined]  # the shape, strides and offset
         rid = new_id()
-        self._stream.record(("op", "aten.alias.default", (value._ref,), None, [rid], None))
-        self._rid, self._ref, self._handle = rid, Ref(rid), _Handle(self._stream, rid)
+        self._stream.record(("op", "aten.alias.default", (value._ref,), None, (rid,), None))
+        self._rid, self._ref, self._handle = rid, ref(rid), _Handle(self._stream, rid)
         self._layout = value._layout
 
     # PyTorch's own idiom for a subclass without __torch_function__ (typed unlike Tensor's classmethod)
@@ -356,7 +356,7 @@ def _scan(args: tuple, kwargs: dict) -> tuple[OpStream | None, list[Any], bool, 
                 if not local:
                     inner_enc.append(x if type(x) in _PLAIN else _encode_other(x))
             sig.append((kind, *inner))
-            enc.append(kind(inner_enc))
+            enc.append(tuple(inner_enc))  # (a list would keep its record tracked by the collector)
         else:
             if isinstance(a, (torch.Tensor, torch.UntypedStorage)):
                 local = True
@@ -441,7 +441,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     else:
         enc_args, enc_kwargs = _split(enc, args, kwargs)
     expect = None if outputs.verified == stream.trusted else stream.checks(outputs)
-    stream.record(("op", info.name, enc_args, enc_kwargs, out_ids, expect))
+    stream.record(("op", info.name, enc_args, enc_kwargs, tuple(out_ids), expect))
     for rid in uploads:
         stream.record(("free", rid))
     stream.send_uploads()
@@ -542,7 +542,7 @@ def _encoder(stream: OpStream, uploads: list[int]) -> Any:
             rid = new_id()
             stream.upload(rid, a)  # a snapshot, or sent at the end of the op: later local changes must not leak in
             uploads.append(rid)
-            return Ref(rid)
+            return ref(rid)
         if _is_remote_device(a):
             return RemoteDevice()
         if isinstance(a, torch.Generator):
@@ -583,14 +583,14 @@ def _encode_storage(storage: Any, stream: OpStream) -> StorageOf:
     owner = _storage_owners.get(storage._cdata)
     handle = owner() if owner is not None else None
     if handle is not None:
-        return StorageOf(Ref(handle.rid))
+        return StorageOf(ref(handle.rid))
     loaded = serialization.loaded.get(storage.data_ptr()) if storage.device.type == DEVICE_TYPE else None
     if loaded is not None:  # torch.load onto the device: the bytes go up once per storage
         if loaded.rid is None or loaded.stream is not stream:
             rid = new_id()
             stream.upload(rid, torch.empty(0, dtype=torch.uint8).set_(loaded.cpu))
             loaded.rid, loaded.stream = rid, stream  # (once the upload is recorded: not if it was refused)
-        return StorageOf(Ref(loaded.rid))
+        return StorageOf(ref(loaded.rid))
     raise RuntimeError(
         f"set_: this {storage.device} storage is not the storage of a remote tensor; use a remote tensor's "
         "untyped_storage(), or copy the values to the device first"
@@ -638,7 +638,7 @@ def _remote(
         requires_grad=requires_grad,
     )
     r._rid = rid = next(_ids) if rid is None else rid
-    r._ref = Ref(rid)  # how ops name it (one object, so a batch pickles it once)
+    r._ref = ref(rid)  # how ops name it (one object, so a batch pickles it once)
     r._stream = stream
     r._handle = _Handle(stream, rid)
     r._layout = layout

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..protocol import fx_graph
-from ..protocol.tensor_ops import HostTensor, Ref
+from ..protocol.tensor_ops import HostTensor, Ref, ref_id
 from .cpu_shims import shim_graph
 from .kept_graphs import run_keeping_graph
 
@@ -61,7 +61,7 @@ class CompiledGraphs:
 
     def _constant(self, value: Any) -> Any:
         if type(value) is Ref:
-            return self.store[value.id]
+            return self.store[ref_id(value)]
         if type(value) is HostTensor:
             return value.tensor
         return value

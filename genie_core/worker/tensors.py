@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten
 from ..errors import LimitExceeded, size_text
 from ..protocol.contents import OpBatch, TensorReply
 from ..protocol.op_records import CallRecord, Expect, Expects, OpRecord, Record, name_of
-from ..protocol.tensor_ops import MemoryFormat, Ref, RemoteDevice, StorageOf
+from ..protocol.tensor_ops import MemoryFormat, Ref, RemoteDevice, StorageOf, ref, ref_id
 from ..serialize import serialize_namespace
 from . import checkpoints, device_answers, host_copies
 from .captured import CapturedGraph
@@ -164,7 +164,7 @@ class TensorExecutor:
     def _one(self, v: Any) -> Any:
         kind = type(v)
         if kind is Ref:
-            t = self.store.get(v.id)
+            t = self.store.get(ref_id(v))
             if t is None or type(t) is _Failed:
                 return self._resolve(v)  # raises, saying why
             return t
@@ -176,12 +176,13 @@ class TensorExecutor:
 
     def _resolve(self, value: Any) -> Any:
         if isinstance(value, Ref):
-            t = self.store.get(value.id)
+            rid = ref_id(value)
+            t = self.store.get(rid)
             if t is None:
-                t = self.graph_memory.get(value.id)  # a captured graph's, that the client let go
+                t = self.graph_memory.get(rid)  # a captured graph's, that the client let go
             if t is None:
                 raise RuntimeError(
-                    f"remote tensor {value.id} does not exist on the server (freed, or made in another session)"
+                    f"remote tensor {rid} does not exist on the server (freed, or made in another session)"
                 )
             if isinstance(t, _Failed):
                 raise RuntimeError(f"depends on a remote op that failed earlier: {t.op}: {t.error}") from t.error
@@ -271,7 +272,7 @@ class TensorExecutor:
             content["profile"] = timing
         if self.relaid:
             content["relaid"] = sorted(self.relaid)
-        fetch = {str(rid): _fetched(self._resolve(Ref(rid))) for rid in request.get("fetch", [])}
+        fetch = {str(rid): _fetched(self._resolve(ref(rid))) for rid in request.get("fetch", [])}
         metas, buffers = serialize_namespace(fetch)
         content["fetch"] = metas
         return content, buffers
@@ -406,7 +407,7 @@ class TensorExecutor:
         inputs = []  # the arguments with the worker's tensors in (inline: this runs for every op)
         for v in args:
             if type(v) is Ref:
-                t = store.get(v.id)
+                t = store.get(ref_id(v))
                 inputs.append(t if t is not None and type(t) is not _Failed else self._resolve(v))
             else:
                 inputs.append(self._one(v) if type(v) in _SWAPPED else v)
