@@ -204,6 +204,40 @@ def test_segments_whose_creator_is_gone_are_swept_and_live_ones_kept():
         live.unlink()
 
 
+def test_a_big_segment_has_its_pages_at_creation_and_touch_faults_in_every_page():
+    """A segment from ALLOCATE_MIN up is given its pages in one call when made (a third of the
+    cost of faulting them in one by one); a small one is not. `touch` makes every page of a buffer
+    resident, the partial pages at either end of an unaligned one included (mincore)."""
+    import ctypes
+    import mmap
+
+    from genie_core.dataplane.segment import ALLOCATE_MIN, Segment, touch
+
+    big, small = Segment.create("genie-c", 4 * ALLOCATE_MIN), Segment.create("genie-c", ALLOCATE_MIN // 2)
+    try:
+        assert os.stat(big.path).st_blocks * 512 >= big.size
+        assert os.stat(small.path).st_blocks == 0
+    finally:
+        for segment in (big, small):
+            segment.close()
+            segment.unlink()
+
+    page = mmap.PAGESIZE
+    region = mmap.mmap(-1, 64 * page)
+    libc = ctypes.CDLL(None, use_errno=True)
+    start = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    resident = (ctypes.c_ubyte * 64)()
+    try:
+        assert libc.mincore(ctypes.c_void_p(start), 64 * page, resident) == 0
+        assert not any(b & 1 for b in resident)
+        touch(memoryview(region)[100 : 63 * page + 50])  # from inside the first page to inside the 64th
+        assert libc.mincore(ctypes.c_void_p(start), 64 * page, resident) == 0
+        assert all(b & 1 for b in resident)
+    finally:
+        del resident
+        region.close()
+
+
 def test_closing_spares_waits_for_a_refill_under_way_to_remove_its_segment():
     """A spare made on a background thread when a process closes its channel and exits: close
     waits for it, or the exit would leave its segment in /dev/shm for good."""

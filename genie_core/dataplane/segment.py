@@ -7,6 +7,7 @@ reused while big enough: fresh large allocations are slow, reused mappings are n
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import mmap
 import os
@@ -61,6 +62,7 @@ class Segment:
                     os.unlink(self.path)
                     raise OSError(28, f"not enough shared memory for {size} bytes in {SHM_DIR}")
                 os.ftruncate(fd, max(size, 1))
+                _allocate(fd, size, self.path)
             else:
                 size = os.fstat(fd).st_size
             self.size = size
@@ -122,12 +124,59 @@ class Segment:
         (SHM_DIR / (self.name + SENT)).unlink(missing_ok=True)
 
 
+ALLOCATE_MIN = 1 << 20  # bytes: a segment from this size up gets its pages at creation, all at once
+
+
+def _allocate(fd: int, size: int, path: Path) -> None:
+    """Give a new segment its pages now, in one call: tmpfs allocates them in bulk for about a third
+    of what faulting them in one by one costs (0.45 of 1.2 to 1.3 s a GiB on the CI VM), and a
+    full /dev/shm fails here, not as a SIGBUS when a page is first written. Skipped where the
+    filesystem cannot (the pages then come as they are written)."""
+    if size < ALLOCATE_MIN:
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            os.unlink(path)
+            raise OSError(errno.ENOSPC, f"not enough shared memory for {size} bytes in {SHM_DIR}") from None
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            os.unlink(path)
+            raise
+
+
+MADV_POPULATE_WRITE = 23  # Linux 5.14 on (mmap.MADV_POPULATE_WRITE from Python 3.13): map every page now
+_PAGE = mmap.PAGESIZE
+_libc: Any = None
+
+
 def touch(view: memoryview) -> None:
-    """Fault every page in now (one write per 4 KiB page), so a transfer later need not."""
+    """Fault every page in now, so a transfer later need not: in one call where the kernel can
+    (`MADV_POPULATE_WRITE`), else one write per page. Its contents are not kept."""
     import numpy as np
 
-    if len(view):
-        np.frombuffer(view, dtype=np.uint8)[::4096] = 0
+    if not len(view):
+        return
+    array = np.frombuffer(view, dtype=np.uint8)
+    start = array.ctypes.data
+    first = -start % _PAGE  # madvise wants a page-aligned start
+    whole = (len(view) - first) // _PAGE * _PAGE
+    if whole > 0 and _populate(start + first, whole):
+        array[:first] = 0
+        array[first + whole :] = 0
+        return
+    array[::_PAGE] = 0
+    array[-1] = 0  # (the last page, where the buffer does not start on a page)
+
+
+def _populate(address: int, length: int) -> bool:
+    global _libc
+    if _libc is None:
+        import ctypes
+
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return bool(_libc.madvise(address, length, MADV_POPULATE_WRITE) == 0)  # (EINVAL before Linux 5.14)
 
 
 class Spares:
