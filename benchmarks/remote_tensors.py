@@ -7,6 +7,7 @@ local loop (run here, between the chains, so that both see the machine as it is)
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import subprocess
@@ -48,10 +49,13 @@ def run(quick: bool = False) -> dict:
         n = 1_000 if quick else 10_000
         _chain(100).cpu()  # warm the meta-shape cache and the worker
         record_us, flush_s, trips, worker_us, local_us = [], [], [], [], []
+        full_collections = 0
         for _ in range(3 if quick else 7):
+            before_gc = gc.get_stats()[2]["collections"]
             start = time.perf_counter()
             x = _chain(n)
             record_us.append((time.perf_counter() - start) / n * 1e6)
+            full_collections += gc.get_stats()[2]["collections"] - before_gc
             before = dict(stats()["0"])
             start = time.perf_counter()
             x.cpu()
@@ -107,6 +111,7 @@ def run(quick: bool = False) -> dict:
         "mlp_step_ms_p50": round(1000 * statistics.median(step_s), 1),
         "mlp_step_round_trips": max(step_trips),
         "mlp_step_ops_recorded": statistics.median(step_ops),
+        "full_collections_while_recording": full_collections,  # (records the collector tracks set them off)
         "worker_us_per_op_p50": round(statistics.median(worker_us), 2),
         "local_loop_us_per_op_p50": round(statistics.median(local_us), 2),
         "worker_vs_local_loop": round(worker_ratio, 2),

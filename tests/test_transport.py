@@ -204,21 +204,25 @@ def test_segments_whose_creator_is_gone_are_swept_and_live_ones_kept():
         live.unlink()
 
 
-def test_a_big_segment_has_its_pages_at_creation_and_touch_faults_in_every_page():
-    """A segment from ALLOCATE_MIN up is given its pages in one call when made (a third of the
-    cost of faulting them in one by one); a small one is not. `touch` makes every page of a buffer
-    resident, the partial pages at either end of an unaligned one included (mincore)."""
+def test_a_big_spare_segment_has_its_pages_at_creation_and_touch_faults_in_every_page():
+    """A spare segment from ALLOCATE_MIN up is given its pages in one call when made (a third of
+    the cost of faulting them in one by one); a small one is not, nor one to be filled at once.
+    `touch` makes every page of a buffer resident, the partial pages at either end of an unaligned
+    one included (mincore)."""
     import ctypes
     import mmap
 
-    from genie_core.dataplane.segment import ALLOCATE_MIN, Segment, touch
+    from genie_core.dataplane.segment import ALLOCATE_MIN, Segment, segment_spares, touch
 
-    big, small = Segment.create("genie-c", 4 * ALLOCATE_MIN), Segment.create("genie-c", ALLOCATE_MIN // 2)
+    spares = segment_spares("genie-c")
+    big, small = spares.take(4 * ALLOCATE_MIN, refill=False), spares.take(ALLOCATE_MIN // 2, refill=False)
+    filled_at_once = Segment.create("genie-c", 4 * ALLOCATE_MIN)
     try:
         assert os.stat(big.path).st_blocks * 512 >= big.size
-        assert os.stat(small.path).st_blocks == 0
+        assert os.stat(small.path).st_blocks == 0 and os.stat(filled_at_once.path).st_blocks == 0
     finally:
-        for segment in (big, small):
+        spares.close()
+        for segment in (big, small, filled_at_once):
             segment.close()
             segment.unlink()
 

@@ -50,7 +50,8 @@ def creator_pid(name: str) -> int | None:
 
 
 class Segment:
-    def __init__(self, name: str, size: int, create: bool) -> None:
+    def __init__(self, name: str, size: int, create: bool, allocate: bool = False) -> None:
+        """`allocate`: give a new segment its pages now (_allocate), for one made ahead of its use."""
         self.name = name
         self.path = SHM_DIR / name
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
@@ -62,7 +63,8 @@ class Segment:
                     os.unlink(self.path)
                     raise OSError(28, f"not enough shared memory for {size} bytes in {SHM_DIR}")
                 os.ftruncate(fd, max(size, 1))
-                _allocate(fd, size, self.path)
+                if allocate:
+                    _allocate(fd, size, self.path)
             else:
                 size = os.fstat(fd).st_size
             self.size = size
@@ -72,8 +74,8 @@ class Segment:
         self.view = memoryview(self.map)
 
     @classmethod
-    def create(cls, prefix: str, size: int) -> Segment:
-        return cls(segment_name(prefix), size, create=True)
+    def create(cls, prefix: str, size: int, allocate: bool = False) -> Segment:
+        return cls(segment_name(prefix), size, create=True, allocate=allocate)
 
     @classmethod
     def attach(cls, name: str) -> Segment:
@@ -124,14 +126,15 @@ class Segment:
         (SHM_DIR / (self.name + SENT)).unlink(missing_ok=True)
 
 
-ALLOCATE_MIN = 1 << 20  # bytes: a segment from this size up gets its pages at creation, all at once
+ALLOCATE_MIN = 1 << 20  # bytes: a spare segment from this size up gets its pages at creation, all at once
 
 
 def _allocate(fd: int, size: int, path: Path) -> None:
     """Give a new segment its pages now, in one call: tmpfs allocates them in bulk for about a third
     of what faulting them in one by one costs (0.45 of 1.2 to 1.3 s a GiB on the CI VM), and a
-    full /dev/shm fails here, not as a SIGBUS when a page is first written. Skipped where the
-    filesystem cannot (the pages then come as they are written)."""
+    full /dev/shm fails here, not as a SIGBUS when a page is first written. For spares only: a
+    segment filled at once is faulted in by the copy's threads in parallel, which on the CI VM
+    was faster than this one call before the copy. Skipped where the filesystem cannot."""
     if size < ALLOCATE_MIN:
         return
     try:
@@ -280,7 +283,7 @@ def segment_spares(prefix: str) -> Spares:
         segment.close()
         segment.unlink()
 
-    return Spares(lambda size: Segment.create(prefix, size), release, lambda segment: segment.view)
+    return Spares(lambda size: Segment.create(prefix, size, allocate=True), release, lambda segment: segment.view)
 
 
 def memory_spares() -> Spares:
