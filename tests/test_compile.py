@@ -302,3 +302,16 @@ def test_graphs_that_ask_for_cuda_graphs_are_compiled_without_graph_trees(monkey
         {"triton.cudagraphs": True, "triton.cudagraph_trees": True},
         None,
     ]
+
+
+def test_a_graph_with_a_bytes_constant_is_refused_clearly():
+    """Bytes in an op's record name a remote tensor: a graph holding a bytes constant is refused
+    when it is encoded, not misread by the worker."""
+    import operator
+
+    from genie_core.protocol import fx_graph
+
+    graph = torch.fx.Graph()
+    graph.output(graph.call_function(operator.add, (graph.placeholder("x"), b"ab")))
+    with pytest.raises(NotImplementedError, match="bytes constant"):
+        fx_graph.encode(torch.fx.GraphModule(torch.nn.Module(), graph), lambda value: value)

@@ -135,8 +135,7 @@ def test_an_answer_is_the_questions_whatever_is_recorded_after_it(remote, monkey
 
 def test_an_answer_is_waited_for_when_its_question_fills_a_pipelined_batch(remote, monkeypatch):
     """A stream that sends every few records without waiting (on a machine with cores to spare)
-    still sends a question in the batch it waits for: a data-dependent op and a device question
-    each as the batch's last record."""
+    still sends a question in the batch it waits for: a data-dependent op and a device question."""
     from genie_core.remote_tensor.connection import stream_for
 
     x = torch.tensor([0.0, 2.0, 0.0, 3.0], device=DEV)

@@ -47,18 +47,18 @@ HEADER = b'{"id":"i","type":"ping","parent":"","session":"s","seq":1,"time":0.0}
     "frames, why",
     [
         ([], "frames"),
-        ([b"genie/2"], "frames"),
-        ([b"genie/2", b"", HEADER], "frames"),
+        ([b"genie/3"], "frames"),
+        ([b"genie/3", b"", HEADER], "frames"),
         ([b"nope/9", b"", HEADER, b"{}"], "unknown protocol"),
         ([b"genie/1", b"", HEADER, b"{}"], "unknown protocol"),
         ([b"a", b"", HEADER, b"{}"], "unknown protocol"),
         ([b"zzzzzzz", b"", HEADER, b"{}"], "unknown protocol"),
-        ([b"genie/2", b"", b"not json", b"{}"], "malformed"),
-        ([b"genie/2", b"", b"[]", b"{}"], "malformed"),
-        ([b"genie/2", b"", HEADER, b"[]"], "malformed"),
-        ([b"genie/2", b"", HEADER.replace(b',"seq":1', b""), b"{}"], "malformed"),  # every header field is required
-        ([b"genie/2", b"", HEADER.replace(b',"time":0.0', b""), b"{}"], "malformed"),
-        ([b"genie/2", b"", HEADER.replace(b'"seq":1', b'"seq":"x"'), b"{}"], "malformed"),
+        ([b"genie/3", b"", b"not json", b"{}"], "malformed"),
+        ([b"genie/3", b"", b"[]", b"{}"], "malformed"),
+        ([b"genie/3", b"", HEADER, b"[]"], "malformed"),
+        ([b"genie/3", b"", HEADER.replace(b',"seq":1', b""), b"{}"], "malformed"),  # every header field is required
+        ([b"genie/3", b"", HEADER.replace(b',"time":0.0', b""), b"{}"], "malformed"),
+        ([b"genie/3", b"", HEADER.replace(b'"seq":1', b'"seq":"x"'), b"{}"], "malformed"),
     ],
 )
 def test_malformed_messages_raise_protocol_error(frames, why):
@@ -139,7 +139,7 @@ def test_values_the_client_did_not_ask_to_unpickle_are_refused():
 
 
 def test_the_wire_format_is_fixed_known_answers():
-    """genie/2 as documented in protocol/codec.py, computed here from scratch: the key is
+    """genie/3 as documented in protocol/codec.py, computed here from scratch: the key is
     HMAC-SHA256(token, context); the signature is HMAC-SHA256 over each part's length (8 bytes,
     little-endian) and then the part itself (header, content) or the SHA-256 digests of its 4 MiB
     chunks (buffers). A change to any of it breaks every client and server of another version."""
@@ -164,7 +164,7 @@ def test_the_wire_format_is_fixed_known_answers():
     header = (
         b'{"id":"0123456789abcdef01234567","type":"execute","parent":"p","session":"s","seq":7,"time":1700000000.0}'
     )
-    assert bytes(frames[0]) == b"genie/2" and bytes(frames[2]) == header and bytes(frames[3]) == b'{"code":"x = 1"}'
+    assert bytes(frames[0]) == b"genie/3" and bytes(frames[2]) == header and bytes(frames[3]) == b'{"code":"x = 1"}'
     mac = hmac.new(key, digestmod=hashlib.sha256)
     for part in (header, b'{"code":"x = 1"}'):
         mac.update(len(part).to_bytes(8, "little") + part)

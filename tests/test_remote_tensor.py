@@ -529,6 +529,35 @@ def test_an_output_the_server_had_to_lay_out_again_stays_checked(remote):
         spec.expect, spec.verified = truth, -1
 
 
+def test_the_worker_answers_the_record_the_batch_names_wherever_it_is():
+    """A batch names the record to answer by its index: the worker describes that op's outputs (or
+    answers that question), not the batch's last record."""
+    import pickle
+
+    from genie_core.protocol.tensor_ops import HostTensor, ref
+    from genie_core.worker.tensors import TensorExecutor
+
+    executor = TensorExecutor()
+    gc.unfreeze()  # (a worker freezes what it imported; this process is pytest's)
+    records = [
+        ("put", 1, HostTensor(torch.tensor([0.0, 2.0, 0.0, 3.0]))),
+        ("op", "aten.nonzero.default", (ref(1),), None, range(10, 20), None),
+        ("op", "aten.mul.Tensor", (ref(1), 2), None, (30,), None),
+        ("ask", "memory", ()),
+        ("free", 30),
+    ]
+    for at, want in ((1, "outputs"), (3, "value")):
+        oob: list = []
+        frame = pickle.dumps({"ops": records, "fetch": [], "answer": at, "sync": False}, 5, buffer_callback=oob.append)
+        reply = executor.run([frame, *[b.raw() for b in oob]])[0]
+        assert reply["status"] == "ok" and want in reply["eager"], reply
+    assert reply["eager"]["value"]["total_bytes"] > 0
+    oob = []
+    frame = pickle.dumps({"ops": records, "fetch": [], "answer": 1, "sync": False}, 5, buffer_callback=oob.append)
+    outputs = executor.run([frame, *[b.raw() for b in oob]])[0]["eager"]["outputs"]
+    assert outputs[0]["shape"] == [2, 1]
+
+
 def test_the_worker_checks_each_output_it_is_asked_to():
     """The worker's side, on records as a client writes them: an output laid out otherwise is
     copied into the expected layout and named in the reply; a different shape fails the op; no

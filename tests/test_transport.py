@@ -204,25 +204,29 @@ def test_segments_whose_creator_is_gone_are_swept_and_live_ones_kept():
         live.unlink()
 
 
-def test_a_big_spare_segment_has_its_pages_at_creation_and_touch_faults_in_every_page():
-    """A spare segment from ALLOCATE_MIN up is given its pages in one call when made (a third of
-    the cost of faulting them in one by one); a small one is not, nor one to be filled at once.
-    `touch` makes every page of a buffer resident, the partial pages at either end of an unaligned
-    one included (mincore)."""
+def test_a_spare_segment_has_its_pages_at_creation_and_touch_faults_in_every_page():
+    """A segment made ahead (a spare's refill) from ALLOCATE_MIN up is given its pages in one call
+    when made, a small one is not, nor one that a transfer makes to fill at once (the copy's
+    threads fault that in faster). `touch` makes every page of a buffer resident, the partial
+    pages at either end of an unaligned one included (mincore)."""
     import ctypes
     import mmap
 
     from genie_core.dataplane.segment import ALLOCATE_MIN, Segment, segment_spares, touch
 
+    ahead = Segment.create("genie-c", 4 * ALLOCATE_MIN, allocate=True)
+    small = Segment.create("genie-c", ALLOCATE_MIN // 2, allocate=True)
     spares = segment_spares("genie-c")
-    big, small = spares.take(4 * ALLOCATE_MIN, refill=False), spares.take(ALLOCATE_MIN // 2, refill=False)
-    filled_at_once = Segment.create("genie-c", 4 * ALLOCATE_MIN)
+    filled_at_once = spares.take(4 * ALLOCATE_MIN, refill=False)  # none ready: made for the transfer
+    spares.refill(4 * ALLOCATE_MIN)
+    refilled = spares.take(4 * ALLOCATE_MIN, refill=False)  # (the refill, waited for)
     try:
-        assert os.stat(big.path).st_blocks * 512 >= big.size
+        assert os.stat(ahead.path).st_blocks * 512 >= ahead.size
+        assert os.stat(refilled.path).st_blocks * 512 >= refilled.size
         assert os.stat(small.path).st_blocks == 0 and os.stat(filled_at_once.path).st_blocks == 0
     finally:
         spares.close()
-        for segment in (big, small, filled_at_once):
+        for segment in (ahead, small, filled_at_once, refilled):
             segment.close()
             segment.unlink()
 
@@ -240,6 +244,21 @@ def test_a_big_spare_segment_has_its_pages_at_creation_and_touch_faults_in_every
     finally:
         del resident
         region.close()
+
+
+def test_a_segment_whose_making_is_interrupted_is_not_left_behind(monkeypatch):
+    from genie_core.dataplane import segment
+
+    def interrupted(fd: int, length: int) -> None:
+        raise KeyboardInterrupt
+
+    mine = f"genie-c-{os.getpid()}-*"
+    before = set(segment.SHM_DIR.glob(mine))
+    monkeypatch.setattr(segment.os, "ftruncate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        segment.Segment.create("genie-c", 10)
+    monkeypatch.undo()
+    assert set(segment.SHM_DIR.glob(mine)) == before
 
 
 def test_closing_spares_waits_for_a_refill_under_way_to_remove_its_segment():

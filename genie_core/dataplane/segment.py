@@ -12,6 +12,7 @@ import logging
 import mmap
 import os
 import shutil
+import sys
 import threading
 import time
 from collections import Counter
@@ -60,15 +61,18 @@ class Segment:
             if create:
                 st = os.statvfs(SHM_DIR)
                 if size > st.f_bavail * st.f_frsize:  # a full tmpfs would SIGBUS us later: refuse now
-                    os.unlink(self.path)
-                    raise OSError(28, f"not enough shared memory for {size} bytes in {SHM_DIR}")
+                    raise OSError(errno.ENOSPC, f"not enough shared memory for {size} bytes in {SHM_DIR}")
                 os.ftruncate(fd, max(size, 1))
                 if allocate:
-                    _allocate(fd, size, self.path)
+                    _allocate(fd, size)
             else:
                 size = os.fstat(fd).st_size
             self.size = size
             self.map = mmap.mmap(fd, max(size, 1))
+        except BaseException:  # (interrupted too): a segment made here is not left behind
+            if create:
+                self.path.unlink(missing_ok=True)
+            raise
         finally:
             os.close(fd)
         self.view = memoryview(self.map)
@@ -129,22 +133,19 @@ class Segment:
 ALLOCATE_MIN = 1 << 20  # bytes: a spare segment from this size up gets its pages at creation, all at once
 
 
-def _allocate(fd: int, size: int, path: Path) -> None:
-    """Give a new segment its pages now, in one call: tmpfs allocates them in bulk for about a third
-    of what faulting them in one by one costs (0.45 of 1.2 to 1.3 s a GiB on the CI VM), and a
-    full /dev/shm fails here, not as a SIGBUS when a page is first written. For spares only: a
-    segment filled at once is faulted in by the copy's threads in parallel, which on the CI VM
-    was faster than this one call before the copy. Skipped where the filesystem cannot."""
+def _allocate(fd: int, size: int) -> None:
+    """Give a new segment its pages now, in one call, which tmpfs does in bulk for less than faulting
+    them in one by one (benchmarks/RESULTS.md, across_hosts); a full /dev/shm then fails here, not
+    as a SIGBUS at a first write. For a spare, made ahead: a segment filled at once is faulted in
+    by the copy's threads in parallel, which measured faster. Skipped where the filesystem cannot."""
     if size < ALLOCATE_MIN:
         return
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
-            os.unlink(path)
             raise OSError(errno.ENOSPC, f"not enough shared memory for {size} bytes in {SHM_DIR}") from None
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            os.unlink(path)
             raise
 
 
@@ -155,7 +156,7 @@ _libc: Any = None
 
 def touch(view: memoryview) -> None:
     """Fault every page in now, so a transfer later need not: in one call where the kernel can
-    (`MADV_POPULATE_WRITE`), else one write per page. Its contents are not kept."""
+    (`MADV_POPULATE_WRITE`, Linux), else one write per page. Its contents are not kept."""
     import numpy as np
 
     if not len(view):
@@ -174,6 +175,8 @@ def touch(view: memoryview) -> None:
 
 def _populate(address: int, length: int) -> bool:
     global _libc
+    if not sys.platform.startswith("linux"):
+        return False
     if _libc is None:
         import ctypes
 
@@ -192,8 +195,12 @@ class Spares:
         release: Callable[[Any], None],
         view: Callable[[Any], memoryview],
         cap: int = 1 << 30,
+        make_ahead: Callable[[int], Any] | None = None,
     ) -> None:
+        """`make_ahead`: how a refill makes its buffer, where that differs from a buffer made for a
+        transfer that needs it now (`make`)."""
         self._make, self._release, self._view, self._cap = make, release, view, cap
+        self._make_ahead = make_ahead or make
         self._lock = threading.Lock()
         self._landed = threading.Condition(self._lock)  # a refill finished (or the spares closed)
         self._spare: Any = None
@@ -241,7 +248,7 @@ class Spares:
         name_os_thread()
         fresh = None
         try:
-            fresh = self._make(size)
+            fresh = self._make_ahead(size)
             touch(self._view(fresh))
         except Exception as exc:  # (a spare is a head start: the next transfer makes its own, or says why not)
             log.warning("a spare buffer of %d bytes could not be made: %s", size, exc)
@@ -283,7 +290,12 @@ def segment_spares(prefix: str) -> Spares:
         segment.close()
         segment.unlink()
 
-    return Spares(lambda size: Segment.create(prefix, size, allocate=True), release, lambda segment: segment.view)
+    return Spares(
+        lambda size: Segment.create(prefix, size),
+        release,
+        lambda segment: segment.view,
+        make_ahead=lambda size: Segment.create(prefix, size, allocate=True),
+    )
 
 
 def memory_spares() -> Spares:

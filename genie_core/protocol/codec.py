@@ -1,4 +1,4 @@
-"""Wire format: `[ident…] b"genie/2" signature header content buffer*`.
+"""Wire format: `[ident…] b"genie/3" signature header content buffer*`.
 
 The signature is HMAC-SHA256 over header, content *and* every buffer, with a key derived
 from the server token. Header and content are small JSON; buffers are raw bytes (tensor and
@@ -22,11 +22,11 @@ from typing import Any
 from ..errors import BadSignature, ProtocolError
 from ..threads import name_os_thread
 
-PROTOCOL = b"genie/2"
+PROTOCOL = b"genie/3"
 # The first frame of the one answer that every protocol version shares: "I speak another version; here
 # are mine" (JSON in the second frame), so either side can say what to install. Never changes.
 VERSIONS_TAG = b"genie-versions"
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: op records name remote tensors by bytes, a batch names the record it answers
 _KEY_CONTEXT = b"genie message signing v1"
 CHUNK = 4 << 20  # bytes of buffer per digest
 PARALLEL_FROM = 16 << 20  # buffers at least this big are hashed on several threads

@@ -338,7 +338,7 @@ class TensorReply(Staged):
     """Its buffers are the bytes of the tensors fetched (or `data` says where they wait)."""
 
     stored: int  # tensors the worker holds for the session
-    eager: NotRequired[Any]  # what the batch's last op made, when asked (its description, or an answer)
+    eager: NotRequired[Any]  # what the record OpBatch.answer names made (its description), or its answer
     run_s: NotRequired[float]
     profile: NotRequired[dict[str, list[float]]]  # op -> [seconds, calls], when asked
     fetch: NotRequired[list[dict[str, Any]]]  # serialize_namespace's descriptions of what was fetched

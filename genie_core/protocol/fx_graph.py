@@ -141,6 +141,8 @@ def _value(value: Any, constant: Callable[[Any], Any]) -> Any:
         return value
     if isinstance(value, torch.memory_format):
         return MemoryFormat(str(value).removeprefix("torch."))
+    if isinstance(value, (bytes, bytearray)):  # (bytes in a record name a remote tensor: tensor_ops.TensorRef)
+        raise NotImplementedError(f"a compiled graph with a bytes constant ({bytes(value[:16])!r}) cannot run remotely")
     if isinstance(value, (torch.Tensor, torch.nn.Module)):
         return constant(value)
     return value

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 Expect: TypeAlias = tuple[tuple[int, ...], tuple[int, ...], int, Any]
 Expects: TypeAlias = tuple[Expect | None, ...]
 
-# Run torch.ops.<name> (aten.add.Tensor) on these arguments (remote tensors as tensor_ops.Ref;
+# Run torch.ops.<name> (aten.add.Tensor) on these arguments (remote tensors as tensor_ops.TensorRef;
 # kwargs None: none) and keep its tensor outputs under out_ids (None: not kept; a range: the block
 # of ids for a list of unknown length), each checked against expect (None: not checked).
 OpRecord: TypeAlias = tuple[

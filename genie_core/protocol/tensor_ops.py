@@ -7,21 +7,22 @@ from __future__ import annotations
 from typing import Any, TypeAlias
 
 # A remote tensor, by id, inside a recorded op's arguments: the id's 8 bytes. No argument of an
-# aten op (or of a record kind that carries arguments) is ever bytes, so bytes there always name a
-# tensor. Bytes, unlike an object of a class of ours, are pickled without a call back into Python
-# (0.6 against 2.2 us a record, 0.35 against 0.85 to load: timeit, CI VM) and are not tracked by the
-# garbage collector: a record of them is untracked at its first collection, so records waiting for
-# a flush never set off a full collection (0.2 s over torch's 300,000 objects on the CI VM, once
-# every 20,000 ops or so before).
-Ref: TypeAlias = bytes
+# aten op (nor of a call record, nor a compiled graph's constant: fx_graph.py refuses bytes) is
+# bytes, so bytes there always name a tensor. Bytes, unlike an object of a class, pickle without a
+# call back into Python and are not tracked by the garbage collector: a record of such values (an
+# op on tensors, numbers and tuples of them, nearly every op of a model) is untracked by the
+# collector itself, so records waiting for a flush do not set off full collections
+# (benchmarks/RESULTS.md, remote_tensors). (Named TensorRef, not Ref: a pickle of protocol 2 that
+# names tensor_ops.Ref fails to load instead of reading as bytes.)
+TensorRef: TypeAlias = bytes
 
 
-def ref(rid: int) -> Ref:
+def ref(rid: int) -> TensorRef:
     return rid.to_bytes(8, "little")
 
 
-def ref_id(ref: Ref) -> int:
-    return int.from_bytes(ref, "little")
+def ref_id(name: TensorRef) -> int:
+    return int.from_bytes(name, "little")
 
 
 class RemoteDevice:
@@ -38,8 +39,8 @@ class StorageOf:
 
     __slots__ = ("ref",)
 
-    def __init__(self, ref: Ref) -> None:
-        self.ref = ref
+    def __init__(self, tensor: TensorRef) -> None:
+        self.ref = tensor
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (StorageOf, (self.ref,))

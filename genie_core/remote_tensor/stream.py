@@ -106,10 +106,12 @@ class OpStream:
         thread) or another thread's flush cannot take its place."""
         self._refuse_while_capturing()
         with self._lock:
-            at = len(self._records)  # (taken first: the append may collect a tensor, recording its free)
             self._records.append(entry)
             records, self._records = self._records, []
             self._borrowed = False
+        at = len(records) - 1  # found by identity: frees may have been recorded after it, even during the append
+        while records[at] is not entry:
+            at -= 1
         return self._exchange(records, [], answer=at, sync=False)["eager"]
 
     def upload(self, rid: int, tensor: Any) -> None:

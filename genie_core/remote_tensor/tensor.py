@@ -11,7 +11,7 @@ from typing import Any, SupportsIndex
 import torch
 from torch.utils._mode_utils import no_dispatch
 
-from ..protocol.tensor_ops import Ref, RemoteDevice, StorageOf, encode_value, ref
+from ..protocol.tensor_ops import RemoteDevice, StorageOf, TensorRef, encode_value, ref
 from . import device_model, serialization
 from .output_specs import Layout, OutputSpec, aliases, expectations, layout_of
 from .stream import OpStream, _ids, new_id, new_ids
@@ -45,7 +45,7 @@ class _Handle:
 
 class RemoteTensor(torch.Tensor):
     _rid: int
-    _ref: Ref
+    _ref: TensorRef
     _stream: OpStream
     _handle: _Handle
     _layout: Layout
@@ -570,7 +570,7 @@ def record_call(
         outs.append(None if m is None else RemoteTensor(m.shape, m.stride(), m.storage_offset(), m.dtype, stream))
     enc_args, enc_kwargs = (args, kwargs) if encoded else _map(_encoder(stream, uploads), args, kwargs)
     stream.record(
-        ("call", name, enc_args, enc_kwargs, [None if r is None else r._rid for r in outs], expectations(expected))
+        ("call", name, enc_args, enc_kwargs, tuple(None if r is None else r._rid for r in outs), expectations(expected))
     )
     for rid in uploads:
         stream.record(("free", rid))

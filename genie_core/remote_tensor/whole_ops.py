@@ -106,7 +106,7 @@ class _ServerOp(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> Any:
         from .tensor import record_call
 
-        sent = [g if d else None for g, d in zip(grads, ctx.differentiable, strict=True)]
+        sent = tuple(g if d else None for g, d in zip(grads, ctx.differentiable, strict=True))
         found, _ = record_call("aten_backward", (ctx.graph.id, sent), {}, ctx.inputs)
         return (None, None, None, None, *found)
 

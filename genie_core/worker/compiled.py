@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..protocol import fx_graph
-from ..protocol.tensor_ops import HostTensor, Ref, ref_id
+from ..protocol.tensor_ops import HostTensor, TensorRef, ref_id
 from .cpu_shims import shim_graph
 from .kept_graphs import run_keeping_graph
 
@@ -60,7 +60,7 @@ class CompiledGraphs:
             self._graphs[key] = _Graph(module, how)
 
     def _constant(self, value: Any) -> Any:
-        if type(value) is Ref:
+        if type(value) is TensorRef:
             return self.store[ref_id(value)]
         if type(value) is HostTensor:
             return value.tensor

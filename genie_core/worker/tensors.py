@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten
 from ..errors import LimitExceeded, size_text
 from ..protocol.contents import OpBatch, TensorReply
 from ..protocol.op_records import CallRecord, Expect, Expects, OpRecord, Record, name_of
-from ..protocol.tensor_ops import MemoryFormat, Ref, RemoteDevice, StorageOf, ref, ref_id
+from ..protocol.tensor_ops import MemoryFormat, RemoteDevice, StorageOf, TensorRef, ref, ref_id
 from ..serialize import serialize_namespace
 from . import checkpoints, device_answers, host_copies
 from .captured import CapturedGraph
@@ -115,7 +115,7 @@ def _note_time(timing: Timing, record: Record, since: float) -> float:
     return now
 
 
-_PLACEHOLDERS = frozenset({Ref, RemoteDevice, StorageOf, MemoryFormat})
+_PLACEHOLDERS = frozenset({TensorRef, RemoteDevice, StorageOf, MemoryFormat})
 _NESTED = frozenset({tuple, list, dict})
 _SWAPPED = _PLACEHOLDERS | _NESTED  # what _one replaces (or looks inside)
 
@@ -163,7 +163,7 @@ class TensorExecutor:
 
     def _one(self, v: Any) -> Any:
         kind = type(v)
-        if kind is Ref:
+        if kind is TensorRef:
             t = self.store.get(ref_id(v))
             if t is None or type(t) is _Failed:
                 return self._resolve(v)  # raises, saying why
@@ -175,7 +175,7 @@ class TensorExecutor:
         return v
 
     def _resolve(self, value: Any) -> Any:
-        if isinstance(value, Ref):
+        if isinstance(value, TensorRef):
             rid = ref_id(value)
             t = self.store.get(rid)
             if t is None:
@@ -406,7 +406,7 @@ class TensorExecutor:
         store = self.store
         inputs = []  # the arguments with the worker's tensors in (inline: this runs for every op)
         for v in args:
-            if type(v) is Ref:
+            if type(v) is TensorRef:
                 t = store.get(ref_id(v))
                 inputs.append(t if t is not None and type(t) is not _Failed else self._resolve(v))
             else:
