@@ -522,13 +522,41 @@ def test_a_data_port_header_over_its_limit_is_refused_before_anything_is_read(se
 
 def test_payload_macs_are_fixed_known_answers():
     """The payload MAC's wire format, pinned: both ends of a data connection may run different
-    Genie builds, so its label, counter width and chunking must not drift."""
+    Genie builds, so its label, counter width, chunking and GCM nonces must not drift (the second
+    payload is three 4 MiB chunks in a piece of 8 MiB and one of 1: the chunks are numbered across
+    pieces)."""
     macs = wire.PayloadMacs(bytes(range(32)), bytes(32))
     first, second = macs.start(b"up"), macs.start(b"up")
-    for mac in (first, second):
-        mac.update(b"payload")
-    assert first.digest().hex()[:16] == "554547479e988a2c"
-    assert second.digest().hex()[:16] == "370f39ea43885bb4"
+    first.update(b"payload")
+    big = memoryview(bytes(range(256)) * (9 << 12))
+    second.update(big[: wire.CHUNK])
+    second.update(big[wire.CHUNK :])
+    assert first.digest().hex()[:16] == "c08a6bf252ee00b2"
+    assert second.digest().hex()[:16] == "c0e4e028f77c4051"
+    down = wire.PayloadMacs(bytes(range(32)), bytes(32)).start(b"down")
+    down.update(b"payload")
+    assert down.digest().hex()[:16] == "83a996580aabb12c"
+
+
+def test_a_payload_mac_tags_every_chunk_of_a_piece():
+    """A piece of several 4 MiB chunks is tagged chunk by chunk, each under its own nonce: a byte
+    changed in any chunk changes the MAC, and two chunks swapped do too."""
+    key, nonce = os.urandom(32), os.urandom(32)
+    chunk = wire.MAC_CHUNK
+    payload = bytearray(os.urandom(2 * chunk + 100))
+
+    def mac_of(data: bytes | bytearray) -> bytes:
+        mac = wire.PayloadMacs(key, nonce).start(b"up")
+        mac.update(memoryview(data))
+        return mac.digest()
+
+    base = mac_of(payload)
+    for where in (0, chunk + 7, 2 * chunk + 99):
+        changed = bytearray(payload)
+        changed[where] ^= 1
+        assert mac_of(changed) != base, where
+    swapped = payload[chunk : 2 * chunk] + payload[:chunk] + payload[2 * chunk :]
+    assert mac_of(swapped) != base
 
 
 def test_a_put_may_hold_empty_buffers_beside_big_ones(server, connect):
@@ -553,15 +581,14 @@ def test_a_tcp_payload_cut_partway_leaves_no_piece_being_hashed(side, monkeypatc
     from concurrent.futures import Future
 
     from genie_core.dataplane import stream, tcp
-    from genie_core.protocol import codec
 
-    in_turn = codec._digests_in_turn
+    tags = wire.PayloadMac._tags
 
-    def slow(buffer):
+    def slow(self, view, first):
         time.sleep(0.3)
-        return in_turn(buffer)
+        return tags(self, view, first)
 
-    monkeypatch.setattr(codec, "_digests_in_turn", slow)
+    monkeypatch.setattr(wire.PayloadMac, "_tags", slow)
     here, there = socket.socketpair()
 
     def one_piece_then_the_end() -> None:  # of the three the payload has

@@ -12,10 +12,13 @@ from collections.abc import Callable
 from concurrent.futures import Future, wait
 from typing import Any
 
-from ..protocol import chunk_digests_soon
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-GREETING = b"GENIE-DATA/2"
-CHUNK = 8 << 20  # bytes per socket call; a multiple of the MAC's 4 MiB chunks
+from ..protocol import hashed_soon
+
+GREETING = b"GENIE-DATA/3"  # 3: payloads tagged with GMAC (2: SHA-256 digests)
+CHUNK = 8 << 20  # bytes per socket call; a multiple of the MAC's chunks
+MAC_CHUNK = 4 << 20  # bytes per GMAC tag
 Progress = Callable[[int, int], None] | None  # (bytes done, bytes in all)
 
 
@@ -25,17 +28,31 @@ def handshake_mac(key: bytes, nonce: bytes, session: str) -> bytes:
 
 
 class PayloadMac:
-    """One payload's MAC: HMAC over the SHA-256 digests of its 4 MiB chunks (as the control
-    messages sign buffers), so a transfer can hash its pieces while it moves them. Pieces must be
-    cut at multiples of 4 MiB, except the last piece of each buffer."""
+    """One payload's MAC: an HMAC over the GMAC tags of its 4 MiB chunks. GMAC (AES-GCM over no
+    plaintext) runs at AES-NI's speed and releases the GIL, about 7 times SHA-256's rate, so a
+    transfer tags the pieces it has moved on the hashing pool while it moves the next. Every chunk's
+    GCM nonce is its own (direction, payload number, chunk number) under a key of the connection's.
+    Pieces must be cut at multiples of 4 MiB, except the last piece of each buffer."""
 
-    def __init__(self, key: bytes, label: bytes) -> None:
+    def __init__(self, key: bytes, label: bytes, gmac: AESGCM, nonce_prefix: bytes) -> None:
         self.key, self.label = key, label
+        self._gmac, self._prefix = gmac, nonce_prefix
+        self._chunks = 0  # chunks tagged so far: the next one's number
         self.digests: list[bytes | Future[bytes]] = []
 
     def update(self, piece: Any) -> None:
-        """Hash `piece` in the background (kept unchanged and alive until `digest` or `abandon`)."""
-        self.digests.append(chunk_digests_soon(piece))
+        """Tag `piece` in the background (kept unchanged and alive until `digest` or `abandon`)."""
+        view = memoryview(piece).cast("B")
+        first, count = self._chunks, max(1, -(-len(view) // MAC_CHUNK))
+        self._chunks += count
+        self.digests.append(hashed_soon(lambda v: self._tags(v, first), view))
+
+    def _tags(self, view: memoryview, first: int) -> bytes:
+        starts = range(0, len(view), MAC_CHUNK) if len(view) else (0,)
+        return b"".join(
+            self._gmac.encrypt(self._prefix + (first + i).to_bytes(4, "big"), b"", view[s : s + MAC_CHUNK])
+            for i, s in enumerate(starts)
+        )
 
     def abandon(self) -> None:
         """The transfer failed: drop the hashing not yet begun and wait for the hashing under way,
@@ -58,14 +75,18 @@ class PayloadMacs:
     def __init__(self, key: bytes, nonce: bytes, on: bool = True) -> None:
         self.key, self.nonce, self.on = key, nonce, on
         self._counts = {b"up": 0, b"down": 0}
+        gcm_key = hmac.new(key, b"genie data gmac key\0" + nonce, hashlib.sha256).digest()
+        self._gmac = AESGCM(gcm_key) if on else None
 
     def start(self, direction: bytes) -> PayloadMac | None:
         """The next payload's MAC (None when off): b"up" is client to server, b"down" back."""
         count = self._counts[direction]
         self._counts[direction] = count + 1
-        if not self.on:
+        if self._gmac is None:
             return None
-        return PayloadMac(self.key, b"genie data payload\0" + self.nonce + direction + count.to_bytes(8, "big"))
+        label = b"genie data payload\0" + self.nonce + direction + count.to_bytes(8, "big")
+        prefix = (b"u" if direction == b"up" else b"d") + count.to_bytes(7, "big")  # + 4 bytes of chunk number
+        return PayloadMac(self.key, label, self._gmac, prefix)
 
 
 def encode_header(header: dict[str, Any]) -> bytes:

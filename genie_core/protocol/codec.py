@@ -14,7 +14,7 @@ import hmac
 import json
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,15 +60,15 @@ def chunk_digests(buffer: Any) -> bytes:
         return _digests_in_turn(buffer)
 
 
-def chunk_digests_soon(buffer: Any) -> Future[bytes]:
-    """`chunk_digests(buffer)`, computed on the hashing pool: a transfer hashes the pieces it has
-    moved while it moves the next (hashlib and socket calls both release the GIL). The caller keeps
-    `buffer` unchanged and alive until the result is in."""
+def hashed_soon(hash_pieces: Callable[[Any], bytes], buffer: Any) -> Future[bytes]:
+    """`hash_pieces(buffer)`, computed on the hashing pool: a transfer hashes the pieces it has
+    moved while it moves the next (hashing that releases the GIL and socket calls run at once).
+    The caller keeps `buffer` unchanged and alive until the result is in."""
     try:
-        return _hashing_pool().submit(_digests_in_turn, buffer)
+        return _hashing_pool().submit(hash_pieces, buffer)
     except RuntimeError:  # the pool takes no new tasks at interpreter shutdown: hashed here
         done: Future[bytes] = Future()
-        done.set_result(_digests_in_turn(buffer))
+        done.set_result(hash_pieces(buffer))
         return done
 
 
