@@ -47,18 +47,18 @@ HEADER = b'{"id":"i","type":"ping","parent":"","session":"s","seq":1,"time":0.0}
     "frames, why",
     [
         ([], "frames"),
-        ([b"genie/3"], "frames"),
-        ([b"genie/3", b"", HEADER], "frames"),
+        ([b"genie/4"], "frames"),
+        ([b"genie/4", b"", HEADER], "frames"),
         ([b"nope/9", b"", HEADER, b"{}"], "unknown protocol"),
         ([b"genie/1", b"", HEADER, b"{}"], "unknown protocol"),
         ([b"a", b"", HEADER, b"{}"], "unknown protocol"),
         ([b"zzzzzzz", b"", HEADER, b"{}"], "unknown protocol"),
-        ([b"genie/3", b"", b"not json", b"{}"], "malformed"),
-        ([b"genie/3", b"", b"[]", b"{}"], "malformed"),
-        ([b"genie/3", b"", HEADER, b"[]"], "malformed"),
-        ([b"genie/3", b"", HEADER.replace(b',"seq":1', b""), b"{}"], "malformed"),  # every header field is required
-        ([b"genie/3", b"", HEADER.replace(b',"time":0.0', b""), b"{}"], "malformed"),
-        ([b"genie/3", b"", HEADER.replace(b'"seq":1', b'"seq":"x"'), b"{}"], "malformed"),
+        ([b"genie/4", b"", b"not json", b"{}"], "malformed"),
+        ([b"genie/4", b"", b"[]", b"{}"], "malformed"),
+        ([b"genie/4", b"", HEADER, b"[]"], "malformed"),
+        ([b"genie/4", b"", HEADER.replace(b',"seq":1', b""), b"{}"], "malformed"),  # every header field is required
+        ([b"genie/4", b"", HEADER.replace(b',"time":0.0', b""), b"{}"], "malformed"),
+        ([b"genie/4", b"", HEADER.replace(b'"seq":1', b'"seq":"x"'), b"{}"], "malformed"),
     ],
 )
 def test_malformed_messages_raise_protocol_error(frames, why):
@@ -102,8 +102,9 @@ def test_key_is_not_the_token():
 
 
 def test_a_large_buffer_altered_in_any_chunk_is_refused():
-    """Buffers are signed by the digests of their 4 MiB chunks (hashed in parallel): flipping
-    one byte in any chunk, or moving bytes between buffers, breaks the signature."""
+    """Buffers are signed by their 4 MiB chunks (a large one by GMAC tags, a small one by digests):
+    flipping one byte in any chunk, moving bytes between buffers, or swapping two buffers of one
+    size breaks the signature."""
     import os
 
     codec = Codec(os.urandom(32))
@@ -117,6 +118,11 @@ def test_a_large_buffer_altered_in_any_chunk_is_refused():
             codec.unpack([*frames[:4], changed, frames[5]])
     with pytest.raises(ProtocolError, match="bad signature"):  # same bytes, another split
         codec.unpack([*frames[:4], bytes(data) + b"t", b"ail"])
+    first, second = os.urandom(2 << 20), os.urandom(2 << 20)  # each tagged under its place's nonces
+    frames = codec.pack(Message("push", {}, [first, second]))
+    assert bytes(codec.unpack(frames).buffers[1]) == second
+    with pytest.raises(ProtocolError, match="bad signature"):
+        codec.unpack([*frames[:4], second, first])
 
 
 def test_values_the_client_did_not_ask_to_unpickle_are_refused():
@@ -139,12 +145,16 @@ def test_values_the_client_did_not_ask_to_unpickle_are_refused():
 
 
 def test_the_wire_format_is_fixed_known_answers():
-    """genie/3 as documented in protocol/codec.py, computed here from scratch: the key is
+    """genie/4 as documented in protocol/codec.py, computed here from scratch: the key is
     HMAC-SHA256(token, context); the signature is HMAC-SHA256 over each part's length (8 bytes,
-    little-endian) and then the part itself (header, content) or the SHA-256 digests of its 4 MiB
-    chunks (buffers). A change to any of it breaks every client and server of another version."""
+    little-endian) and then the part itself (header, content), or for a buffer the SHA-256 digests
+    of its 4 MiB chunks (under 1 MiB) or their GMAC tags (from 1 MiB: AES-256-GCM over no plaintext,
+    the key HMAC-SHA256(signing key, context + header), the nonce the part's number in 4 bytes and
+    the chunk's in 8). A change to any of it breaks every client and server of another version."""
     import hashlib
     import hmac
+
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
     key = derive_key("known-answer-token")
     assert key == hmac.new(b"known-answer-token", b"genie message signing v1", hashlib.sha256).digest()
@@ -164,15 +174,19 @@ def test_the_wire_format_is_fixed_known_answers():
     header = (
         b'{"id":"0123456789abcdef01234567","type":"execute","parent":"p","session":"s","seq":7,"time":1700000000.0}'
     )
-    assert bytes(frames[0]) == b"genie/3" and bytes(frames[2]) == header and bytes(frames[3]) == b'{"code":"x = 1"}'
+    assert bytes(frames[0]) == b"genie/4" and bytes(frames[2]) == header and bytes(frames[3]) == b'{"code":"x = 1"}'
     mac = hmac.new(key, digestmod=hashlib.sha256)
     for part in (header, b'{"code":"x = 1"}'):
         mac.update(len(part).to_bytes(8, "little") + part)
-    for part in (big, b"tail"):
-        digests = b"".join(hashlib.sha256(part[i : i + (4 << 20)]).digest() for i in range(0, len(part), 4 << 20))
-        mac.update(len(part).to_bytes(8, "little") + digests)
+    gmac = AESGCM(hmac.new(key, b"genie message buffers gmac\0" + header, hashlib.sha256).digest())
+    tags = b"".join(
+        gmac.encrypt((2).to_bytes(4, "big") + n.to_bytes(8, "big"), b"", big[i : i + (4 << 20)])
+        for n, i in enumerate(range(0, len(big), 4 << 20))
+    )
+    mac.update(len(big).to_bytes(8, "little") + tags)
+    mac.update((4).to_bytes(8, "little") + hashlib.sha256(b"tail").digest())
     assert bytes(frames[1]) == mac.hexdigest().encode()
-    assert bytes(frames[1]) == b"e9a2a60737bde8b00114b24c859c40c3534a3f82d2a5a7fab1bea25a7f888314"
+    assert bytes(frames[1]) == b"586fd201fcf432a2ed7dd4fb52ace2eb101632bd1aa0f42cc3d859275d75637b"
 
 
 def test_the_message_table_says_who_sends_what():

@@ -120,9 +120,9 @@ def test_garbage_and_unsigned_frames_are_dropped_and_the_server_keeps_serving(se
     rng = np.random.default_rng(0)
     junk = [
         [b""],
-        [b"genie/3"],
-        [b"genie/3", b"sig"],
-        [b"genie/3", b"", b"{", b"}"],
+        [b"genie/4"],
+        [b"genie/4", b"sig"],
+        [b"genie/4", b"", b"{", b"}"],
         Codec(None).pack(Message("execute", {"code": "1"}, session=client.session, seq=10**9)),
         Codec(None).pack(Message("hello")),
     ] + [[rng.bytes(int(n)) for n in rng.integers(0, 64, size=4)] for _ in range(200)]

@@ -27,7 +27,7 @@ HANDSHAKE_FAILED = (
 def unanswered(address: str, timeout: float) -> ConnectionFailed:
     return ConnectionFailed(
         f"the server at {address} accepted a TCP connection but did not answer the Genie handshake "
-        f"within {timeout:g} s: is a genie server (protocol genie/3) listening there?"
+        f"within {timeout:g} s: is a genie server (protocol genie/4) listening there?"
     )
 
 

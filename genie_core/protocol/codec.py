@@ -1,10 +1,13 @@
-"""Wire format: `[ident…] b"genie/3" signature header content buffer*`.
+"""Wire format: `[ident…] b"genie/4" signature header content buffer*`.
 
 The signature is HMAC-SHA256 over header, content *and* every buffer, with a key derived
 from the server token. Header and content are small JSON; buffers are raw bytes (tensor and
-array data) that are never pickled and travel zero-copy. Buffers enter the HMAC as the SHA-256
-digests of their 4 MiB chunks, hashed on several cores at once (hashlib releases the GIL), so
-signing a large tensor costs a fraction of what one thread hashing it would.
+array data) that are never pickled and travel zero-copy. A buffer enters the HMAC by its 4 MiB
+chunks: a buffer under 1 MiB as their SHA-256 digests, a larger one as their GMAC tags (AES-GCM
+over no plaintext, at AES-NI's speed: about 7 times SHA-256's here), under a key of the message's
+own (derived from the signing key and the header, whose id is fresh for every message) and a
+nonce per chunk (the buffer's place, the chunk's), so signing a large tensor costs little beside
+moving it.
 """
 
 from __future__ import annotations
@@ -19,17 +22,21 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
 from ..errors import BadSignature, ProtocolError
 from ..threads import name_os_thread
 
-PROTOCOL = b"genie/3"
+PROTOCOL = b"genie/4"
 # The first frame of the one answer that every protocol version shares: "I speak another version; here
 # are mine" (JSON in the second frame), so either side can say what to install. Never changes.
 VERSIONS_TAG = b"genie-versions"
-PROTOCOL_VERSION = 3  # 3: op records name remote tensors by bytes, a batch names the record it answers
+PROTOCOL_VERSION = 4  # 4: large buffers signed by GMAC tags; 3: op records name tensors by bytes, a batch its answer
 _KEY_CONTEXT = b"genie message signing v1"
-CHUNK = 4 << 20  # bytes of buffer per digest
+_GMAC_CONTEXT = b"genie message buffers gmac\0"
+CHUNK = 4 << 20  # bytes of buffer per digest or tag
 PARALLEL_FROM = 16 << 20  # buffers at least this big are hashed on several threads
+GMAC_FROM = 1 << 20  # buffers at least this big enter the signature by GMAC tags, smaller ones by digests
 HASHERS = min(8, os.cpu_count() or 2)  # threads of the hashing pool, made on first use
 _pool: ThreadPoolExecutor | None = None
 
@@ -58,6 +65,17 @@ def chunk_digests(buffer: Any) -> bytes:
         return b"".join(_hashing_pool().map(lambda c: hashlib.sha256(c).digest(), _chunks(buffer)))
     except RuntimeError:  # the pool takes no new tasks at interpreter shutdown: hashed here
         return _digests_in_turn(buffer)
+
+
+def buffer_tags(gmac: AESGCM, place: int, buffer: Any) -> bytes:
+    """The GMAC tag of each CHUNK of `buffer` (the message's part number `place`), each chunk under
+    its own nonce: its place and its number."""
+    view = memoryview(buffer).cast("B")
+    prefix = place.to_bytes(4, "big")
+    return b"".join(
+        gmac.encrypt(prefix + i.to_bytes(8, "big"), b"", view[start : start + CHUNK])
+        for i, start in enumerate(range(0, len(view), CHUNK))
+    )
 
 
 def hashed_soon(hash_pieces: Callable[[Any], bytes], buffer: Any) -> Future[bytes]:
@@ -120,9 +138,17 @@ class Codec:
         if self.key is None:
             return b""
         mac = hmac.new(self.key, digestmod=hashlib.sha256)
+        gmac = None
         for index, part in enumerate(parts):
             mac.update(len(part).to_bytes(8, "little"))
-            mac.update(part if index < 2 else chunk_digests(part))
+            if index < 2:
+                mac.update(part)
+            elif len(part) < GMAC_FROM:
+                mac.update(chunk_digests(part))
+            else:
+                if gmac is None:  # the message's own key: its header (with a fresh id) is never signed twice
+                    gmac = AESGCM(hmac.new(self.key, _GMAC_CONTEXT + bytes(parts[0]), hashlib.sha256).digest())
+                mac.update(buffer_tags(gmac, index, part))
         return mac.hexdigest().encode()
 
     def pack(self, msg: Message) -> list[Any]:
