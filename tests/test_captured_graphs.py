@@ -69,6 +69,9 @@ def test_a_value_needed_in_a_capture_is_refused_as_cuda_refuses_it():
         assert ra.is_current_stream_capturing()
         (x * 2).sum().item()
     assert not ra.is_current_stream_capturing()
+    with pytest.raises(RuntimeError, match="not permitted while a graph is being captured"), ra.graph(ra.CUDAGraph()):
+        torch.nonzero(x)  # an output shape that only the server knows: a question answered at once
+    assert not ra.is_current_stream_capturing()
     assert torch.equal((x + 1).cpu(), torch.full((3,), 2.0))  # the session goes on
     with ra.graph(ra.CUDAGraph()), pytest.raises(RuntimeError, match="already being captured"):
         ra.CUDAGraph().capture_begin()

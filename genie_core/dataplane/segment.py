@@ -61,7 +61,7 @@ class Segment:
             if create:
                 st = os.statvfs(SHM_DIR)
                 if size > st.f_bavail * st.f_frsize:  # a full tmpfs would SIGBUS us later: refuse now
-                    raise OSError(errno.ENOSPC, f"not enough shared memory for {size} bytes in {SHM_DIR}")
+                    raise _no_room(size)
                 os.ftruncate(fd, max(size, 1))
                 if allocate:
                     _allocate(fd, size)
@@ -133,6 +133,10 @@ class Segment:
 ALLOCATE_MIN = 1 << 20  # bytes: a spare segment from this size up gets its pages at creation, all at once
 
 
+def _no_room(size: int) -> OSError:
+    return OSError(errno.ENOSPC, f"not enough shared memory for {size} bytes in {SHM_DIR}")
+
+
 def _allocate(fd: int, size: int) -> None:
     """Give a new segment its pages now, in one call, which tmpfs does in bulk for less than faulting
     them in one by one (benchmarks/RESULTS.md, across_hosts); a full /dev/shm then fails here, not
@@ -144,7 +148,7 @@ def _allocate(fd: int, size: int) -> None:
         os.posix_fallocate(fd, 0, size)
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
-            raise OSError(errno.ENOSPC, f"not enough shared memory for {size} bytes in {SHM_DIR}") from None
+            raise _no_room(size) from None
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
             raise
 

@@ -104,11 +104,7 @@ class OpStream:
         what came before it: the server's answer to it, one round trip. The batch is taken with it
         under the lock and names it by index: a free recorded after it (a tensor collected, on any
         thread) or another thread's flush cannot take its place."""
-        self._refuse_while_capturing()
-        with self._lock:
-            self._records.append(entry)
-            records, self._records = self._records, []
-            self._borrowed = False
+        records = self._take(last=entry)
         at = len(records) - 1  # found by identity: frees may have been recorded after it, even during the append
         while records[at] is not entry:
             at -= 1
@@ -259,11 +255,18 @@ class OpStream:
     def flush(self, fetch: list[int] | None = None, *, sync: bool = False) -> contents.TensorReply:
         """Send what was recorded (and fetch these ids), wait; raise the first failure: one kept
         from backward (see defer), else the first the server reports."""
+        return self._exchange(self._take(), list(fetch or []), answer=-1, sync=sync)
+
+    def _take(self, last: Record | None = None) -> list[Record]:
+        """The batch to send now and wait for (refused during a capture, as CUDA refuses a sync),
+        with `last` recorded at its end under the same lock."""
         self._refuse_while_capturing()
         with self._lock:
+            if last is not None:
+                self._records.append(last)
             records, self._records = self._records, []
             self._borrowed = False
-        return self._exchange(records, list(fetch or []), answer=-1, sync=sync)
+        return records
 
     def _refuse_while_capturing(self) -> None:
         if self._uncaptured is not None:

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten
 from ..errors import LimitExceeded, size_text
 from ..protocol.contents import OpBatch, TensorReply
 from ..protocol.op_records import CallRecord, Expect, Expects, OpRecord, Record, name_of
-from ..protocol.tensor_ops import MemoryFormat, RemoteDevice, StorageOf, TensorRef, ref, ref_id
+from ..protocol.tensor_ops import MemoryFormat, RemoteDevice, StorageOf, TensorRef, ref_id
 from ..serialize import serialize_namespace
 from . import checkpoints, device_answers, host_copies
 from .captured import CapturedGraph
@@ -174,19 +174,20 @@ class TensorExecutor:
             return self._resolve(v)
         return v
 
+    def _held(self, rid: int) -> Any:
+        """The tensor `rid` names, or why there is none."""
+        t = self.store.get(rid)
+        if t is None:
+            t = self.graph_memory.get(rid)  # a captured graph's, that the client let go
+        if t is None:
+            raise RuntimeError(f"remote tensor {rid} does not exist on the server (freed, or made in another session)")
+        if isinstance(t, _Failed):
+            raise RuntimeError(f"depends on a remote op that failed earlier: {t.op}: {t.error}") from t.error
+        return t
+
     def _resolve(self, value: Any) -> Any:
         if isinstance(value, TensorRef):
-            rid = ref_id(value)
-            t = self.store.get(rid)
-            if t is None:
-                t = self.graph_memory.get(rid)  # a captured graph's, that the client let go
-            if t is None:
-                raise RuntimeError(
-                    f"remote tensor {rid} does not exist on the server (freed, or made in another session)"
-                )
-            if isinstance(t, _Failed):
-                raise RuntimeError(f"depends on a remote op that failed earlier: {t.op}: {t.error}") from t.error
-            return t
+            return self._held(ref_id(value))
         if isinstance(value, RemoteDevice):
             return self.device
         if isinstance(value, StorageOf):
@@ -272,7 +273,7 @@ class TensorExecutor:
             content["profile"] = timing
         if self.relaid:
             content["relaid"] = sorted(self.relaid)
-        fetch = {str(rid): _fetched(self._resolve(ref(rid))) for rid in request.get("fetch", [])}
+        fetch = {str(rid): _fetched(self._held(rid)) for rid in request.get("fetch", [])}
         metas, buffers = serialize_namespace(fetch)
         content["fetch"] = metas
         return content, buffers
