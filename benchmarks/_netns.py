@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
+import shutil
 import subprocess
 from collections.abc import Iterator
 
@@ -28,7 +29,7 @@ def host_pair(rate_mbit: int | None = None) -> Iterator[tuple[str, str]]:
     speed, which on one machine is the CPU's). Both are deleted on the way out."""
     tag = os.urandom(2).hex()
     srv, cli = f"genie-s{tag}", f"genie-c{tag}"
-    if os.geteuid() != 0 or sh("ip", "netns", "add", srv).returncode != 0:
+    if os.geteuid() != 0 or shutil.which("ip") is None or sh("ip", "netns", "add", srv).returncode != 0:
         raise Unavailable("cannot create network namespaces here (needs root and `ip netns`)")
     try:
         steps = [

@@ -28,3 +28,13 @@ def test_a_quick_run_deals_every_benchmark_once_into_lanes(jobs):
     assert all(lane == sorted(lane, key=ALL.index) for lane in dealt)
     assert sum(set(lane) >= IPYPARALLEL_USERS for lane in dealt) == 1
     assert lanes(["soak"], jobs) == [["soak"]]
+
+
+def test_across_hosts_says_it_was_skipped_where_there_is_no_ip_command(monkeypatch, tmp_path):
+    """A machine without iproute2 (a lent GPU machine's image) gets the benchmark's "skipped" line,
+    not a FileNotFoundError from the first `ip` call."""
+    from benchmarks import across_hosts
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing on it
+    result = across_hosts.run(quick=True)
+    assert "needs root and `ip netns`" in result["skipped"]
