@@ -35,9 +35,8 @@ PROTOCOL_VERSION = 4  # 4: large buffers signed by GMAC tags; 3: op records name
 _KEY_CONTEXT = b"genie message signing v1"
 _GMAC_CONTEXT = b"genie message buffers gmac\0"
 CHUNK = 4 << 20  # bytes of buffer per digest or tag
-PARALLEL_FROM = 16 << 20  # buffers at least this big are hashed on several threads
 GMAC_FROM = 1 << 20  # buffers at least this big enter the signature by GMAC tags, smaller ones by digests
-HASHERS = min(8, os.cpu_count() or 2)  # threads of the hashing pool, made on first use
+HASHERS = min(8, os.cpu_count() or 2)  # threads of the hashing pool (data-plane payloads), made on first use
 _pool: ThreadPoolExecutor | None = None
 
 
@@ -53,18 +52,9 @@ def _chunks(buffer: Any) -> list[memoryview]:
     return [view[i : i + CHUNK] for i in range(0, len(view), CHUNK)] or [view]
 
 
-def _digests_in_turn(buffer: Any) -> bytes:
-    return b"".join(hashlib.sha256(c).digest() for c in _chunks(buffer))
-
-
 def chunk_digests(buffer: Any) -> bytes:
-    """SHA-256 of each CHUNK of `buffer`, concatenated."""
-    if memoryview(buffer).nbytes < PARALLEL_FROM or (os.cpu_count() or 1) < 2:
-        return _digests_in_turn(buffer)
-    try:
-        return b"".join(_hashing_pool().map(lambda c: hashlib.sha256(c).digest(), _chunks(buffer)))
-    except RuntimeError:  # the pool takes no new tasks at interpreter shutdown: hashed here
-        return _digests_in_turn(buffer)
+    """SHA-256 of each CHUNK of `buffer`, concatenated (one, for the buffers under GMAC_FROM it signs)."""
+    return b"".join(hashlib.sha256(c).digest() for c in _chunks(buffer))
 
 
 def buffer_tags(gmac: AESGCM, place: int, buffer: Any) -> bytes:
