@@ -104,9 +104,10 @@ def main(quick: bool) -> dict:
         "local_cpu_us": per_op_us(local, n, runs),
         "python_dispatch_subclass_us": per_op_us(Wrapper(local), n, runs),
     }
-    if torch.cuda.is_available():  # a CUDA launch (asynchronous): what an op costs on a local GPU
-        on_gpu = torch.zeros(64, device="cuda")
+    if torch.cuda.is_available():  # launches in a loop (asynchronous): a local GPU's rate of small ops,
+        on_gpu = torch.zeros(64, device="cuda")  # which the GPU itself may bound once the launch queue fills
         per_op_us(on_gpu, n // 10, 1)  # (CUDA's first launches: context, kernels loaded)
+        torch.cuda.synchronize()
         out["local_cuda_us"] = per_op_us(on_gpu, n, runs)
         torch.cuda.synchronize()
     if quick:  # building the extension takes a minute on two cores: full runs only

@@ -17,7 +17,7 @@ from typing import Any
 import psutil
 
 from genie_core.dataplane import memcopy
-from genie_core.protocol.codec import HASHERS
+from genie_core.dataplane.hashing import HASHERS
 from genie_core.server.admission import VERIFIERS
 
 from . import _servers

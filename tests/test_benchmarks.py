@@ -33,8 +33,11 @@ def test_a_quick_run_deals_every_benchmark_once_into_lanes(jobs):
 def test_across_hosts_says_it_was_skipped_where_there_is_no_ip_command(monkeypatch, tmp_path):
     """A machine without iproute2 (a lent GPU machine's image) gets the benchmark's "skipped" line,
     not a FileNotFoundError from the first `ip` call."""
+    import os
+
     from benchmarks import across_hosts
 
+    monkeypatch.setattr(os, "geteuid", lambda: 0)  # (as root, which is what the check is for)
     monkeypatch.setenv("PATH", str(tmp_path))  # nothing on it
     result = across_hosts.run(quick=True)
     assert "needs root and `ip netns`" in result["skipped"]

@@ -102,13 +102,13 @@ def test_key_is_not_the_token():
 
 
 def test_a_large_buffer_altered_in_any_chunk_is_refused():
-    """Buffers are signed by their 4 MiB chunks (a large one by GMAC tags, a small one by digests):
-    flipping one byte in any chunk, moving bytes between buffers, or swapping two buffers of one
-    size breaks the signature."""
+    """Buffers are signed by their 4 MiB chunks (a large one by GMAC tags, a small one by its
+    digest): flipping one byte in any chunk, moving bytes between buffers, or swapping two buffers of
+    one size breaks the signature."""
     import os
 
     codec = Codec(os.urandom(32))
-    data = bytearray(os.urandom(1024)) * (20 * 1024)  # 20 MiB: five chunks, hashed in parallel
+    data = bytearray(os.urandom(1024)) * (20 * 1024)  # 20 MiB: five chunks
     frames = codec.pack(Message("push", {}, [data, b"tail"]))
     assert bytes(codec.unpack(frames).buffers[0]) == bytes(data)
     for where in (0, (4 << 20) + 7, len(data) - 1):
@@ -118,11 +118,24 @@ def test_a_large_buffer_altered_in_any_chunk_is_refused():
             codec.unpack([*frames[:4], changed, frames[5]])
     with pytest.raises(ProtocolError, match="bad signature"):  # same bytes, another split
         codec.unpack([*frames[:4], bytes(data) + b"t", b"ail"])
-    first, second = os.urandom(2 << 20), os.urandom(2 << 20)  # each tagged under its place's nonces
+    first, second = os.urandom(2 << 20), os.urandom(2 << 20)
     frames = codec.pack(Message("push", {}, [first, second]))
     assert bytes(codec.unpack(frames).buffers[1]) == second
     with pytest.raises(ProtocolError, match="bad signature"):
         codec.unpack([*frames[:4], second, first])
+
+
+def test_equal_chunks_and_equal_buffers_are_tagged_under_nonces_of_their_own():
+    """A GCM key must never tag under one nonce twice: two equal chunks of a buffer, and equal
+    buffers at two places of a message, get different tags."""
+    import os
+
+    from genie_core.protocol.codec import CHUNK, gmac, gmac_tags
+
+    tagger, chunks = gmac(os.urandom(32)), bytes(2 * CHUNK)
+    tags = gmac_tags(tagger, (2).to_bytes(4, "big"), chunks)
+    assert len(tags) == 32 and tags[:16] != tags[16:]
+    assert gmac_tags(tagger, (3).to_bytes(4, "big"), chunks) != tags
 
 
 def test_values_the_client_did_not_ask_to_unpickle_are_refused():
@@ -160,10 +173,11 @@ def test_the_wire_format_is_fixed_known_answers():
     assert key == hmac.new(b"known-answer-token", b"genie message signing v1", hashlib.sha256).digest()
     assert key.hex() == "0d9228c02d8fc77322ce7d5b536943131c38edebd536242618aee149a5803780"
     big = bytes(range(256)) * (9 * 4096)  # 9 MiB: chunks of 4, 4 and 1 MiB
+    edge = big[: 1 << 20]  # the smallest buffer tagged, and the largest one hashed
     msg = Message(
         "execute",
         {"code": "x = 1"},
-        [big, b"tail"],
+        [big, b"tail", edge, edge[:-1]],
         parent="p",
         session="s",
         seq=7,
@@ -179,14 +193,19 @@ def test_the_wire_format_is_fixed_known_answers():
     for part in (header, b'{"code":"x = 1"}'):
         mac.update(len(part).to_bytes(8, "little") + part)
     gmac = AESGCM(hmac.new(key, b"genie message buffers gmac\0" + header, hashlib.sha256).digest())
-    tags = b"".join(
-        gmac.encrypt((2).to_bytes(4, "big") + n.to_bytes(8, "big"), b"", big[i : i + (4 << 20)])
-        for n, i in enumerate(range(0, len(big), 4 << 20))
-    )
-    mac.update(len(big).to_bytes(8, "little") + tags)
+
+    def tags(place: int, part: bytes) -> bytes:
+        return b"".join(
+            gmac.encrypt(place.to_bytes(4, "big") + n.to_bytes(8, "big"), b"", part[i : i + (4 << 20)])
+            for n, i in enumerate(range(0, len(part), 4 << 20))
+        )
+
+    mac.update(len(big).to_bytes(8, "little") + tags(2, big))
     mac.update((4).to_bytes(8, "little") + hashlib.sha256(b"tail").digest())
+    mac.update(len(edge).to_bytes(8, "little") + tags(4, edge))
+    mac.update((len(edge) - 1).to_bytes(8, "little") + hashlib.sha256(edge[:-1]).digest())
     assert bytes(frames[1]) == mac.hexdigest().encode()
-    assert bytes(frames[1]) == b"586fd201fcf432a2ed7dd4fb52ace2eb101632bd1aa0f42cc3d859275d75637b"
+    assert bytes(frames[1]) == b"e272047bcc1ed52dd7624f48cfe2e866b100641477448b7f1e58230dfdfd3dac"
 
 
 def test_the_message_table_says_who_sends_what():

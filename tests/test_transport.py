@@ -156,13 +156,53 @@ def test_a_forced_unavailable_backend_is_an_error_not_a_fallback(connect):
 
 
 def test_the_data_port_refuses_a_wrong_proof(server, connect):
+    """The proof is over both ends' nonces: the right one is taken; a wrong proof, a proof made
+    for another client nonce than the one sent, and a hello without a client nonce are refused."""
+    from genie_core.protocol import derive_key
+
     state = connect("tcp")
     port = state.backend_report.candidate("tcp").details["port"]
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-        greeting = wire.recv_exact(sock, len(wire.GREETING) + 32)
-        assert greeting.startswith(wire.GREETING)
-        wire.send_header(sock, {"session": state.client.session, "proof": os.urandom(32).hex()})
-        assert wire.recv_header(sock)["ok"] is False
+    key, session = derive_key(server.info.token), state.client.session
+    mine, other = os.urandom(wire.NONCE), os.urandom(wire.NONCE)
+
+    def hello_answer(make_hello) -> bool:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            greeting = wire.recv_exact(sock, len(wire.GREETING) + wire.NONCE)
+            assert greeting.startswith(wire.GREETING)
+            wire.send_header(sock, make_hello(greeting[len(wire.GREETING) :]))
+            return wire.recv_header(sock)["ok"]
+
+    def proof(nonce: bytes) -> str:
+        return wire.handshake_mac(key, nonce, session).hex()
+
+    assert hello_answer(lambda n: {"session": session, "nonce": mine.hex(), "proof": proof(n + mine)}) is True
+    assert hello_answer(lambda n: {"session": session, "nonce": mine.hex(), "proof": os.urandom(32).hex()}) is False
+    assert hello_answer(lambda n: {"session": session, "nonce": other.hex(), "proof": proof(n + mine)}) is False
+    assert hello_answer(lambda n: {"session": session, "proof": proof(n)}) is False
+
+
+def test_a_client_binds_its_data_connection_to_a_nonce_of_its_own():
+    """A server's side recorded earlier (its greeting, its answers, a payload and its MAC) replayed
+    to a client fails: two handshakes answered with the same greeting give payload MACs that differ."""
+    from genie_core.dataplane import stream
+
+    key, greeting = os.urandom(32), wire.GREETING + os.urandom(wire.NONCE)
+
+    def handshake() -> tuple[dict, wire.PayloadMacs]:
+        exchange = stream.authenticate(key, "session", want_mac=True)
+        next(exchange)  # Receive the greeting
+        hello = exchange.send(greeting).header
+        exchange.send(None)  # ReceiveHeader: the server's answer
+        with pytest.raises(StopIteration) as done:
+            exchange.send({"ok": True, "mac": True})
+        return hello, done.value.value
+
+    (first_hello, first), (second_hello, second) = handshake(), handshake()
+    assert first_hello["nonce"] != second_hello["nonce"] and first_hello["proof"] != second_hello["proof"]
+    macs = [m.start(b"down") for m in (first, second)]
+    for mac in macs:
+        mac.update(b"the same bytes")
+    assert macs[0].digest() != macs[1].digest()
 
 
 def test_a_session_cannot_read_or_adopt_another_sessions_data(server, connect):
@@ -514,7 +554,7 @@ def test_a_data_port_header_over_its_limit_is_refused_before_anything_is_read(se
     state = connect("tcp")
     port = state.backend_report.candidate("tcp").details["port"]
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-        assert wire.recv_exact(sock, len(wire.GREETING) + 32).startswith(wire.GREETING)
+        assert wire.recv_exact(sock, len(wire.GREETING) + wire.NONCE).startswith(wire.GREETING)
         sock.sendall((1 << 30).to_bytes(4, "big"))  # "a 1 GiB header follows"
         sock.settimeout(3)
         assert sock.recv(1) == b""  # closed by the server, not waiting for the gigabyte
@@ -539,8 +579,9 @@ def test_payload_macs_are_fixed_known_answers():
 
 
 def test_a_payload_mac_tags_every_chunk_of_a_piece():
-    """A piece of several 4 MiB chunks is tagged chunk by chunk, each under its own nonce: a byte
-    changed in any chunk changes the MAC, and two chunks swapped do too."""
+    """A piece of several 4 MiB chunks is tagged chunk by chunk: a byte changed in any chunk changes
+    the MAC, two chunks swapped do too, and two equal chunks get different tags (each chunk has a
+    nonce of its own, counted across the payload's pieces)."""
     key, nonce = os.urandom(32), os.urandom(32)
     chunk = wire.MAC_CHUNK
     payload = bytearray(os.urandom(2 * chunk + 100))
@@ -557,6 +598,9 @@ def test_a_payload_mac_tags_every_chunk_of_a_piece():
         assert mac_of(changed) != base, where
     swapped = payload[chunk : 2 * chunk] + payload[:chunk] + payload[2 * chunk :]
     assert mac_of(swapped) != base
+    mac = wire.PayloadMacs(key, nonce).start(b"up")
+    tags = mac._tags(memoryview(bytes(2 * chunk)), 0)
+    assert len(tags) == 32 and tags[:16] != tags[16:] and mac._tags(memoryview(bytes(chunk)), 1) == tags[16:]
 
 
 def test_a_put_may_hold_empty_buffers_beside_big_ones(server, connect):
@@ -609,7 +653,7 @@ def test_a_tcp_payload_cut_partway_leaves_no_piece_being_hashed(side, monkeypatc
                 tcp._receive_payload(here, stream.ReceivePayload(payload, mac))
             else:
                 tcp._send_payload(here, stream.SendPayload([payload], mac))
-        pieces = [d for d in mac.digests if isinstance(d, Future)]
+        pieces = [d for d in mac.tags if isinstance(d, Future)]
         assert pieces and all(d.done() for d in pieces)
     peer.join(5)
 
@@ -619,14 +663,14 @@ def test_payload_macs_are_the_same_when_the_hashing_pool_is_gone(monkeypatch):
     pieces are then hashed by the caller, to the same MAC, never an error."""
     import concurrent.futures
 
-    from genie_core.protocol import codec
+    from genie_core.dataplane import hashing
 
     key, nonce, piece = os.urandom(32), os.urandom(32), os.urandom(3 * wire.MAC_CHUNK)
     pooled = wire.PayloadMacs(key, nonce).start(b"up")
     pooled.update(piece)
     shut = concurrent.futures.ThreadPoolExecutor(1)
     shut.shutdown()
-    monkeypatch.setattr(codec, "_pool", shut)
+    monkeypatch.setattr(hashing, "_pool", shut)
     here = wire.PayloadMacs(key, nonce).start(b"up")
     here.update(piece)
     assert here.digest() == pooled.digest()

@@ -4,7 +4,7 @@ Each side is a generator that yields what to send or receive (`Send`, `Receive`,
 sent back what was received; a backend only drives it over its own connection, synchronously
 (tcp) or with asyncio (ucx), as h11 does for HTTP. The exchange:
 
-    server: GREETING + nonce    client: {"session", "proof", "mac"}    server: {"ok", "mac"}
+    server: GREETING + nonce    client: {"session", "nonce", "proof", "mac"}    server: {"ok", "mac"}
     then, any number of times:
     put   client: {"op": "put", "sizes"} payload      server: {"ok", "segment"} (a segment the worker adopts)
     get   client: {"op": "get", "segment", "size"}    server: {"ok", "size", "trailer"} payload [trailer]
@@ -116,16 +116,19 @@ class DataHost:
 
 def serve(host: DataHost, mac_on: bool) -> Exchange:
     """One data connection, server side: authenticate it, then answer its requests."""
-    nonce = os.urandom(32)
+    nonce = os.urandom(wire.NONCE)
     yield Send(wire.GREETING + nonce)
     hello = yield ReceiveHeader(4096)
     session = str(hello.get("session", ""))
     try:
         proof = bytes.fromhex(str(hello.get("proof", "")))
+        nonce += bytes.fromhex(str(hello.get("nonce", "")))  # the client's: both ends make it fresh
     except ValueError:
         proof = b""
-    if host.session_workers(session) is None or not hmac.compare_digest(
-        proof, wire.handshake_mac(host.key, nonce, session)
+    if (
+        len(nonce) != 2 * wire.NONCE
+        or host.session_workers(session) is None
+        or not hmac.compare_digest(proof, wire.handshake_mac(host.key, nonce, session))
     ):
         log.warning("refused a data connection: bad proof or unknown session")
         yield SendHeader({"ok": False, "error": "authentication failed"})
@@ -214,11 +217,13 @@ def _staged(host: DataHost, session: str, name: str, filling: Filling | None) ->
 
 def authenticate(key: bytes, session: str, want_mac: bool) -> Exchange:
     """Returns the connection's payload MACs, on if either end asked for them."""
-    greeting = yield Receive(len(wire.GREETING) + 32)
+    greeting = yield Receive(len(wire.GREETING) + wire.NONCE)
     if not greeting.startswith(wire.GREETING):
         raise ConnectionError("not a genie data port (or another version of it)")
-    nonce = greeting[len(wire.GREETING) :]
-    yield SendHeader({"session": session, "proof": wire.handshake_mac(key, nonce, session).hex(), "mac": want_mac})
+    mine = os.urandom(wire.NONCE)  # so that a server's side recorded earlier cannot be replayed to us
+    nonce = greeting[len(wire.GREETING) :] + mine
+    proof = wire.handshake_mac(key, nonce, session).hex()
+    yield SendHeader({"session": session, "nonce": mine.hex(), "proof": proof, "mac": want_mac})
     reply = yield ReceiveHeader()
     if not reply.get("ok"):
         raise PermissionError("the data port refused this session")

@@ -10,65 +10,66 @@ import socket
 import struct
 from collections.abc import Callable
 from concurrent.futures import Future, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from ..protocol.codec import CHUNK as MAC_CHUNK  # bytes per GMAC tag (4 MiB), as messages' buffers have
+from ..protocol.codec import gmac, gmac_tags
+from .hashing import hashed_soon
 
-from ..protocol import hashed_soon
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-GREETING = b"GENIE-DATA/3"  # 3: payloads tagged with GMAC (2: SHA-256 digests)
+GREETING = b"GENIE-DATA/3"  # 3: payloads tagged with GMAC, both ends' nonces (2: SHA-256 digests, the server's)
+NONCE = 32  # bytes of each end's nonce: a connection is bound to both
 CHUNK = 8 << 20  # bytes per socket call; a multiple of the MAC's chunks
-MAC_CHUNK = 4 << 20  # bytes per GMAC tag
 Progress = Callable[[int, int], None] | None  # (bytes done, bytes in all)
 
 
 def handshake_mac(key: bytes, nonce: bytes, session: str) -> bytes:
-    """The client's proof that it holds the token, for this connection's nonce and session."""
+    """The client's proof that it holds the token, for this connection's nonces and session."""
     return hmac.new(key, b"genie data connection\0" + nonce + session.encode(), hashlib.sha256).digest()
 
 
 class PayloadMac:
-    """One payload's MAC: an HMAC over the GMAC tags of its 4 MiB chunks. GMAC (AES-GCM over no
-    plaintext) runs at AES-NI's speed and releases the GIL, about 7 times SHA-256's rate, so a
-    transfer tags the pieces it has moved on the hashing pool while it moves the next. Every chunk's
-    GCM nonce is its own (direction, payload number, chunk number) under a key of the connection's.
-    Pieces must be cut at multiples of 4 MiB, except the last piece of each buffer."""
+    """One payload's MAC: an HMAC over the GMAC tags of its 4 MiB chunks (protocol/codec.py's
+    gmac_tags; GMAC runs at AES-NI's speed, about 7 times SHA-256's here, and cryptography's AEAD
+    calls release the GIL in the releases measured, 50), so a transfer tags the pieces it has moved
+    on the hashing pool while it moves the next. Every chunk's GCM nonce is its own (direction,
+    payload number, chunk number) under a key of the connection's. Pieces must be cut at multiples
+    of 4 MiB, except the last piece of each buffer; a piece is never empty (stream.cut)."""
 
     def __init__(self, key: bytes, label: bytes, gmac: AESGCM, nonce_prefix: bytes) -> None:
         self.key, self.label = key, label
         self._gmac, self._prefix = gmac, nonce_prefix
         self._chunks = 0  # chunks tagged so far: the next one's number
-        self.digests: list[bytes | Future[bytes]] = []
+        self.tags: list[bytes | Future[bytes]] = []
 
     def update(self, piece: Any) -> None:
         """Tag `piece` in the background (kept unchanged and alive until `digest` or `abandon`)."""
         view = memoryview(piece).cast("B")
-        first, count = self._chunks, max(1, -(-len(view) // MAC_CHUNK))
-        self._chunks += count
-        self.digests.append(hashed_soon(lambda v: self._tags(v, first), view))
+        first = self._chunks
+        self._chunks += -(-len(view) // MAC_CHUNK)
+        self.tags.append(hashed_soon(lambda v: self._tags(v, first), view))
 
     def _tags(self, view: memoryview, first: int) -> bytes:
-        starts = range(0, len(view), MAC_CHUNK) if len(view) else (0,)
-        return b"".join(
-            self._gmac.encrypt(self._prefix + (first + i).to_bytes(4, "big"), b"", view[s : s + MAC_CHUNK])
-            for i, s in enumerate(starts)
-        )
+        return gmac_tags(self._gmac, self._prefix, view, first)
 
     def abandon(self) -> None:
         """The transfer failed: drop the hashing not yet begun and wait for the hashing under way,
         so that no hashing thread reads the payload's memory once the error is out."""
-        pending = [d for d in self.digests if isinstance(d, Future)]
-        for digest in pending:
-            digest.cancel()
+        pending = [t for t in self.tags if isinstance(t, Future)]
+        for tag in pending:
+            tag.cancel()
         wait(pending)
 
     def digest(self) -> bytes:
-        joined = b"".join(d if isinstance(d, bytes) else d.result() for d in self.digests)
+        joined = b"".join(t if isinstance(t, bytes) else t.result() for t in self.tags)
         return hmac.new(self.key, self.label + joined, hashlib.sha256).digest()
 
 
 class PayloadMacs:
-    """A connection's payload MACs, keyed by the token and bound to the connection's nonce, the
+    """A connection's payload MACs, keyed by the token and bound to the connection's nonces (the
+    server's and the client's, so neither end can be replayed a side recorded earlier), the
     direction and a transfer counter, so a payload replayed, reordered or moved to another
     connection fails. Both ends call `start` once per payload, in the same order."""
 
@@ -76,7 +77,7 @@ class PayloadMacs:
         self.key, self.nonce, self.on = key, nonce, on
         self._counts = {b"up": 0, b"down": 0}
         gcm_key = hmac.new(key, b"genie data gmac key\0" + nonce, hashlib.sha256).digest()
-        self._gmac = AESGCM(gcm_key) if on else None
+        self._gmac = gmac(gcm_key) if on else None
 
     def start(self, direction: bytes) -> PayloadMac | None:
         """The next payload's MAC (None when off): b"up" is client to server, b"down" back."""

@@ -10,7 +10,6 @@ from .codec import (
     Message,
     chunk_digests,
     derive_key,
-    hashed_soon,
     new_id,
     split_identities,
 )
@@ -36,7 +35,6 @@ __all__ = [
     "error_from",
     "error_text",
     "for_worker",
-    "hashed_soon",
     "new_id",
     "parse",
     "remote_error",

@@ -17,15 +17,14 @@ import hmac
 import json
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ..errors import BadSignature, ProtocolError
-from ..threads import name_os_thread
 
 PROTOCOL = b"genie/4"
 # The first frame of the one answer that every protocol version shares: "I speak another version; here
@@ -36,48 +35,30 @@ _KEY_CONTEXT = b"genie message signing v1"
 _GMAC_CONTEXT = b"genie message buffers gmac\0"
 CHUNK = 4 << 20  # bytes of buffer per digest or tag
 GMAC_FROM = 1 << 20  # buffers at least this big enter the signature by GMAC tags, smaller ones by digests
-HASHERS = min(8, os.cpu_count() or 2)  # threads of the hashing pool (data-plane payloads), made on first use
-_pool: ThreadPoolExecutor | None = None
-
-
-def _hashing_pool() -> ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=HASHERS, thread_name_prefix="genie-hash", initializer=name_os_thread)
-    return _pool
-
-
-def _chunks(buffer: Any) -> list[memoryview]:
-    view = memoryview(buffer).cast("B")
-    return [view[i : i + CHUNK] for i in range(0, len(view), CHUNK)] or [view]
 
 
 def chunk_digests(buffer: Any) -> bytes:
-    """SHA-256 of each CHUNK of `buffer`, concatenated (one, for the buffers under GMAC_FROM it signs)."""
-    return b"".join(hashlib.sha256(c).digest() for c in _chunks(buffer))
+    """The SHA-256 digest by which a buffer under GMAC_FROM (one chunk at most) enters the signature."""
+    return hashlib.sha256(buffer).digest()
 
 
-def buffer_tags(gmac: AESGCM, place: int, buffer: Any) -> bytes:
-    """The GMAC tag of each CHUNK of `buffer` (the message's part number `place`), each chunk under
-    its own nonce: its place and its number."""
+def gmac_tags(tagger: AESGCM, prefix: bytes, buffer: Any, first: int = 0) -> bytes:
+    """The GMAC tag (AES-GCM over no plaintext) of each CHUNK of `buffer`, each under its own nonce:
+    `prefix` and then the chunk's number, counted from `first`, in the nonce's other bytes. The
+    tags never leave an HMAC (a message's signature, a payload's MAC)."""
     view = memoryview(buffer).cast("B")
-    prefix = place.to_bytes(4, "big")
+    width = 12 - len(prefix)
     return b"".join(
-        gmac.encrypt(prefix + i.to_bytes(8, "big"), b"", view[start : start + CHUNK])
+        tagger.encrypt(prefix + (first + i).to_bytes(width, "big"), b"", view[start : start + CHUNK])
         for i, start in enumerate(range(0, len(view), CHUNK))
     )
 
 
-def hashed_soon(hash_pieces: Callable[[Any], bytes], buffer: Any) -> Future[bytes]:
-    """`hash_pieces(buffer)`, computed on the hashing pool: a transfer hashes the pieces it has
-    moved while it moves the next (hashing that releases the GIL and socket calls run at once).
-    The caller keeps `buffer` unchanged and alive until the result is in."""
-    try:
-        return _hashing_pool().submit(hash_pieces, buffer)
-    except RuntimeError:  # the pool takes no new tasks at interpreter shutdown: hashed here
-        done: Future[bytes] = Future()
-        done.set_result(hash_pieces(buffer))
-        return done
+def gmac(key: bytes) -> AESGCM:
+    """AES-GCM under `key` (32 bytes), for gmac_tags."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # (on first use: `import genie_core` stays light)
+
+    return AESGCM(key)
 
 
 def derive_key(token: str) -> bytes:
@@ -124,11 +105,12 @@ class Codec:
         self.max_bytes = max_bytes
 
     def sign(self, parts: Sequence[Any]) -> bytes:
-        """parts: header, content, buffers... Each enters with its length; buffers by chunk digests."""
+        """parts: header, content, buffers... Each enters with its length; a buffer by its chunks'
+        GMAC tags (from GMAC_FROM bytes) or its digest."""
         if self.key is None:
             return b""
         mac = hmac.new(self.key, digestmod=hashlib.sha256)
-        gmac = None
+        tagger = None
         for index, part in enumerate(parts):
             mac.update(len(part).to_bytes(8, "little"))
             if index < 2:
@@ -136,9 +118,9 @@ class Codec:
             elif len(part) < GMAC_FROM:
                 mac.update(chunk_digests(part))
             else:
-                if gmac is None:  # the message's own key: its header (with a fresh id) is never signed twice
-                    gmac = AESGCM(hmac.new(self.key, _GMAC_CONTEXT + bytes(parts[0]), hashlib.sha256).digest())
-                mac.update(buffer_tags(gmac, index, part))
+                if tagger is None:  # a key of the message's own, from its header (a fresh id each)
+                    tagger = gmac(hmac.new(self.key, _GMAC_CONTEXT + bytes(parts[0]), hashlib.sha256).digest())
+                mac.update(gmac_tags(tagger, index.to_bytes(4, "big"), part))
         return mac.hexdigest().encode()
 
     def pack(self, msg: Message) -> list[Any]:
