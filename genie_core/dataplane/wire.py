@@ -76,8 +76,7 @@ class PayloadMacs:
     def __init__(self, key: bytes, nonce: bytes, on: bool = True) -> None:
         self.key, self.nonce, self.on = key, nonce, on
         self._counts = {b"up": 0, b"down": 0}
-        gcm_key = hmac.new(key, b"genie data gmac key\0" + nonce, hashlib.sha256).digest()
-        self._gmac = gmac(gcm_key) if on else None
+        self._gmac = gmac(hmac.new(key, b"genie data gmac key\0" + nonce, hashlib.sha256).digest()) if on else None
 
     def start(self, direction: bytes) -> PayloadMac | None:
         """The next payload's MAC (None when off): b"up" is client to server, b"down" back."""

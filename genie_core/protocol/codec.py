@@ -21,10 +21,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..errors import BadSignature, ProtocolError
+
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
-from ..errors import BadSignature, ProtocolError
 
 PROTOCOL = b"genie/4"
 # The first frame of the one answer that every protocol version shares: "I speak another version; here
@@ -35,11 +35,6 @@ _KEY_CONTEXT = b"genie message signing v1"
 _GMAC_CONTEXT = b"genie message buffers gmac\0"
 CHUNK = 4 << 20  # bytes of buffer per digest or tag
 GMAC_FROM = 1 << 20  # buffers at least this big enter the signature by GMAC tags, smaller ones by digests
-
-
-def chunk_digests(buffer: Any) -> bytes:
-    """The SHA-256 digest by which a buffer under GMAC_FROM (one chunk at most) enters the signature."""
-    return hashlib.sha256(buffer).digest()
 
 
 def gmac_tags(tagger: AESGCM, prefix: bytes, buffer: Any, first: int = 0) -> bytes:
@@ -115,8 +110,8 @@ class Codec:
             mac.update(len(part).to_bytes(8, "little"))
             if index < 2:
                 mac.update(part)
-            elif len(part) < GMAC_FROM:
-                mac.update(chunk_digests(part))
+            elif len(part) < GMAC_FROM:  # one chunk at most: its SHA-256 digest
+                mac.update(hashlib.sha256(part).digest())
             else:
                 if tagger is None:  # a key of the message's own, from its header (a fresh id each)
                     tagger = gmac(hmac.new(self.key, _GMAC_CONTEXT + bytes(parts[0]), hashlib.sha256).digest())
