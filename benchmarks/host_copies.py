@@ -112,7 +112,7 @@ def _gpu_rates(nbytes: int, rounds: int, segment: Segment) -> dict:
     _guarded(
         out,
         "d2h_register_fresh_gib_s",
-        lambda: _rate(nbytes, with_way("register", lambda: host_copies.to_host(on_gpu)), rounds, sync),
+        lambda: _rate(nbytes, with_way("register", lambda: host_copies.DeviceBytes(on_gpu).host()), rounds, sync),
     )
     out["d2h_into_pinned_gib_s"] = _rate(nbytes, lambda: pinned.copy_(on_gpu, non_blocking=True), rounds, sync)
     # where the ring starts to pay: each way's time over pageable's, per size (median of 15)

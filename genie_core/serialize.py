@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pickle
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
@@ -38,13 +39,7 @@ def serialize(obj: Any) -> tuple[dict[str, Any], list[Any]]:
         if flat.numel() and flat.stride(0) != 1:  # size-1 dims with odd strides (an expanded scalar)
             flat = torch.empty(flat.shape, dtype=flat.dtype).copy_(flat)
         data = flat.view(torch.uint8).numpy() if flat.numel() else b""
-        meta = {
-            "kind": "tensor",
-            "dtype": str(t.dtype).removeprefix("torch."),
-            "shape": list(t.shape),
-            "requires_grad": bool(obj.requires_grad),
-        }
-        return meta, [memoryview(data).cast("B") if len(data) else b""]
+        return tensor_meta(obj), [memoryview(data).cast("B") if len(data) else b""]
     if _is_ndarray(obj) and not obj.dtype.hasobject:
         import numpy as np
 
@@ -57,6 +52,16 @@ def serialize(obj: Any) -> tuple[dict[str, Any], list[Any]]:
     oob: list[Any] = []
     data = cloudpickle.dumps(obj, protocol=5, buffer_callback=oob.append)
     return {"kind": "pickle", "n": len(oob)}, [data, *(b.raw() for b in oob)]
+
+
+def tensor_meta(t: Any) -> dict[str, Any]:
+    """A tensor's description; its bytes travel in C order (serialize)."""
+    return {
+        "kind": "tensor",
+        "dtype": str(t.dtype).removeprefix("torch."),
+        "shape": list(t.shape),
+        "requires_grad": bool(t.requires_grad),
+    }
 
 
 def deserialize(meta: dict[str, Any], buffers: list[Any], device: str | None = None, allow_pickle: bool = True) -> Any:
@@ -108,12 +113,16 @@ def deserialize(meta: dict[str, Any], buffers: list[Any], device: str | None = N
     raise ValueError(f"unknown value kind {kind!r}")
 
 
-def serialize_namespace(values: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Any]]:
-    """Many named values into one message: descriptions (with buffer counts) and all buffers."""
+def serialize_namespace(
+    values: dict[str, Any], each: Callable[[Any], tuple[dict[str, Any], list[Any]]] = serialize
+) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Many named values into one message: descriptions (with buffer counts) and all buffers.
+    `each`: how one value is serialized (a worker leaves a GPU tensor's bytes on the GPU until they
+    are sent: worker/host_copies.serialized)."""
     metas: list[dict[str, Any]] = []
     buffers: list[Any] = []
     for name, value in values.items():
-        meta, bufs = serialize(value)
+        meta, bufs = each(value)
         meta["name"] = name
         meta["nbuf"] = len(bufs)
         metas.append(meta)

@@ -297,12 +297,33 @@ def _value(expression: str) -> int:
     return int(client.pull(["_genie_value"])["_genie_value"])
 
 
+def _fetched(t: torch.Tensor, inline: bool = False) -> torch.Tensor:
+    """What a fetch of `t` sends (host_copies.serialized), written into a staging segment's stand-in
+    (or, `inline`, memory of its own) and read back as a client would."""
+    import mmap
+
+    from genie_core.dataplane.segment import LateBuffer, buffer_size, pack_into, split
+    from genie_core.serialize import deserialize
+    from genie_core.worker import host_copies
+
+    meta, buffers = host_copies.serialized(t)
+    if inline:
+        return deserialize(meta, [b.host() if isinstance(b, LateBuffer) else b for b in buffers])
+    sizes = [buffer_size(b) for b in buffers]
+    segment = mmap.mmap(-1, max(1, sum(sizes)))
+    done: list[int] = []
+    pack_into(memoryview(segment), buffers, progress=lambda n, total: done.append(n))
+    assert done == sorted(done) and done[-1] == sum(sizes)
+    return deserialize(meta, split(memoryview(segment), sizes)).clone()
+
+
 @pytest.mark.parametrize("way", ["ring", "register", "pageable"])
 def test_host_copies_keep_every_byte_and_layout(way, monkeypatch):
     """The worker's copies between host memory and the GPU (worker/host_copies.py), each way: several
     staging chunks and a partial one, dtypes of 1, 2, 8 bytes, a permuted layout; a fetch of part of
-    a storage, of a conjugate view; ordered with the device's current stream both ways (an upload
-    read by a kernel at once; a download of what a long kernel is still writing)."""
+    a storage, of a conjugate view, written where it is sent from or into memory of its own; ordered
+    with the device's current stream both ways (an upload read by a kernel at once; a download of
+    what a long kernel is still writing)."""
     from genie_core.worker import host_copies
 
     monkeypatch.setenv("GENIE_HOST_COPIES", way)
@@ -319,21 +340,24 @@ def test_host_copies_keep_every_byte_and_layout(way, monkeypatch):
         on = host_copies.to_device(host, dev)
         assert on.device == dev and on.stride() == host.stride() and on.dtype == host.dtype
         assert torch.equal(on.cpu(), host), f"{host.dtype} {tuple(host.stride())} upload"
-        assert torch.equal(host_copies.to_host(on), host), f"{host.dtype} {tuple(host.stride())} fetch"
+        assert torch.equal(_fetched(on), host), f"{host.dtype} {tuple(host.stride())} fetch"
     big = torch.randn(n // 4, device=dev)
     part = big[1000 : 1000 + (3 << 20)]
-    assert torch.equal(host_copies.to_host(part), part.cpu())
+    assert torch.equal(_fetched(part), part.cpu())
     z = torch.randn(n // 8, dtype=torch.complex64, device=dev).conj()
-    assert torch.equal(host_copies.to_host(z), z.cpu())
-    assert torch.equal(host_copies.to_host(z.imag), z.imag.cpu())  # a view with the neg bit
+    assert torch.equal(_fetched(z), z.cpu())
+    assert torch.equal(_fetched(z.imag), z.imag.cpu())  # a view with the neg bit
+    assert torch.equal(_fetched(z.imag, inline=True), z.imag.cpu())
+    weight = torch.nn.Parameter(torch.randn(n // 4, device=dev))
+    assert _fetched(weight).requires_grad and torch.equal(_fetched(weight).detach(), weight.detach().cpu())
     host = torch.randn(n // 4)
     assert torch.equal((host_copies.to_device(host, dev) * 2).cpu(), host * 2)
     with torch.cuda.stream(torch.cuda.Stream()):  # another current stream: ordered with it too
         twice = host_copies.to_device(host, dev) * 2
-        assert torch.equal(host_copies.to_host(twice), host * 2)
+        assert torch.equal(_fetched(twice), host * 2)
     a = torch.randn(4096, 4096, device=dev)
     slow = a @ a @ a @ a  # still running when the download is asked for
-    assert torch.equal(host_copies.to_host(slow), slow.cpu())
+    assert torch.equal(_fetched(slow), slow.cpu())
 
 
 def test_big_tensors_both_ways_to_a_gpu_server(gpu_server):
@@ -344,3 +368,7 @@ def test_big_tensors_both_ways_to_a_gpu_server(gpu_server):
     assert torch.equal(y[5:].cpu(), (x * 3)[5:])  # a view that starts inside its storage
     m = torch.randn(2048, 1500)
     assert torch.equal(m.to(DEV).t().cpu(), m.t())  # a transposed one
+    # pulled from the session's namespace: its bytes straight from the GPU into the segment too
+    client = genie_core.get_cluster_state().client
+    _server("import torch\ng = torch.arange(40 << 18, device='cuda', dtype=torch.float32)")
+    assert torch.equal(client.pull(["g"])["g"], torch.arange(40 << 18, dtype=torch.float32))

@@ -18,8 +18,9 @@ from conftest import run, start_server, worker_pid
 
 import genie_core
 from genie_core.dataplane import stream, tcp
+from genie_core.dataplane.base import DATA_THRESHOLD
 from genie_core.dataplane.filling import Filling, Fillings
-from genie_core.dataplane.segment import SENT, SHM_DIR, Segment
+from genie_core.dataplane.segment import SENT, SHM_DIR, LateBuffer, Segment
 from genie_core.errors import RemoteError, WorkerDied
 
 KEY, SESSION = os.urandom(32), "session-a"
@@ -327,3 +328,58 @@ def test_a_worker_says_how_far_it_got_per_part_and_keeps_no_segment_over_its_cap
         assert not sent[0][1]["data"]["reused"] and stager.staged.map.closed
     finally:
         stager.staged.unlink()
+
+
+class Pattern(LateBuffer):
+    """Stands in for a GPU tensor's bytes (host_copies.DeviceBytes: this machine has no GPU): written
+    in 3 MiB parts, each reported, into whatever memory it is given; it notes whose memory that was."""
+
+    def __init__(self, nbytes: int, seed: int) -> None:
+        self.nbytes = nbytes
+        self.values = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+        self.written_into: list = []
+
+    def write_into(self, dst, progress=None):
+        out = np.frombuffer(dst, dtype=np.uint8)
+        self.written_into.append(dst.obj)
+        for start in range(0, self.nbytes, 3 * MIB):
+            out[start : start + 3 * MIB] = self.values[start : start + 3 * MIB]
+            if progress is not None:
+                progress(min(start + 3 * MIB, self.nbytes))
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_gpu_tensors_bytes_are_written_straight_into_the_staged_segment(streamed):
+    """A fetch's bytes still on the GPU (a LateBuffer) are written into the staged segment itself, no
+    memory of their own between, beside plain buffers, each part announced when streamed; sent
+    inline (too small, or not asked staged), they get memory of their own."""
+    from genie_core.protocol import MessageType as T
+    from genie_core.worker.staging import PART, Stager
+
+    sent: list = []
+    stager = Stager(lambda kind, content, buffers=None: sent.append((kind, dict(content), buffers)))
+    head, late, tail = bytes(range(256)) * 40, Pattern(2 * PART + 5, seed=1), Pattern(7 * MIB, seed=2)
+    try:
+        stager.reply(T.PULL_REPLY, {"status": "ok"}, [head, late, tail], {"staged": True, "streamed": streamed})
+        segment = stager.staged
+        ref = sent[0][1]["data"]
+        assert ref["sizes"] == [len(head), late.nbytes, tail.nbytes] and ref["segment"] == segment.name
+        assert [o is segment.map for o in late.written_into + tail.written_into] == [True, True]
+        got = np.frombuffer(Segment.attach(segment.name).view, dtype=np.uint8)[: sum(ref["sizes"])]
+        assert bytes(got[: len(head)]) == head
+        assert np.array_equal(got[len(head) : len(head) + late.nbytes], late.values)
+        assert np.array_equal(got[len(head) + late.nbytes :], tail.values)
+        if streamed:
+            filled = [content["filled"] for kind, content, _ in sent[1:]]
+            assert all(kind is T.STAGING for kind, _, _ in sent[1:])
+            assert filled == sorted(filled) and filled[-1] == sum(ref["sizes"]) and len(filled) >= 3
+    finally:
+        if stager.staged is not None:
+            stager.staged.close()
+            stager.staged.unlink()
+    sent.clear()
+    small = Pattern(DATA_THRESHOLD - 1, seed=3)
+    stager.reply(T.PULL_REPLY, {"status": "ok"}, [small], {"staged": True, "streamed": streamed})
+    ((kind, content, buffers),) = sent
+    assert kind is T.PULL_REPLY
+    assert "data" not in content and np.array_equal(np.frombuffer(buffers[0], dtype=np.uint8), small.values)

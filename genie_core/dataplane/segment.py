@@ -349,11 +349,43 @@ def copy_bytes(dst: memoryview, src: memoryview) -> None:
     memcopy.copy_buffer(dst, src)
 
 
+class LateBuffer:
+    """Bytes not in host memory yet (a GPU tensor's): written straight into the memory they are
+    sent from (a staging segment), instead of into memory of their own and then copied there."""
+
+    nbytes: int
+
+    def write_into(self, dst: memoryview, progress: Callable[[int], None] | None = None) -> None:
+        """All `nbytes` into `dst` (as long), `progress(done)` as parts of it land."""
+        raise NotImplementedError
+
+    def host(self) -> memoryview:
+        """The bytes in memory of their own: for a message that carries them inline."""
+        import numpy as np
+
+        out = np.empty(self.nbytes, dtype=np.uint8)
+        self.write_into(out.data)
+        return out.data
+
+
+def buffer_size(b: Any) -> int:
+    return b.nbytes if isinstance(b, LateBuffer) else memoryview(b).nbytes
+
+
 def pack_into(view: memoryview, buffers: list[Any], progress: Any = None, chunk: int = 64 << 20) -> list[int]:
-    """Copy buffers back to back into `view`; return their sizes."""
+    """Copy buffers back to back into `view` (a LateBuffer writes itself there); return their sizes."""
     sizes, offset = [], 0
-    total = sum(memoryview(b).nbytes for b in buffers)
+    total = sum(buffer_size(b) for b in buffers)
+
+    def from_(at: int) -> Callable[[int], None] | None:
+        return None if progress is None else lambda done: progress(at + done, total)
+
     for b in buffers:
+        if isinstance(b, LateBuffer):
+            b.write_into(view[offset : offset + b.nbytes], from_(offset))
+            offset += b.nbytes
+            sizes.append(b.nbytes)
+            continue
         m = memoryview(b).cast("B")
         for start in range(0, m.nbytes, chunk):
             piece = m[start : start + chunk]

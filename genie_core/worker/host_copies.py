@@ -16,12 +16,15 @@ Tensors under RING_MIN bytes take PyTorch's own copy (the ring loses below 1 MiB
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
 from ..dataplane import memcopy
+from ..dataplane.segment import LateBuffer
+from ..serialize import serialize, tensor_meta
 
 CHUNK = 16 << 20  # bytes per staging buffer
 SLOTS = 2
@@ -88,9 +91,10 @@ class PinnedRing:
         finally:  # (also when a copy fails: dst's memory is not reused while copies into it are queued)
             current.wait_stream(stream)
 
-    def download(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Device bytes `src` into host bytes `dst` (flat uint8, same size), done when it returns.
-        The copy engine fills one buffer while the host empties another."""
+    def download(self, src: torch.Tensor, dst: torch.Tensor, progress: Callable[[int], None] | None = None) -> None:
+        """Device bytes `src` into host bytes `dst` (flat uint8, same size), done when it returns,
+        `progress(done)` after each chunk. The copy engine fills one buffer while the host empties
+        another."""
         _check_bytes(src, dst, host=dst)
         stream, n, slots = self.stream, src.numel(), len(self.buffers)
         pieces = [(i % slots, start, min(self.chunk, n - start)) for i, start in enumerate(range(0, n, self.chunk))]
@@ -108,6 +112,8 @@ class PinnedRing:
             memcopy.copy(dst.data_ptr() + start, self.buffers[slot].data_ptr(), size)
             if i + slots < len(pieces):
                 issue(*pieces[i + slots])
+            if progress is not None:
+                progress(start + size)
 
 
 def _check_bytes(src: torch.Tensor, dst: torch.Tensor, host: torch.Tensor) -> None:
@@ -185,20 +191,40 @@ def bytes_into(host: torch.Tensor, out: torch.Tensor, start: int) -> None:
     _copy(host, dst, out.device, chosen)
 
 
-def to_host(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's values in host memory: what a fetch sends. From a GPU, a contiguous view copies
-    only its own bytes and a dense permuted one its storage into the same layout; any other view is
-    made contiguous on the device first, as `.cpu()` does. A subclass, nested or sparse tensor, and
-    anything small, keeps its own `.cpu()`."""
+class DeviceBytes(LateBuffer):
+    """A GPU tensor's bytes as a fetch sends them (C order), copied to the host only into the memory
+    they are sent from: a staging segment, which the client adopts or a data port sends from (one
+    host copy, where a host tensor of their own and then the segment took two, and fresh memory's
+    page faults)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        src = t.detach().resolve_conj().resolve_neg()
+        self.src = _bytes(src if src.is_contiguous() else src.contiguous())  # (any other view: on the GPU)
+        self.nbytes = self.src.numel()
+
+    def write_into(self, dst: memoryview, progress: Callable[[int], None] | None = None) -> None:
+        host = torch.frombuffer(dst, dtype=torch.uint8)
+        chosen = way()
+        if chosen == "ring":
+            _ring(self.src.device).download(self.src, host, progress)
+            return
+        if chosen == "pageable":
+            host.copy_(self.src)
+        else:
+            _copy(self.src, host, self.src.device, chosen)
+        if progress is not None:
+            progress(self.nbytes)
+
+
+def serialized(value: Any) -> tuple[dict[str, Any], list[Any]]:
+    """What a fetch or pull sends of a value (serialize.serialize's description and buffers), a big
+    GPU tensor's bytes left on the GPU until they are written where they are sent (DeviceBytes). A
+    subclass, nested or sparse tensor, and anything small, keeps its own `.cpu()`."""
+    if isinstance(value, torch.Tensor) and _late(value):
+        return tensor_meta(value), [DeviceBytes(value)]
+    return serialize(value)
+
+
+def _late(t: torch.Tensor) -> bool:
     plain = type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and not t.is_nested
-    if t.device.type != "cuda" or not plain or t.nbytes < RING_MIN:
-        return t.cpu()
-    chosen = way()
-    if chosen == "pageable":
-        return t.cpu()
-    src = t.detach().resolve_conj().resolve_neg()
-    if not (src.is_contiguous() or _dense(src)):
-        src = src.contiguous()
-    out = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype)
-    _copy(_bytes(src), _bytes(out), t.device, chosen)
-    return out.requires_grad_(t.requires_grad)
+    return plain and t.device.type == "cuda" and t.nbytes >= RING_MIN

@@ -324,7 +324,13 @@ class Worker(FileRequests):
                 ),
             )
             return
-        metas, buffers = serialize_namespace({n: self.shell.user_ns[n] for n in names})
+        values = {n: self.shell.user_ns[n] for n in names}
+        if "torch" in sys.modules:  # (a GPU tensor's bytes go straight where they are sent from)
+            from .host_copies import serialized
+
+            metas, buffers = serialize_namespace(values, each=serialized)
+        else:
+            metas, buffers = serialize_namespace(values)
         self.stager.reply(T.PULL_REPLY, contents.PullReply(status="ok", values=metas), buffers, pull)
 
     def on_tensor_ops(self, msg: Message) -> None:

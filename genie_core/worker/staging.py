@@ -1,5 +1,6 @@
 """A reply's big bytes staged in a shared segment for the client's data plane, instead of inline.
 
+A GPU tensor's bytes are copied from the GPU straight into the segment (host_copies.DeviceBytes).
 A client on this host adopts the segment (shm), so it is filled before the reply goes. A client
 that fetches through the server's data port (tcp, ucx) gets the reply as soon as the segment is
 taken, and the segment is filled after it, PART bytes at a time, each part announced (`staging`)
@@ -14,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from ..dataplane.base import DATA_THRESHOLD
-from ..dataplane.segment import Segment, pack_into, segment_spares
+from ..dataplane.segment import LateBuffer, Segment, buffer_size, pack_into, segment_spares
 from ..protocol import MessageType, contents
 
 T = MessageType
@@ -59,14 +60,15 @@ class Stager:
     ) -> None:
         """Send `content` with `buffers`: inline, or staged when `asked` says that the client fetches
         big bytes over its data plane and these are big."""
-        total = sum(memoryview(b).nbytes for b in buffers)
+        sizes = [buffer_size(b) for b in buffers]
+        total = sum(sizes)
         if not asked.get("staged") or total < DATA_THRESHOLD:
-            self.send(kind, content, buffers)
+            self.send(kind, content, [b.host() if isinstance(b, LateBuffer) else b for b in buffers])
             return
         streamed = bool(asked.get("streamed"))
         kept = streamed and self.keep and total <= KEEP_MAX
         segment = self.segment(total, reuse=kept)
-        ref = contents.DataRef(segment=segment.name, sizes=[memoryview(b).nbytes for b in buffers])
+        ref = contents.DataRef(segment=segment.name, sizes=sizes)
         if not streamed:
             pack_into(segment.view, buffers)
             segment.close()

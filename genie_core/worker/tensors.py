@@ -273,8 +273,8 @@ class TensorExecutor:
             content["profile"] = timing
         if self.relaid:
             content["relaid"] = sorted(self.relaid)
-        fetch = {str(rid): _fetched(self._held(rid)) for rid in request.get("fetch", [])}
-        metas, buffers = serialize_namespace(fetch)
+        fetch = {str(rid): self._held(rid) for rid in request.get("fetch", [])}
+        metas, buffers = serialize_namespace(fetch, each=host_copies.serialized)
         content["fetch"] = metas
         return content, buffers
 
@@ -475,12 +475,6 @@ def _described(rid: int | None, value: Any) -> dict[str, Any]:
         "offset": value.storage_offset(),
         "dtype": str(value.dtype).removeprefix("torch."),
     }
-
-
-def _fetched(value: Any) -> Any:
-    """What a fetch sends of a stored value: a GPU tensor's values copied to the host through pinned
-    memory (host_copies), anything else as it is."""
-    return host_copies.to_host(value) if isinstance(value, torch.Tensor) else value
 
 
 def _answer(record: Record, out: Any) -> Any:
