@@ -60,9 +60,11 @@ def host_pair(rate_mbit: int | None = None) -> Iterator[tuple[str, str]]:
 
 
 def inside(namespace: str, *cmd: str, own_shm: bool = False) -> list[str]:
-    """`cmd` run inside `namespace`; with `own_shm`, also with a /dev/shm of its own (a host that
-    shares no memory with the other end, as discovery must then find)."""
+    """`cmd` run inside `namespace`; with `own_shm`, as on a host that shares no memory with the
+    other end: a /dev/shm of its own (as discovery must then find), and System V IPC and process
+    ids of its own (UCX's shared-memory transports, sysv and cma, reach a peer through those)."""
     if not own_shm:
         return ["ip", "netns", "exec", namespace, *cmd]
     inner = "mount -t tmpfs tmpfs /dev/shm && exec " + shlex.join(cmd)
-    return ["ip", "netns", "exec", namespace, "unshare", "--mount", "sh", "-c", inner]
+    unshare = ["unshare", "--mount", "--ipc", "--pid", "--fork", "--mount-proc"]
+    return ["ip", "netns", "exec", namespace, *unshare, "sh", "-c", inner]

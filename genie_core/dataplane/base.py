@@ -152,6 +152,10 @@ class Backend:
 
     name = ""
     slow_start = False  # its server side starts after the server is ready (a heavy import)
+    # Chosen over the backend named `rival` (when that one is usable) only if measured `margin`
+    # times as fast: for a backend whose probe flatters it against that one (ucx against tcp).
+    rival = ""
+    margin = 1.0
 
     def offer(self, side: ServerSide) -> dict[str, Any]:
         """Server: start what clients need; return what they need to know (transport info)."""
