@@ -66,5 +66,5 @@ def inside(namespace: str, *cmd: str, own_shm: bool = False) -> list[str]:
     if not own_shm:
         return ["ip", "netns", "exec", namespace, *cmd]
     inner = "mount -t tmpfs tmpfs /dev/shm && exec " + shlex.join(cmd)
-    unshare = ["unshare", "--mount", "--ipc", "--pid", "--fork", "--mount-proc"]
+    unshare = ["unshare", "--mount", "--ipc", "--pid", "--fork", "--kill-child", "--mount-proc"]
     return ["ip", "netns", "exec", namespace, *unshare, "sh", "-c", inner]

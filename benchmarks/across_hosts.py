@@ -119,6 +119,7 @@ def run(quick: bool = False) -> dict:
     candidates = {c["name"]: c for c in session["candidates"]}
     out["chosen_backend"] = session["chosen"]
     out["discovery"] = session["reason"]
+    out["discovery_s"] = session["elapsed_s"]
     out["shm_available"] = bool(candidates.get("shm", {}).get("available"))
     out.update({f"{k}_gib_s": round(v, 3) for k, v in rate.items()})
     for key in ("to_remote", "cpu", "push", "pull"):

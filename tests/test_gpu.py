@@ -298,11 +298,9 @@ def _value(expression: str) -> int:
 
 
 def _fetched(t: torch.Tensor, inline: bool = False) -> torch.Tensor:
-    """What a fetch of `t` sends (host_copies.serialized), written into a staging segment's stand-in
-    (or, `inline`, memory of its own) and read back as a client would."""
-    import mmap
-
-    from genie_core.dataplane.segment import LateBuffer, buffer_size, pack_into, split
+    """What a fetch of `t` sends (host_copies.serialized), written into a staging segment in
+    /dev/shm (or, `inline`, memory of its own) and read back as a client would."""
+    from genie_core.dataplane.segment import LateBuffer, Segment, buffer_size, pack_into, split
     from genie_core.serialize import deserialize
     from genie_core.worker import host_copies
 
@@ -310,11 +308,14 @@ def _fetched(t: torch.Tensor, inline: bool = False) -> torch.Tensor:
     if inline:
         return deserialize(meta, [b.host() if isinstance(b, LateBuffer) else b for b in buffers])
     sizes = [buffer_size(b) for b in buffers]
-    segment = mmap.mmap(-1, max(1, sum(sizes)))
-    done: list[int] = []
-    pack_into(memoryview(segment), buffers, progress=lambda n, total: done.append(n))
-    assert done == sorted(done) and done[-1] == sum(sizes)
-    return deserialize(meta, split(memoryview(segment), sizes)).clone()
+    segment = Segment.create("genie-t", sum(sizes))
+    try:
+        done: list[int] = []
+        pack_into(segment.view, buffers, progress=lambda n, total: done.append(n))
+        assert done == sorted(done) and done[-1] == sum(sizes)
+        return deserialize(meta, split(segment.view, sizes)).clone()
+    finally:
+        segment.unlink()
 
 
 @pytest.mark.parametrize("way", ["ring", "register", "pageable"])

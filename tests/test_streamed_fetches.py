@@ -383,3 +383,36 @@ def test_a_gpu_tensors_bytes_are_written_straight_into_the_staged_segment(stream
     ((kind, content, buffers),) = sent
     assert kind is T.PULL_REPLY
     assert "data" not in content and np.array_equal(np.frombuffer(buffers[0], dtype=np.uint8), small.values)
+
+
+class Broken(LateBuffer):
+    """Stands in for a GPU tensor whose copy to the host fails (a CUDA error surfacing late)."""
+
+    nbytes = 8 * MIB
+
+    def write_into(self, dst, progress=None):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (a stand-in)")
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_gpu_copy_that_fails_is_one_error_and_leaves_no_segment_behind(streamed):
+    """Filled before its reply (shm): the error is the reply, and the segment is gone; filled after
+    it (a data port): a `staging` message names the error (the port's trailer passes it on)."""
+    from genie_core.protocol import MessageType as T
+    from genie_core.worker.staging import Stager
+
+    sent: list = []
+    stager = Stager(lambda kind, content, buffers=None: sent.append((kind, dict(content))))
+    before = set(SHM_DIR.glob("genie-w-*"))
+    if not streamed:
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            stager.reply(T.PULL_REPLY, {"status": "ok"}, [Broken()], {"staged": True})
+        assert sent == [] and stager.staged is None and set(SHM_DIR.glob("genie-w-*")) == before
+        return
+    try:
+        stager.reply(T.PULL_REPLY, {"status": "ok"}, [Broken()], {"staged": True, "streamed": True})
+        assert [kind for kind, _ in sent] == [T.PULL_REPLY, T.STAGING]
+        assert sent[1][1]["ename"] == "RuntimeError" and "illegal memory access" in sent[1][1]["evalue"]
+    finally:
+        stager.staged.close()
+        stager.staged.unlink()

@@ -168,68 +168,88 @@ class _Scripted(Backend):
         return Candidate(self.name, True, "scripted", 1e-4, bandwidth), channel
 
 
+class _SharesUcx(Backend):
+    """rdma's way: no probe of its own, ucx's measurement and channel (hardware.Rdma.both)."""
+
+    name, rival, margin = "rdma", "tcp", 2.0
+
+    def probe(self, link, budget, found):
+        ucx, channel = found["ucx"]
+        return Candidate(self.name, True, "scripted: ucx's", ucx.rtt_s, ucx.bandwidth), channel
+
+
 class _Closable(Channel):
-    closed = False
+    closes = 0
 
     def close(self) -> None:
-        self.closed = True
+        self.closes += 1
 
 
 def _link(requested: str = "auto") -> Link:
     return Link("host", b"key", "session", {}, None, lambda ref, data: None, lambda: None, requested)
 
 
+GIB = float(1 << 30)
+
+
 def test_a_probe_slowed_by_a_moments_load_does_not_decide_the_backend_alone():
-    """Across hosts one probe each chose ucx over tcp in 1 of 6 sessions (tcp measured at 443 MB/s,
-    its usual 1 to 1.7 GiB/s), and ucx then moved 1 GiB at a quarter of tcp's rate. Backends within
-    SECOND_LOOK of the fastest are measured again, in the reverse order, each keeping its faster
-    measurement and that one's channel; every other channel is closed."""
-    mb, gib = 1e6, float(1 << 30)
+    """Backends measured within SECOND_LOOK of the fastest are measured again, in the reverse order,
+    each keeping its faster measurement and that one's channel; every other channel is closed once."""
+    mb = 1e6
     tcp, zmq, ucx = (
-        _Scripted("tcp", 443 * mb, 1.4 * gib),
+        _Scripted("tcp", 443 * mb, 1.4 * GIB),
         _Scripted("zmq", 400 * mb, 390 * mb),
         _Scripted("ucx", 604 * mb, 600 * mb),
     )
     report, channel = discover([tcp, zmq, ucx], _link(), 0.3)
-    assert report.chosen == "tcp" and channel is tcp.channels[1] and not channel.closed
-    assert report.candidate("tcp").details["measured"] == [443 * mb, 1.4 * gib]
+    assert report.chosen == "tcp" and channel is tcp.channels[1] and channel.closes == 0
+    assert report.candidate("tcp").details["measured"] == [443 * mb, 1.4 * GIB]
     assert report.candidate("ucx").details["measured"] == [604 * mb, 600 * mb]
     assert report.candidate("ucx").bandwidth == 604 * mb  # (the faster of its two)
-    assert all(c.closed for c in tcp.channels[:1] + zmq.channels + ucx.channels)
-    # far apart (shared memory on one host): measured once each, no time spent on a second look
-    shm, tcp = _Scripted("shm", 10 * gib), _Scripted("tcp", 1.5 * gib)
+    assert [c.closes for c in tcp.channels[:1] + zmq.channels + ucx.channels] == [1] * 5
+
+
+def test_backends_far_apart_are_measured_once_and_a_forced_one_is_not_compared():
+    shm, tcp = _Scripted("shm", 10 * GIB), _Scripted("tcp", 1.5 * GIB)  # (one host)
     assert discover([shm, tcp], _link(), 0.3)[0].chosen == "shm"
-    # a second probe that fails keeps the first measurement; a forced backend is not compared at all
-    tcp, ucx = _Scripted("tcp", 1.2 * gib, None), _Scripted("ucx", 0.9 * gib, 0.8 * gib)
+    tcp, ucx = _Scripted("tcp", 1.2 * GIB), _Scripted("ucx", 0.9 * GIB)
+    assert discover([tcp, ucx], _link("ucx"), 0.3)[0].chosen == "ucx" and tcp.channels[0].closes == 1
+
+
+def test_a_second_probe_that_fails_keeps_the_first():
+    tcp, ucx = _Scripted("tcp", 1.2 * GIB, None), _Scripted("ucx", 0.9 * GIB, 0.8 * GIB)
     report, channel = discover([tcp, ucx], _link(), 0.3)
-    assert (
-        report.chosen == "tcp"
-        and channel is tcp.channels[0]
-        and report.candidate("tcp").details["measured"] == [1.2 * gib, None]
-    )
-    tcp, ucx = _Scripted("tcp", 1.2 * gib), _Scripted("ucx", 0.9 * gib)
-    assert discover([tcp, ucx], _link("ucx"), 0.3)[0].chosen == "ucx" and tcp.channels[0].closed
+    assert report.chosen == "tcp" and channel is tcp.channels[0] and channel.closes == 0
+    assert report.candidate("tcp").details["measured"] == [1.2 * GIB, None]
+
+
+def test_a_channel_two_backends_share_is_not_measured_again_nor_closed_under_the_chosen_one():
+    """rdma goes through ucx's channel: a second look at either would close the one the other holds."""
+    tcp, ucx = _Scripted("tcp", 1.0 * GIB, 1.0 * GIB), _Scripted("ucx", 9 * GIB, rival="tcp", margin=2.0)
+    report, channel = discover([tcp, ucx, _SharesUcx()], _link(), 0.3)
+    assert report.chosen in ("ucx", "rdma") and channel is ucx.channels[0] and channel.closes == 0
+    assert tcp.channels[0].closes == 1 and len(ucx.channels) == 1
 
 
 def test_ucx_is_chosen_over_tcp_only_at_twice_its_rate():
-    """UCX without RDMA runs over TCP too, and its probe flatters it (a buffer registered before):
-    the registry's ucx counts half its measured rate against a usable tcp, and says so; against
-    zmq alone, or at more than twice tcp's rate (RDMA), its own."""
+    """UCX without RDMA runs over TCP too, and its probe flatters it: the registry's ucx (and rdma,
+    measured by ucx's probe) counts half its measured rate against a usable tcp, and the report says
+    so; against zmq alone, or at more than twice tcp's rate, its own."""
+    from genie_core.dataplane.hardware import Rdma
     from genie_core.dataplane.ucx import Ucx
 
-    gib = float(1 << 30)
-    assert (Ucx.rival, Ucx.margin) == ("tcp", 2.0)
+    assert (Ucx.rival, Ucx.margin) == (Rdma.rival, Rdma.margin) == ("tcp", 2.0)
 
     def ucx(*rates):
         return _Scripted("ucx", *rates, rival=Ucx.rival, margin=Ucx.margin)
 
-    report, _ = discover([_Scripted("tcp", 1.05 * gib, 1.0 * gib), ucx(1.59 * gib, 1.5 * gib)], _link(), 0.3)
-    assert report.chosen == "tcp" and "ucx 1.59 GiB/s (chosen over tcp only at 2x its rate)" in report.reason
-    assert discover([_Scripted("tcp", 1.05 * gib, 1 * gib), ucx(5 * gib, 5 * gib)], _link(), 0.3)[0].chosen == "ucx"
+    report, _ = discover([_Scripted("tcp", 1.05 * GIB, 1.0 * GIB), ucx(1.59 * GIB, 1.5 * GIB)], _link(), 0.3)
+    assert report.chosen == "tcp" and "ucx 1.59 GiB/s (counted at 1/2 against tcp)" in report.reason
+    assert discover([_Scripted("tcp", 1.05 * GIB, 1 * GIB), ucx(5 * GIB, 5 * GIB)], _link(), 0.3)[0].chosen == "ucx"
     report, _ = discover(
-        [_Scripted("tcp", None), _Scripted("zmq", 0.6 * gib, 0.6 * gib), ucx(0.9 * gib, 0.9 * gib)], _link(), 0.3
+        [_Scripted("tcp", None), _Scripted("zmq", 0.6 * GIB, 0.6 * GIB), ucx(0.9 * GIB, 0.9 * GIB)], _link(), 0.3
     )
-    assert report.chosen == "ucx" and "only at" not in report.reason
+    assert report.chosen == "ucx" and "counted at" not in report.reason
 
 
 def test_a_forced_unavailable_backend_is_an_error_not_a_fallback(connect):

@@ -147,6 +147,11 @@ class Link:
     requested: str = "auto"
 
 
+Found = dict[
+    str, tuple[Candidate, "Channel | None"]
+]  # the backends probed so far, by name: what each measured, its channel
+
+
 class Backend:
     """One way to move bytes. Subclasses live one per module and are listed in `registry`."""
 
@@ -164,9 +169,7 @@ class Backend:
     def stop(self) -> None:
         """Server: stop what `offer` started."""
 
-    def probe(
-        self, link: Link, budget: float, found: dict[str, tuple[Candidate, Channel | None]]
-    ) -> tuple[Candidate, Channel | None]:
+    def probe(self, link: Link, budget: float, found: Found) -> tuple[Candidate, Channel | None]:
         """Client: measure this backend to the server within `budget` seconds and open a channel
         (None when unavailable). `found` holds the backends probed before this one."""
         raise NotImplementedError

@@ -4,15 +4,14 @@ budget), the fastest chosen, and a report that says why, with every candidate's 
 from __future__ import annotations
 
 import time
+from collections import Counter
 
-from .base import Backend, BackendReport, BackendUnavailable, Candidate, Channel, Link, rate
+from .base import Backend, BackendReport, BackendUnavailable, Candidate, Channel, Found, Link, rate
 
 # A backend measured within this factor of the fastest is measured once more, as is the fastest.
 # Across two network namespaces on this 2-core VM one tcp probe measured 443 MB/s to 1.87 GiB/s from one
 # session to the next (benchmarks/RESULTS.md, "Which backend across hosts").
 SECOND_LOOK = 3.0
-
-Found = dict[str, tuple[Candidate, Channel | None]]
 
 
 def discover(backends: list[Backend], link: Link, budget: float) -> tuple[BackendReport, Channel]:
@@ -61,14 +60,16 @@ def _counted(backends: list[Backend], usable: list[Candidate]) -> dict[str, floa
 
 
 def _versus(candidate: Candidate, counted: float, backends: list[Backend]) -> str:
+    """A backend not chosen, as the report names it: its rate, and how the choice counted it."""
     said = f"{candidate.name} {rate(candidate.bandwidth or 0.0)}"
     if counted == candidate.bandwidth:
         return said
     backend = next(b for b in backends if b.name == candidate.name)
-    return f"{said} (chosen over {backend.rival} only at {backend.margin:g}x its rate)"
+    return f"{said} (counted at 1/{backend.margin:g} against {backend.rival})"
 
 
 def _usable(found: Found) -> list[Candidate]:
+    """The backends measured with an open channel: those the choice is between."""
     return [c for c, channel in found.values() if c.available and c.bandwidth and channel is not None]
 
 
@@ -76,10 +77,16 @@ def _second_look(backends: list[Backend], link: Link, budget: float, found: Foun
     """Measure the fastest backend and those within SECOND_LOOK of it once more, in the reverse
     order, each keeping its faster measurement (and that measurement's channel): a probe slowed by a
     moment's load (a process starting beside it, a server's slow start) does not decide alone. Load
-    only ever slows a measurement, so the faster one is the path's own speed (base.best_time)."""
+    only ever slows a measurement, so the faster one is the path's own speed (base.best_time). A
+    channel two backends share (rdma's is ucx's) is not measured again: it has no probe of its own."""
     counted = _counted(backends, _usable(found))
     fastest = max(counted.values(), default=0.0)
-    close = [name for name, bandwidth in counted.items() if bandwidth * SECOND_LOOK >= fastest]
+    holders = Counter(id(channel) for _, channel in found.values() if channel is not None)
+    close = [
+        name
+        for name, bandwidth in counted.items()
+        if bandwidth * SECOND_LOOK >= fastest and holders[id(found[name][1])] == 1  # (rdma uses ucx's)
+    ]
     if len(close) < 2:
         return
     by_name = {backend.name: backend for backend in backends}
@@ -97,7 +104,7 @@ def _second_look(backends: list[Backend], link: Link, budget: float, found: Foun
             other.close()
 
 
-def _close_all(found: dict[str, tuple[Candidate, Channel | None]], keep: Channel | None) -> None:
+def _close_all(found: Found, keep: Channel | None) -> None:
     for _, channel in found.values():
         if channel is not None and channel is not keep:
             channel.close()

@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from .base import Backend, Candidate, Channel, Link, ServerSide
+from .base import Backend, Candidate, Channel, Found, Link, ServerSide
 
 Finding = tuple[bool, str, dict[str, Any]]
 
@@ -121,9 +121,7 @@ class _Detected(Backend):
             }
         }
 
-    def probe(
-        self, link: Link, budget: float, found: dict[str, tuple[Candidate, Channel | None]]
-    ) -> tuple[Candidate, Channel | None]:
+    def probe(self, link: Link, budget: float, found: Found) -> tuple[Candidate, Channel | None]:
         remote = (link.server.get("detect") or {}).get(self.name) or {
             "available": False,
             "reason": "not reported by the server",
@@ -136,22 +134,19 @@ class _Detected(Backend):
             return Candidate(self.name, False, f"server: {remote['reason']}", details=details), None
         return self.both(details, found)
 
-    def both(
-        self, details: dict[str, Any], found: dict[str, tuple[Candidate, Channel | None]]
-    ) -> tuple[Candidate, Channel | None]:
+    def both(self, details: dict[str, Any], found: Found) -> tuple[Candidate, Channel | None]:
         need = "a data path Genie does not have (it is detected and reported only)"
         return Candidate(self.name, False, f"detected on both ends, but it needs {need}", details=details), None
 
 
 class Rdma(_Detected):
     name = "rdma"
+    rival, margin = "tcp", 2.0  # (it is measured as ucx is, by ucx's probe: see Ucx)
 
     def find(self) -> Finding:
         return rdma()
 
-    def both(
-        self, details: dict[str, Any], found: dict[str, tuple[Candidate, Channel | None]]
-    ) -> tuple[Candidate, Channel | None]:
+    def both(self, details: dict[str, Any], found: Found) -> tuple[Candidate, Channel | None]:
         ucx, channel = found.get("ucx", (None, None))
         if ucx is None or channel is None:
             return Candidate(

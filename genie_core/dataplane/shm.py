@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..protocol.contents import DataRef
-from .base import Backend, Candidate, Channel, Link, ServerSide, best_time, median_time, probe_size
+from .base import Backend, Candidate, Channel, Found, Link, ServerSide, best_time, median_time, probe_size
 from .lent import LentSegments
 from .segment import (
     SHM_DIR,
@@ -115,9 +115,7 @@ class Shm(Backend):
         if probe_file is not None:
             probe_file.unlink(missing_ok=True)
 
-    def probe(
-        self, link: Link, budget: float, found: dict[str, tuple[Candidate, Channel | None]]
-    ) -> tuple[Candidate, Channel | None]:
+    def probe(self, link: Link, budget: float, found: Found) -> tuple[Candidate, Channel | None]:
         ok, why = shm_available()
         probe = link.server.get("shm_probe")
         if ok and probe:

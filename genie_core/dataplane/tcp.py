@@ -15,7 +15,7 @@ from ..errors import AuthenticationError, ConnectionFailed
 from ..protocol.contents import DataRef
 from ..threads import name_os_thread
 from . import stream, wire
-from .base import Backend, Candidate, Channel, Link, ServerSide, measure_stream
+from .base import Backend, Candidate, Channel, Found, Link, ServerSide, measure_stream
 from .segment import memory_spares, split
 
 log = logging.getLogger("genie.data")
@@ -192,9 +192,7 @@ class Tcp(Backend):
         if getattr(self, "listener", None) is not None:
             self.listener.stop()
 
-    def probe(
-        self, link: Link, budget: float, found: dict[str, tuple[Candidate, Channel | None]]
-    ) -> tuple[Candidate, Channel | None]:
+    def probe(self, link: Link, budget: float, found: Found) -> tuple[Candidate, Channel | None]:
         port = link.data_port or link.server.get("data_port")
         if link.server.get("encrypted"):
             return Candidate(self.name, False, ENCRYPTED), None

@@ -20,7 +20,7 @@ from typing import Any
 from ..errors import AuthenticationError, ConnectionFailed
 from ..protocol.contents import DataRef
 from . import stream, wire
-from .base import Backend, Candidate, Channel, Link, ServerSide, measure_stream
+from .base import Backend, Candidate, Channel, Found, Link, ServerSide, measure_stream
 from .segment import memory_spares, split
 from .tcp import ENCRYPTED
 
@@ -239,9 +239,7 @@ class Ucx(Backend):
         if getattr(self, "runner", None) is not None:
             self.runner.stop()
 
-    def probe(
-        self, link: Link, budget: float, found: dict[str, tuple[Candidate, Channel | None]]
-    ) -> tuple[Candidate, Channel | None]:
+    def probe(self, link: Link, budget: float, found: Found) -> tuple[Candidate, Channel | None]:
         port = link.server.get("ucx_port")
         shm = found.get("shm")
         if link.server.get("encrypted"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..protocol.contents import DataRef
-from .base import Backend, Candidate, Channel, Link, best_time, median_time, probe_size
+from .base import Backend, Candidate, Channel, Found, Link, best_time, median_time, probe_size
 
 
 class InlineChannel(Channel):
@@ -20,9 +20,7 @@ class InlineChannel(Channel):
 class Zmq(Backend):
     name = "zmq"
 
-    def probe(
-        self, link: Link, budget: float, found: dict[str, tuple[Candidate, Channel | None]]
-    ) -> tuple[Candidate, Channel | None]:
+    def probe(self, link: Link, budget: float, found: Found) -> tuple[Candidate, Channel | None]:
         rtt = median_time(link.ping, 5)
         small = bytes(256 << 10)
         guess = len(small) / max(median_time(lambda: link.data_probe(None, small), 1), 1e-6)

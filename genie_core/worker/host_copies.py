@@ -198,20 +198,21 @@ class DeviceBytes(LateBuffer):
     page faults)."""
 
     def __init__(self, t: torch.Tensor) -> None:
-        src = t.detach().resolve_conj().resolve_neg()
-        self.src = _bytes(src if src.is_contiguous() else src.contiguous())  # (any other view: on the GPU)
-        self.nbytes = self.src.numel()
+        self.tensor = t.detach()
+        self.nbytes = t.nbytes
 
     def write_into(self, dst: memoryview, progress: Callable[[int], None] | None = None) -> None:
-        host = torch.frombuffer(dst, dtype=torch.uint8)
-        chosen = way()
+        src = self.tensor.resolve_conj().resolve_neg()
+        if not src.is_contiguous():
+            src = src.contiguous()  # (on the GPU, only now: one such copy at a time, for one fetch)
+        host, device, chosen = torch.frombuffer(dst, dtype=torch.uint8), src.device, way()
         if chosen == "ring":
-            _ring(self.src.device).download(self.src, host, progress)
+            _ring(device).download(_bytes(src), host, progress)
             return
         if chosen == "pageable":
-            host.copy_(self.src)
+            host.copy_(_bytes(src))
         else:
-            _copy(self.src, host, self.src.device, chosen)
+            _copy(_bytes(src), host, device, chosen)
         if progress is not None:
             progress(self.nbytes)
 

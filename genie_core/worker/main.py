@@ -28,7 +28,7 @@ from ..errors import size_text
 from ..lifeline import die_with_parent, parent_gone
 from ..loop import SocketLoop
 from ..protocol import Codec, Message, MessageType, contents, error_content, for_worker
-from ..serialize import deserialize_namespace, serialize_namespace
+from ..serialize import deserialize_namespace, serialize, serialize_namespace
 from .file_requests import FileRequests
 from .staging import Stager
 from .streams import FLUSH_INTERVAL, OutStream, capture_fd
@@ -324,13 +324,12 @@ class Worker(FileRequests):
                 ),
             )
             return
-        values = {n: self.shell.user_ns[n] for n in names}
+        each: Callable[[Any], tuple[dict[str, Any], list[Any]]] = serialize
         if "torch" in sys.modules:  # (a GPU tensor's bytes go straight where they are sent from)
             from .host_copies import serialized
 
-            metas, buffers = serialize_namespace(values, each=serialized)
-        else:
-            metas, buffers = serialize_namespace(values)
+            each = serialized
+        metas, buffers = serialize_namespace({n: self.shell.user_ns[n] for n in names}, each=each)
         self.stager.reply(T.PULL_REPLY, contents.PullReply(status="ok", values=metas), buffers, pull)
 
     def on_tensor_ops(self, msg: Message) -> None:

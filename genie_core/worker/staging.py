@@ -70,7 +70,13 @@ class Stager:
         segment = self.segment(total, reuse=kept)
         ref = contents.DataRef(segment=segment.name, sizes=sizes)
         if not streamed:
-            pack_into(segment.view, buffers)
+            try:
+                pack_into(segment.view, buffers)
+            except BaseException:  # (a GPU tensor's copy that failed: the segment goes, the error is the reply)
+                self.staged = None
+                segment.close()
+                segment.unlink()
+                raise
             segment.close()
             self.send(kind, {**content, "data": ref})
             self.spares.refill(total)  # (after the reply: making it would slow the copy)
