@@ -146,8 +146,10 @@ def test_a_probe_preempted_in_most_of_its_runs_keeps_its_backends_speed(server, 
 
     monkeypatch.setattr(shm, "copy_bytes", preempted)
     report = connect().backend_report
-    assert len(copies) == 4, copies
-    assert report.candidate("shm").bandwidth > 2 * (32 << 20) / 0.3, report.candidate("shm")
+    shm_found = report.candidate("shm")
+    assert len(copies) in (4, 8), copies  # (8: probed a second time, within 3x of tcp on a loaded machine)
+    first = shm_found.details.get("measured", [shm_found.bandwidth])[0]  # the paused probe's own figure
+    assert first > 2 * (32 << 20) / 0.3, shm_found
     assert report.chosen != "zmq", report.reason
 
 
