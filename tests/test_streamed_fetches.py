@@ -374,6 +374,7 @@ def test_a_gpu_tensors_bytes_are_written_straight_into_the_staged_segment(stream
             assert all(kind is T.STAGING for kind, _, _ in sent[1:])
             assert filled == sorted(filled) and filled[-1] == sum(ref["sizes"]) and len(filled) >= 3
     finally:
+        stager.spares.close()  # (the spare a reply filled before it made for the next: not left in /dev/shm)
         if stager.staged is not None:
             stager.staged.close()
             stager.staged.unlink()
