@@ -39,7 +39,7 @@ def discover(backends: list[Backend], link: Link, budget: float) -> tuple[Backen
             usable = _usable(found)
             counted = _counted(backends, usable)
             chosen = max(usable, key=lambda c: counted[c.name])
-            versus = ", ".join(_versus(c, counted[c.name], backends) for c in usable if c is not chosen)
+            versus = ", ".join(_versus(c, usable, backends) for c in usable if c is not chosen)
             reason = f"{chosen.name}: {chosen.reason}, {rate(chosen.bandwidth or 0.0)}" + (
                 f" vs {versus}" if versus else ""
             )
@@ -59,12 +59,13 @@ def _counted(backends: list[Backend], usable: list[Candidate]) -> dict[str, floa
     return {c.name: (c.bandwidth or 0.0) / margins.get(c.name, 1.0) for c in usable}
 
 
-def _versus(candidate: Candidate, counted: float, backends: list[Backend]) -> str:
-    """A backend not chosen, as the report names it: its rate, and how the choice counted it."""
+def _versus(candidate: Candidate, usable: list[Candidate], backends: list[Backend]) -> str:
+    """A backend not chosen, as the report names it: its rate, and how the choice counted it (the
+    rule of `_counted`: divided by its margin where its rival is usable too)."""
     said = f"{candidate.name} {rate(candidate.bandwidth or 0.0)}"
-    if counted == candidate.bandwidth:
-        return said
     backend = next(b for b in backends if b.name == candidate.name)
+    if backend.rival not in {c.name for c in usable}:
+        return said
     return f"{said} (counted at 1/{backend.margin:g} against {backend.rival})"
 
 
@@ -94,14 +95,15 @@ def _second_look(backends: list[Backend], link: Link, budget: float, found: Foun
         first, channel = found[name]
         again, other = by_name[name].probe(link, budget, found)
         measured = {"measured": [first.bandwidth, again.bandwidth if again.available else None]}
+        to_close = other  # the slower measurement's channel
         if again.available and other is not None and (again.bandwidth or 0.0) > (first.bandwidth or 0.0):
             again.details = {**again.details, **measured}
             found[name] = (again, other)
-            other, channel = channel, other
+            to_close = channel
         else:
             first.details = {**first.details, **measured}
-        if other is not None:
-            other.close()
+        if to_close is not None:
+            to_close.close()
 
 
 def _close_all(found: Found, keep: Channel | None) -> None:

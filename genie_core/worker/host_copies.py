@@ -205,14 +205,14 @@ class DeviceBytes(LateBuffer):
         src = self.tensor.resolve_conj().resolve_neg()
         if not src.is_contiguous():
             src = src.contiguous()  # (on the GPU, only now: one such copy at a time, for one fetch)
-        host, device, chosen = torch.frombuffer(dst, dtype=torch.uint8), src.device, way()
+        host, raw, chosen = torch.frombuffer(dst, dtype=torch.uint8), _bytes(src), way()
         if chosen == "ring":
-            _ring(device).download(_bytes(src), host, progress)
+            _ring(src.device).download(raw, host, progress)
             return
         if chosen == "pageable":
-            host.copy_(_bytes(src))
+            host.copy_(raw)
         else:
-            _copy(_bytes(src), host, device, chosen)
+            _copy(raw, host, src.device, chosen)
         if progress is not None:
             progress(self.nbytes)
 
