@@ -170,6 +170,48 @@ def test_current_device_streams_and_events(remote):
     assert torch.equal(b.cpu(), a.cpu() + 1)
 
 
+def test_torch_accelerator_is_answered_by_the_remote_device(remote):
+    """torch.accelerator's calls into C++ (synchronize, the memory counters, the caches) go to
+    torch.remote_accelerator while it is the current accelerator: they raised, failed an internal
+    assert or crashed the process, and torch.utils.benchmark.Timer with them, even timing CPU code."""
+    import torch.utils.benchmark as benchmark
+
+    from genie_core.remote_tensor.connection import stream_for
+
+    dev, stream = torch.remote_accelerator, stream_for(0)
+    x = torch.ones(64, device=DEV)
+    x.cpu()
+    trips = stream.round_trips
+    y = x + 1
+    assert stream.pending() == 1
+    torch.accelerator.synchronize()
+    assert stream.pending() == 0 and stream.round_trips == trips + 1  # ran, and waited for
+    before = torch.accelerator.memory_allocated()
+    assert before == dev.memory_allocated()
+    big = torch.empty(1 << 20, device=DEV)
+    assert torch.accelerator.memory_allocated() - before == 4 << 20
+    assert torch.accelerator.memory_stats()["allocated_bytes.all.current"] == before + (4 << 20)
+    del big
+    free, total = torch.accelerator.get_memory_info()
+    assert 0 < free <= total and total == dev.mem_get_info()[1]
+    torch.accelerator.empty_cache()
+    torch.accelerator.reset_peak_memory_stats()
+    torch.accelerator.reset_accumulated_memory_stats()
+    if hasattr(torch.accelerator, "empty_host_cache"):  # (torch 2.13 on)
+        torch.accelerator.empty_host_cache()
+    for where in (torch.ones(4), y):
+        assert benchmark.Timer("x + 1", globals={"x": where}).timeit(3).mean > 0
+    assert torch.equal(y.cpu(), torch.full((64,), 2.0))
+
+
+def test_torch_accelerator_is_pytorchs_own_for_another_accelerator(remote, monkeypatch):
+    """Only while remote_accelerator is the current accelerator: for another one (a client's own GPU)
+    PyTorch's functions run as they are (here, where there is none, PyTorch's refusal shows it)."""
+    monkeypatch.setattr(torch._C, "_accelerator_getAccelerator", lambda: torch.device("cuda"))
+    with pytest.raises(RuntimeError, match="doesn't support synchronizing"):
+        torch._C._accelerator_synchronizeDevice(0)
+
+
 # -- pinned memory ------------------------------------------------------------------------------
 def test_pin_memory_and_a_pinned_data_loader(remote):
     t = torch.randn(4, 3)[:, 1]
@@ -345,6 +387,7 @@ AUDIT = {
     "memory_reserved": None,
     "max_memory_reserved": None,
     "reset_peak_memory_stats": None,
+    "reset_accumulated_memory_stats": None,
     "mem_get_info": None,
     "empty_cache": None,
     "default_generators": "explicit torch.Generator objects: the generator is the server device's own",
@@ -363,11 +406,17 @@ AUDIT = {
 # Beyond the module: what PyTorch reaches in C++ for a device, where a device defined in Python
 # (torch.utils.backend_registration) cannot answer.
 REFUSED_IN_CPP = {
-    "torch.accelerator.synchronize()": "PyTorch's Python device guard cannot synchronize: use "
-    "torch.remote_accelerator.synchronize()",
+    "torch.Stream(...).synchronize(), torch.Event(...) (PyTorch's generic ones)": "PyTorch's Python device "
+    "guard answers their synchronize, query and record without waiting: use torch.remote_accelerator.Stream "
+    "and Event, or torch.accelerator.synchronize() (answered by the remote device, as its memory calls are)",
+    "torch.accelerator.get_device_capability(), torch.accelerator.Graph": "asks the C++ device guard, which a "
+    "device defined in Python lacks (PyTorch's error says so)",
+    "torch.Generator(device=...)": "asks the C++ hooks for a generator: the device's own generator is seeded "
+    "with torch.manual_seed, and its state is get_rng_state()",
     "torch.empty(..., pin_memory=True)": "asks the C++ hooks for a pinned allocator: use .pin_memory(), which works",
     "max_memory_allocated() on a CPU server": "the CPU keeps no peak (memory_allocated() is exact); "
-    "a GPU server answers",
+    "a GPU server answers (torch.accelerator.max_memory_allocated() reads a peak not kept as 0, as PyTorch "
+    "does for any backend without one)",
 }
 
 

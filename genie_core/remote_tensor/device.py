@@ -149,8 +149,9 @@ def register() -> None:
         from . import serialization
 
         serialization.register()
-        from . import attention, autocast, compiler, lazy, pinned, whole_ops
+        from . import accelerator, attention, autocast, compiler, lazy, pinned, whole_ops
 
+        accelerator.register()
         lazy.register()
         autocast.register()
         attention.register()

@@ -362,6 +362,12 @@ class _DeviceModule:
         _ask(_index(device) if device is not None else current_index(), "reset_peak")
 
     @staticmethod
+    def reset_accumulated_memory_stats(device: Any = None) -> None:
+        """Reset the server allocator's counts of allocations, frees and retries (its `.allocated`,
+        `.freed` and `num_*` stats)."""
+        _ask(_index(device) if device is not None else current_index(), "reset_accumulated")
+
+    @staticmethod
     def empty_cache() -> None:
         """Return the server allocator's cached, unused memory to the device (current device)."""
         _ask(current_index(), "empty_cache")

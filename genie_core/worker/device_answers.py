@@ -66,6 +66,9 @@ def _cuda(question: str, device: torch.device) -> Any:
     if question == "reset_peak":
         torch.cuda.reset_peak_memory_stats(device)
         return None
+    if question == "reset_accumulated":
+        torch.cuda.reset_accumulated_memory_stats(device)
+        return None
     if question == "empty_cache":
         torch.cuda.empty_cache()
         return None
@@ -94,6 +97,6 @@ def _cpu(question: str, held_bytes: Callable[[], int]) -> Any:
             "free_bytes": int(memory.available),
             "total_bytes": int(memory.total),
         }
-    if question in ("reset_peak", "empty_cache"):
+    if question in ("reset_peak", "reset_accumulated", "empty_cache"):  # (no peak, no counts, no cache)
         return None
     raise ValueError(f"unknown question about the device: {question!r}")
