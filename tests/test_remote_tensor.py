@@ -5,6 +5,7 @@ Every result is compared bit for bit with eager CPU execution of the same code.
 
 from __future__ import annotations
 
+import copy
 import gc
 
 import pytest
@@ -367,6 +368,81 @@ def test_a_cpu_checkpoint_loads_onto_the_device(remote, tmp_path):
     assert torch.equal(loaded["a"].cpu(), base) and torch.equal(loaded["row"].cpu(), base[1])
     loaded["a"].add_(1)  # views that shared a storage in the file share it on the server
     assert torch.equal(loaded["row"].cpu(), base[1] + 1)
+
+
+# Ops whose output may share its input's storage, judged against the CPU (the same relation there).
+STORAGE_OPS = {
+    "view": lambda t: t.view(16),
+    "row": lambda t: t[1],
+    "transpose": lambda t: t.t(),
+    "detach": lambda t: t.detach(),
+    "detach then view": lambda t: t.detach().view(2, 8),
+    "data": lambda t: t.data,
+    "unbind": lambda t: t.unbind(0)[2],
+    "split": lambda t: t.split(3, dim=1)[1],
+    "expand": lambda t: t[0].expand(3, 4),
+    "reshape of a copy": lambda t: t.t().reshape(16),
+    "clone": lambda t: t.clone(),
+    "add": lambda t: t + 1,
+    "in place": lambda t: t.mul_(1),
+}
+
+
+@pytest.mark.parametrize("op", list(STORAGE_OPS))
+def test_a_tensor_and_its_views_name_one_storage_as_on_the_cpu(remote, op):
+    """untyped_storage() and data_ptr() of remote tensors: one storage per server storage, shared by
+    views and detached aliases, as CPU and CUDA tensors do (safetensors and transformers tell tied
+    weights apart by it); its data_ptr an address no memory has, never read through."""
+    made = STORAGE_OPS[op]
+    cpu = torch.arange(16.0).reshape(4, 4)
+    remote_base = cpu.to(DEV)
+    found = []
+    for base in (cpu, remote_base, remote_base):  # (twice: the op's first signature, then its cached one)
+        out = made(base)
+        shared = out.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+        where = out.data_ptr() - out.untyped_storage().data_ptr()
+        found.append((shared, where, out.untyped_storage().nbytes() if shared else None))
+    assert found[1] == found[2] == found[0]
+    assert remote_base.untyped_storage().data_ptr() != cpu.untyped_storage().data_ptr()
+    assert torch.equal(out.cpu(), made(torch.arange(16.0).reshape(4, 4)))
+    other = torch.zeros(4, 4, device=DEV)
+    assert other.untyped_storage().data_ptr() != remote_base.untyped_storage().data_ptr()
+    if shared:  # a storage named this way still names the server's: set_ a fresh tensor onto it
+        again = torch.empty(0, device=DEV).set_(out.untyped_storage(), 4, (4,), (1,))
+        assert torch.equal(again.cpu(), torch.arange(4.0, 8.0))
+
+
+def test_a_model_on_the_device_saves_with_save_pretrained_and_safetensors(remote, tmp_path):
+    """transformers' save_pretrained (tied weights found by storage) and safetensors' save_file of
+    remote tensors, as of CPU ones: the same files' tensors, tied weights saved once."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    torch.manual_seed(0)
+    local = transformers.GPT2LMHeadModel(config)
+    model = copy.deepcopy(local).to(DEV)
+    local.save_pretrained(tmp_path / "cpu")
+    model.save_pretrained(tmp_path / "remote")
+    on_cpu, saved = (load_file(tmp_path / where / "model.safetensors") for where in ("cpu", "remote"))
+    assert saved.keys() == on_cpu.keys() and all(torch.equal(saved[k], on_cpu[k]) for k in saved)
+    assert "lm_head.weight" not in saved  # tied to the embedding: saved once, as from the CPU
+    reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "remote")
+    assert reloaded.lm_head.weight.data_ptr() == reloaded.transformer.wte.weight.data_ptr()
+
+    x, y = torch.randn(3, 3, device=DEV), torch.randn(2, device=DEV)
+    save_file({"x": x, "y": y}, tmp_path / "t.safetensors")
+    back = load_file(tmp_path / "t.safetensors")
+    assert torch.equal(back["x"], x.cpu()) and torch.equal(back["y"], y.cpu())
+    with pytest.raises(RuntimeError, match="share memory"):  # as for a CPU tensor and its view
+        save_file({"x": x, "same": x.detach()}, tmp_path / "shared.safetensors")
+
+
+def test_a_scalar_formats_as_its_value(remote):
+    loss = torch.tensor([1.23456, 2.0], device=DEV).sum()
+    assert f"{loss:.3f}" == f"{loss.cpu():.3f}" == "3.235" and f"{loss}" == f"{loss.cpu()}"
+    with pytest.raises(TypeError):  # as a CPU tensor with more than one value refuses a format spec
+        f"{torch.ones(2, device=DEV):.3f}"
 
 
 def test_deepcopy_of_a_remote_model_stays_remote(remote):

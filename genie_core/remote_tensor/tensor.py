@@ -12,7 +12,7 @@ import torch
 from torch.utils._mode_utils import no_dispatch
 
 from ..protocol.tensor_ops import RemoteDevice, StorageOf, TensorRef, encode_value, ref
-from . import device_model, serialization
+from . import device_model, serialization, storages
 from .output_specs import Layout, OutputSpec, aliases, expectations, layout_of
 from .stream import OpStream, _ids, new_id, new_ids
 
@@ -114,6 +114,13 @@ class RemoteTensor(torch.Tensor):
             suffix += ", requires_grad=True"
         return text[:-1] + suffix + ")" if text.endswith(")") else text
 
+    def __format__(self, format_spec: str) -> str:
+        """`f"{loss:.4f}"`: a 0-dim tensor formats as its value, as torch.Tensor's does (which
+        leaves subclasses to object.__format__, refusing any format spec)."""
+        if self.dim() == 0 and not isinstance(self, torch.nn.Parameter):
+            return self.detach().item().__format__(format_spec)
+        return object.__format__(self, format_spec)
+
     def numpy(self, *, force: bool = False) -> Any:
         return self.detach().cpu().numpy()
 
@@ -121,12 +128,20 @@ class RemoteTensor(torch.Tensor):
         return self.detach().cpu().tolist()
 
     def untyped_storage(self) -> Any:
-        """The placeholder storage; remembered so that `t.set_(x.untyped_storage(), ...)` can name x."""
-        storage = super().untyped_storage()
+        """The server storage this tensor shares with its views (storages.py); remembered so that
+        `t.set_(x.untyped_storage(), ...)` can name x."""
+        shared = self.__dict__.get("_shared")
+        if shared is None:
+            shared = self._shared = storages.SharedStorage(self._layout)
+        storage = shared.named(self.device)
         handle = self.__dict__.get("_handle")
         if handle is not None:
             _storage_owners[storage._cdata] = weakref.ref(handle)
         return storage
+
+    def data_ptr(self) -> int:
+        """An address in its storage's own range (storages.py), as CUDA's are in its storage."""
+        return int(self.untyped_storage().data_ptr()) + int(self.storage_offset()) * self.element_size()
 
     def register_hook(self, hook: Any) -> Any:
         """As torch.Tensor's; a hook that raises during backward has its error raised at the next
@@ -282,12 +297,13 @@ def set_metadata(t: torch.Tensor, size: Any, stride: Any, offset: int) -> None:
 class _OpInfo:
     """What dispatch needs to know of an op, worked out once."""
 
-    __slots__ = ("aliases", "foreign", "learn", "name", "special")
+    __slots__ = ("aliases", "foreign", "learn", "name", "special", "view_of")
 
     def __init__(self, func) -> None:
         self.name = str(func)
         self.learn = func in _DEVICE_DEPENDENT
         self.aliases = aliases(func)
+        self.view_of = storages.view_of(func)  # the argument its output shares a storage with
         self.special = func in (_LOCAL_SCALAR, _TO_COPY, _COPY)
         self.foreign = func.namespace not in ("aten", "prims")
 
@@ -407,6 +423,8 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
             pass
         if outputs is not None and outputs.made is not None and not local:  # one fresh tensor out: the common case
             r = _remote(stream, outputs.made)
+            if info.view_of is not None:
+                storages.share(r, args[info.view_of])
             expect = None if outputs.verified == stream.trusted else stream.checks(outputs)
             stream.record(("op", info.name, *_split(enc, args, kwargs), (r._rid,), expect))
             return r
@@ -432,6 +450,10 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         else:  # no tensor out (a check, like _linalg_check_errors)
             results, out_ids = [out_meta], [None]
         reshaped: list[tuple[Any, Any]] = []
+        if info.view_of is not None and type(args[info.view_of]) is RemoteTensor:  # (views: split, unbind, ...)
+            for view in results:
+                if type(view) is RemoteTensor:
+                    storages.share(view, args[info.view_of])
     else:
         results, out_ids, reshaped = _outputs(out_meta, outputs.aliases, args, kwargs, stream)
     enc_args: tuple
