@@ -98,6 +98,10 @@ def _other(kind: str):
         return t.ResNetForImageClassification(
             t.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=5)
         )
+    if kind == "convnext":  # channels-last convolutions, depthwise: laid out as the CPU lays them out
+        return t.ConvNextForImageClassification(
+            t.ConvNextConfig(num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], num_labels=5)
+        )
     raise ValueError(kind)
 
 
@@ -110,7 +114,7 @@ def twins(build, kind: str):
 
 def batch(kind: str) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(7)
-    if kind in ("vit", "resnet"):
+    if kind in ("vit", "resnet", "convnext"):
         return {"pixel_values": torch.randn(2, 3, 32, 32, generator=g), "labels": torch.tensor([3, 1])}
     ids = torch.randint(2, VOCAB, (2, 10), generator=g)
     mask = torch.ones_like(ids)
@@ -182,6 +186,7 @@ MODELS = [
     ("t5", _other),
     ("vit", _other),
     ("resnet", _other),
+    ("convnext", _other),
 ]
 
 

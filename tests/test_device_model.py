@@ -44,3 +44,60 @@ def test_below_python_dispatch_too():
     with torch._C._ExcludeDispatchKeyGuard(python):
         out = device_model.outputs(aten.add.Tensor, (meta(3), meta(3)), {}, "cuda")
     assert out.shape == (3,) and out.device.type == "cuda"
+
+
+def channels_last(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape).to(memory_format=torch.channels_last)
+
+
+CPU_LAYOUTS = {  # ops whose outputs a meta kernel alone lays out otherwise than the CPU
+    "conv2d": (aten.convolution.default, (channels_last(2, 8, 8, 8), torch.randn(4, 8, 3, 3), None), (1, 1), 1),
+    "depthwise conv2d": (
+        aten.convolution.default,
+        (channels_last(2, 8, 8, 8), torch.randn(8, 1, 7, 7), None),
+        (3, 3),
+        8,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CPU_LAYOUTS))
+def test_a_cpu_servers_outputs_are_laid_out_as_the_cpus(name):
+    """From fake CPU tensors: the meta kernel's contiguous output made the worker copy the CPU's
+    channels-last one, and the model's later reductions then summed in another order."""
+    op, (x, w, b), padding, groups = CPU_LAYOUTS[name]
+    args = (x, w, b, [1, 1], list(padding), [1, 1], False, [0, 0], groups)
+    real = op(*args)
+    said = device_model.outputs(op, tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args), {}, "cpu")
+    assert real.is_contiguous(memory_format=torch.channels_last) and said.stride() == real.stride()
+    grad = torch.randn_like(real)
+    backward = (grad, x, w, [4], [1, 1], list(padding), [1, 1], False, [0, 0], groups, [True, True, True])
+    real_grads = aten.convolution_backward.default(*backward)
+    said_grads = device_model.outputs(
+        aten.convolution_backward.default,
+        tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in backward),
+        {},
+        "cpu",
+    )
+    assert [g.stride() for g in said_grads] == [g.stride() for g in real_grads]
+
+
+def test_an_op_the_cpus_model_refuses_is_said_by_the_meta_kernel_quietly():
+    """histc of integers: the CPU refuses it, a CPU server's shim counts it (cpu_shims.py), so the
+    meta kernel says; and a shape error in the user's code is one error, no logged traceback above it."""
+    import logging
+
+    logged: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = logged.append  # type: ignore[method-assign]
+    fake_tensor_log = logging.getLogger("torch._subclasses.fake_tensor")
+    fake_tensor_log.addHandler(handler)
+    try:
+        out = device_model.outputs(aten.histc.default, (meta(10, dtype=torch.int64), 5, 0, 10), {}, "cpu")
+        assert out.shape == (5,) and out.dtype == torch.int64
+        for device_type in ("cpu", "cuda"):
+            with pytest.raises(RuntimeError, match="broadcast"):
+                device_model.outputs(aten.add.Tensor, (meta(3), meta(4)), {}, device_type)
+    finally:
+        fake_tensor_log.removeHandler(handler)
+    assert not logged

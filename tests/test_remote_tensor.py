@@ -438,6 +438,27 @@ def test_a_model_on_the_device_saves_with_save_pretrained_and_safetensors(remote
         save_file({"x": x, "same": x.detach()}, tmp_path / "shared.safetensors")
 
 
+def test_an_uploaded_tensor_grows_as_one_made_on_the_device(remote):
+    """resize_, an out= that grows, and addbmm_'s (1,) self, on tensors sent from here: a small
+    upload gets memory of its own on a CPU server (it was the message's, which cannot grow); a big
+    one is refused in words."""
+    x = torch.tensor([1.0, 2.0], device=DEV)
+    x.resize_(6)
+    assert torch.equal(x[:2].cpu(), torch.tensor([1.0, 2.0]))
+    out = torch.ones(1).to(DEV)
+    torch.add(torch.ones(5, device=DEV), 1, out=out)
+    assert torch.equal(out.cpu(), torch.full((5,), 2.0))
+    g = torch.Generator().manual_seed(0)
+    self_, b1, b2 = torch.randn(1, generator=g), torch.randn(3, 5, 4, generator=g), torch.randn(3, 4, 6, generator=g)
+    remote_self = self_.to(DEV)
+    remote_self.addbmm_(b1.to(DEV), b2.to(DEV))
+    assert torch.equal(remote_self.cpu(), self_.clone().addbmm_(b1, b2))
+    big = torch.ones(1 << 18).to(DEV)
+    with pytest.raises(RemoteError, match=r"uploaded from the client.*clone"):
+        big.resize_(1 << 20)
+        big.sum().item()
+
+
 def test_a_scalar_formats_as_its_value(remote):
     loss = torch.tensor([1.23456, 2.0], device=DEV).sum()
     assert f"{loss:.3f}" == f"{loss.cpu():.3f}" == "3.235" and f"{loss}" == f"{loss.cpu()}"

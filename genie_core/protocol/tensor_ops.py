@@ -126,6 +126,12 @@ def torch_bytes(t: Any) -> Any:
     return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy()
 
 
+# An upload smaller than this gets memory of its own where it is rebuilt (a copy of a message's
+# bytes): memory that can grow, as a tensor made there can (`resize_`, an `out=` that grows). A bigger
+# one is the memory it arrived in (a CPU server keeps a segment's bytes as they are).
+OWN_MEMORY_BELOW = 64 << 10
+
+
 def _rebuild_host_tensor(dtype: str, shape: tuple[int, ...], stride: tuple[int, ...], raw: Any) -> Any:
     import warnings
 
@@ -136,7 +142,7 @@ def _rebuild_host_tensor(dtype: str, shape: tuple[int, ...], stride: tuple[int, 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # read-only message frames: ours now
         flat = torch.frombuffer(raw, dtype=torch.uint8)
-    if flat.data_ptr() % 16:  # complex128 kernels need aligned memory
+    if flat.data_ptr() % 16 or flat.numel() < OWN_MEMORY_BELOW:  # (complex128 kernels need aligned memory)
         flat = flat.clone()
     return flat.view(getattr(torch, dtype)).as_strided(shape, stride)
 

@@ -412,7 +412,10 @@ class TensorExecutor:
                 inputs.append(t if t is not None and type(t) is not _Failed else self._resolve(v))
             else:
                 inputs.append(self._one(v) if type(v) in _SWAPPED else v)
-        out = func(*inputs, **self._resolve_all(kwargs)) if kwargs else func(*inputs)
+        try:
+            out = func(*inputs, **self._resolve_all(kwargs)) if kwargs else func(*inputs)
+        except RuntimeError as exc:
+            out = self._resized(exc)
         if type(out) is torch.Tensor and len(out_ids) == 1:  # the common case: one tensor out
             rid = out_ids[0]
             if rid is not None:
@@ -425,6 +428,18 @@ class TensorExecutor:
         if len(store) > self.max_tensors or self.max_bytes is not None:
             self._check_limits(f"remote op {name}")
         return out
+
+    def _resized(self, exc: RuntimeError) -> Any:
+        """An op that grows a tensor whose memory came with the ops (`resize_`, an `out=` that
+        grows, a (1,) `self` of addbmm_): on a CPU server a big upload stays in the segment it
+        arrived in (no copy: protocol/tensor_ops.py), which cannot grow. Said so, not PyTorch's
+        "storage that is not resizable"."""
+        if "not resizable" not in str(exc):
+            raise exc
+        raise RuntimeError(
+            "it would grow a tensor uploaded from the client, whose memory on this CPU server is the "
+            "memory it arrived in and cannot grow; clone() it on the device first"
+        ) from None
 
     def _conform(self, name: str, value: torch.Tensor, want: Expect, inputs: Any) -> torch.Tensor:
         """An output as the client expects it (_agree), noting an op whose output was not exactly so
