@@ -276,6 +276,9 @@ def test_gpu_memory_is_returned_after_del_and_after_the_session(gpu_server):
     x = torch.empty(256, 1024, 1024, device=DEV)  # 1 GiB
     torch.remote_accelerator.synchronize()
     assert _value("torch.cuda.memory_allocated()") >= before + 2**30
+    assert torch.remote_accelerator.memory_allocated() >= before + 2**30  # the device module's, and torch.accelerator's
+    assert torch.accelerator.memory_allocated() == torch.remote_accelerator.memory_allocated()
+    assert "Allocated memory" in torch.remote_accelerator.memory_summary()  # CUDA's own report
     del x
     torch.remote_accelerator.synchronize()  # the free travels with the next batch
     assert _value("torch.cuda.memory_allocated()") <= before

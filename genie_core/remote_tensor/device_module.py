@@ -362,6 +362,12 @@ class _DeviceModule:
         _ask(_index(device) if device is not None else current_index(), "reset_peak")
 
     @staticmethod
+    def memory_summary(device: Any = None, abbreviated: bool = False) -> str:
+        """The server allocator's report, as torch.cuda.memory_summary prints it (a CPU server, with
+        no caching allocator, says what the session holds)."""
+        return str(_ask(_index(device) if device is not None else current_index(), "memory_summary", abbreviated))
+
+    @staticmethod
     def reset_accumulated_memory_stats(device: Any = None) -> None:
         """Reset the server allocator's counts of allocations, frees and retries (its `.allocated`,
         `.freed` and `num_*` stats)."""

@@ -39,11 +39,11 @@ def answer(
             raise RuntimeError("elapsed_time: an event's clock reading is gone (recorded in another session?)")
         return elapsed_ms(start, end)
     if device.type == "cuda":
-        return _cuda(question, device)
+        return _cuda(question, device, args)
     return _cpu(question, held_bytes)
 
 
-def _cuda(question: str, device: torch.device) -> Any:
+def _cuda(question: str, device: torch.device, args: tuple[Any, ...]) -> Any:
     if question == "properties":
         p = torch.cuda.get_device_properties(device)
         return {
@@ -69,6 +69,8 @@ def _cuda(question: str, device: torch.device) -> Any:
     if question == "reset_accumulated":
         torch.cuda.reset_accumulated_memory_stats(device)
         return None
+    if question == "memory_summary":
+        return torch.cuda.memory_summary(device, abbreviated=bool(args and args[0]))
     if question == "empty_cache":
         torch.cuda.empty_cache()
         return None
@@ -99,4 +101,10 @@ def _cpu(question: str, held_bytes: Callable[[], int]) -> Any:
         }
     if question in ("reset_peak", "reset_accumulated", "empty_cache"):  # (no peak, no counts, no cache)
         return None
+    if question == "memory_summary":  # (no caching allocator: what the session holds, and the machine)
+        memory = psutil.virtual_memory()
+        return (
+            f"remote_accelerator (a CPU server, {platform.node()}): this session's tensors hold "
+            f"{held_bytes():,} bytes; the machine has {memory.available:,} of {memory.total:,} bytes available"
+        )
     raise ValueError(f"unknown question about the device: {question!r}")
