@@ -382,10 +382,19 @@ STORAGE_OPS = {
     "split": lambda t: t.split(3, dim=1)[1],
     "expand": lambda t: t[0].expand(3, 4),
     "reshape of a copy": lambda t: t.t().reshape(16),
+    "conj of a complex view": lambda t: torch.view_as_complex(t.view(8, 2)).conj(),
+    "set_ to it": lambda t: torch.empty(0, device=t.device).set_(t),
+    "set_ to its storage": lambda t: torch.empty(0, device=t.device).set_(t.untyped_storage(), 4, (4,), (1,)),
+    "data =": lambda t: _data_set(torch.zeros(2, device=t.device), t),
     "clone": lambda t: t.clone(),
     "add": lambda t: t + 1,
     "in place": lambda t: t.mul_(1),
 }
+
+
+def _data_set(t: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    t.data = value
+    return t
 
 
 @pytest.mark.parametrize("op", list(STORAGE_OPS))
@@ -404,11 +413,13 @@ def test_a_tensor_and_its_views_name_one_storage_as_on_the_cpu(remote, op):
         found.append((shared, where, out.untyped_storage().nbytes() if shared else None))
     assert found[1] == found[2] == found[0]
     assert remote_base.untyped_storage().data_ptr() != cpu.untyped_storage().data_ptr()
-    assert torch.equal(out.cpu(), made(torch.arange(16.0).reshape(4, 4)))
+    assert torch.equal(out.cpu().resolve_conj(), made(torch.arange(16.0).reshape(4, 4)).resolve_conj())
     other = torch.zeros(4, 4, device=DEV)
     assert other.untyped_storage().data_ptr() != remote_base.untyped_storage().data_ptr()
-    if shared:  # a storage named this way still names the server's: set_ a fresh tensor onto it
-        again = torch.empty(0, device=DEV).set_(out.untyped_storage(), 4, (4,), (1,))
+    if shared:  # a storage named this way names the server's, the asking tensor gone or not
+        storage = out.untyped_storage()
+        del out
+        again = torch.empty(0, device=DEV).set_(storage, 4, (4,), (1,))
         assert torch.equal(again.cpu(), torch.arange(4.0, 8.0))
 
 

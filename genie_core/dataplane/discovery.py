@@ -52,21 +52,23 @@ def discover(backends: list[Backend], link: Link, budget: float) -> tuple[Backen
     return BackendReport(chosen.name, reason, candidates, requested, time.perf_counter() - start), channel
 
 
+def _discounted(backends: list[Backend], usable: list[Candidate]) -> dict[str, Backend]:
+    """The backends whose rate the choice divides by their `margin`: those with a usable `rival`."""
+    names = {c.name for c in usable}
+    return {b.name: b for b in backends if b.rival in names and b.margin != 1}
+
+
 def _counted(backends: list[Backend], usable: list[Candidate]) -> dict[str, float]:
-    """Each usable backend's bandwidth as the choice counts it: a backend with a `rival` that is
-    usable too counts its own divided by its `margin`."""
-    margins = {b.name: b.margin for b in backends if b.rival in {c.name for c in usable}}
-    return {c.name: (c.bandwidth or 0.0) / margins.get(c.name, 1.0) for c in usable}
+    """Each usable backend's bandwidth as the choice counts it."""
+    discounted = _discounted(backends, usable)
+    return {c.name: (c.bandwidth or 0.0) / (discounted[c.name].margin if c.name in discounted else 1.0) for c in usable}
 
 
 def _versus(candidate: Candidate, usable: list[Candidate], backends: list[Backend]) -> str:
-    """A backend not chosen, as the report names it: its rate, and how the choice counted it (the
-    rule of `_counted`: divided by its margin where its rival is usable too)."""
+    """A backend not chosen, as the report names it: its rate, and how the choice counted it."""
     said = f"{candidate.name} {rate(candidate.bandwidth or 0.0)}"
-    backend = next(b for b in backends if b.name == candidate.name)
-    if backend.rival not in {c.name for c in usable}:
-        return said
-    return f"{said} (counted at 1/{backend.margin:g} against {backend.rival})"
+    backend = _discounted(backends, usable).get(candidate.name)
+    return said if backend is None else f"{said} (counted at 1/{backend.margin:g} against {backend.rival})"
 
 
 def _usable(found: Found) -> list[Candidate]:

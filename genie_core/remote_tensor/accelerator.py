@@ -2,11 +2,10 @@
 
 PyTorch's device-generic API (`torch.accelerator.synchronize`, `memory_allocated`, `memory_stats`,
 `empty_cache`, ...) asks the current accelerator's C++ device guard and allocators, which a device
-defined in Python (torch.utils.backend_registration) cannot provide: without this, on a client with
-no GPU of its own (where `remote_accelerator` is the current accelerator), `torch.accelerator.
-synchronize()` raised, the memory calls failed an internal assert and `empty_host_cache()` crashed
-the process, and every utility that calls them failed too, `torch.utils.benchmark.Timer` among them,
-even timing CPU code.
+defined in Python (torch.utils.backend_registration) lacks: PyTorch's own calls raise, fail an
+internal assert or (`empty_host_cache`) crash the process, and every utility built on them with
+them (`torch.utils.benchmark.Timer`, even timing CPU code), on a client with no GPU of its own,
+where `remote_accelerator` is the current accelerator.
 
 So the few `torch._C._accelerator_*` functions these reach are wrapped, once, when the device is
 registered: while the current accelerator is `remote_accelerator` they ask `torch.remote_accelerator`
@@ -38,7 +37,7 @@ _ANSWERS: dict[str, Callable[..., Any]] = {
     "_accelerator_resetAccumulatedStats": lambda module, index: module.reset_accumulated_memory_stats(_at(index)),
     "_accelerator_getMemoryInfo": lambda module, index: module.mem_get_info(_at(index)),
     # pinned memory here is page-locked per tensor and freed with it (pinned.py): no cache to empty
-    # (PyTorch's own call crashed the process: a Python backend has no host allocator)
+    # (PyTorch's own call crashes the process: a Python backend has no host allocator)
     "_accelerator_emptyHostCache": lambda module: None,
 }
 

@@ -6,12 +6,10 @@ models each device type with fake tensors, as torch.compile does when it traces 
 CUDA tensor runs the meta kernel with the device it stands for, and the kernel answers for CUDA. So
 on a CUDA server an op's outputs come from the op run on fake CUDA tensors; where the client's torch
 cannot model CUDA (an op that asks the CUDA runtime, on a machine without it), from the meta kernel.
-A CPU server's likewise come from fake CPU tensors: a meta kernel alone lays some outputs out
-otherwise than the CPU does (a convolution of a channels-last input: contiguous, where the CPU's is
-channels-last), and the worker then copied each such output to the layout said here, after which
-the model's reductions summed in another order than the CPU's. Where the CPU's model refuses an
-op that the worker's shims run as CUDA would (cpu_shims.py: `histc` of integers), the meta kernel
-says. Either way the server checks every output against what was said here.
+A CPU server's come from the meta kernels, except the ops a meta kernel lays out otherwise than
+the CPU (a convolution of a channels-last input): those from fake CPU tensors, so that the worker
+need not copy the CPU's output to another layout, whose later reductions would sum in another
+order than the CPU's. Either way the server checks every output against what was said here.
 """
 
 from __future__ import annotations
@@ -36,11 +34,24 @@ NOT_KNOWN_HERE = (DataDependentOutputException, DynamicOutputShapeException, Uns
 # on a thread of its own for each device)
 _modes = threading.local()
 
+_MODELLED = {"cuda": torch.device("cuda", 0), "cpu": torch.device("cpu")}
+# The ops whose meta kernel lays an output out otherwise on a meta device than on the CPU (a
+# channels-last input's convolution: contiguous, where the CPU's is channels-last): a CPU server's
+# come from fake CPU tensors, the rest from the meta kernels (fake tensors cost 5 to 20 times as
+# much for each signature an op meets first)
+_LAID_OUT_BY_DEVICE = frozenset(
+    {
+        torch.ops.aten.convolution.default,
+        torch.ops.aten.convolution_backward.default,
+        torch.ops.aten._convolution.default,
+    }
+)
+
 
 class _Quiet(logging.Filter):
-    """FakeTensorMode logs a traceback at ERROR for every op its kernel refuses before it raises:
-    a shape error in the user's code, or an op the CPU's model refuses (then the meta kernel says),
-    would print one above the error itself. Not while this thread asks the model here."""
+    """FakeTensorMode logs a traceback at ERROR for every op its kernel refuses before it raises: a
+    shape error in the user's code would print one above the error itself. Not while this thread
+    asks the model here."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not getattr(_modes, "asking", False)
@@ -55,15 +66,18 @@ _PYTHON_KEYS = [torch._C.DispatchKey.Python, torch._C.DispatchKey.PythonTLSSnaps
 def outputs(func: Any, margs: tuple, mkwargs: dict, device_type: str) -> Any:
     """`func`'s outputs for these arguments (meta tensors, and `torch.device("meta")` for the remote
     device) on a server of `device_type`: fake CUDA or CPU tensors, or meta tensors."""
-    if _has_storage(margs, mkwargs):
+    if (device_type == "cpu" and func not in _LAID_OUT_BY_DEVICE) or _has_storage(margs, mkwargs):
         return func(*margs, **mkwargs)  # (storages cannot be made fake from meta ones)
+    if device_type not in _MODELLED:
+        raise ValueError(f"no model of a {device_type!r} server's ops (known: {', '.join(_MODELLED)})")
     mode = getattr(_modes, "mode", None)
     if mode is None:
         mode = _modes.mode = FakeTensorMode(allow_fallback_kernels=False)  # never runs a real kernel
+        mode.cache_enabled = False  # (the op stream's meta cache keeps what is said here, and is bounded)
     exclude = torch._C._dispatch_tls_local_exclude_set()
     for key in _PYTHON_KEYS:
         exclude = exclude.remove(key)
-    device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+    device = _MODELLED[device_type]
 
     def fake(a: Any) -> Any:
         if isinstance(a, torch.Tensor):
@@ -75,20 +89,18 @@ def outputs(func: Any, margs: tuple, mkwargs: dict, device_type: str) -> Any:
         return a
 
     fargs, fkwargs = fake(margs), {k: fake(v) for k, v in mkwargs.items()}
-    _modes.asking = True
+    asking, _modes.asking = getattr(_modes, "asking", False), True
     try:
         with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), mode:
             return func(*fargs, **fkwargs)
     except NOT_KNOWN_HERE:
         raise
-    except (AssertionError, RuntimeError, NotImplementedError) as exc:
-        if device_type == "cuda" and not _needs_cuda(exc):
+    except (AssertionError, RuntimeError) as exc:
+        if device_type != "cuda" or not _needs_cuda(exc):
             raise
     finally:
-        _modes.asking = False
-    # this torch cannot model a CUDA device here, or the CPU's model refuses what the worker's shims
-    # run (cpu_shims.py): the meta kernel says
-    return func(*margs, **mkwargs)
+        _modes.asking = asking
+    return func(*margs, **mkwargs)  # this torch cannot model a CUDA device here: the meta kernel says
 
 
 def _has_storage(margs: tuple, mkwargs: dict) -> bool:

@@ -1,18 +1,18 @@
 """What a remote tensor's `untyped_storage()` and `data_ptr()` say: one storage per server storage,
 shared by the tensor's views and detached aliases, at an address of its own.
 
-A wrapper subclass's own storage holds no memory and refuses `data_ptr()`, and each view gets one
-of its own. Code that tells storages apart by address, as safetensors' `save_file` and
-transformers' `save_pretrained` (tied weights) do, then failed on remote tensors, or would have
-taken views for separate tensors. So the storage a remote tensor names is a `SharedStorage`, made
-on first use: a storage tagged with the device at an address no process memory has (nothing reads
-through it), as big as the tensor the views came from, and the same object for every view and
-`detach()` of it, as on CUDA.
+A wrapper subclass's own storage holds no memory, refuses `data_ptr()`, and is one per view; code
+that tells storages apart by address (safetensors' `save_file`, transformers' `save_pretrained` and
+its tied weights) needs what CUDA gives. So the storage a remote tensor names is a `SharedStorage`'s,
+made on first use: tagged with the device, at an address no process memory has (nothing reads
+through it), as big as the tensor the views came from, and the same object for every view,
+`detach()`, `set_` and `.data =` of it.
 """
 
 from __future__ import annotations
 
-import itertools
+import threading
+import weakref
 from typing import Any
 
 import torch
@@ -20,30 +20,66 @@ import torch
 from .output_specs import Layout
 
 _BASE = 1 << 62  # addresses from here: past any process's memory, and past CPU addresses torch.load tags
-_SPAN = 1 << 40  # bytes of address per storage
-_LAST = ((1 << 63) - _BASE) // _SPAN - 1  # (a storage's address is a signed 64-bit pointer)
-_next = itertools.count(1)
+_END = (1 << 63) - 1  # (a storage's address is a signed 64-bit pointer)
+_PAGE = 4096
+_cursor = _BASE
+_cursor_lock = threading.Lock()
 _COMPOSITE = "CompositeImplicitAutograd"
+# a storage object (by its address in this process) -> the SharedStorage it names: `set_(storage)`
+_by_storage: weakref.WeakValueDictionary[int, SharedStorage] = weakref.WeakValueDictionary()
+
+
+def _address(nbytes: int) -> int:
+    """A range of addresses of its own, a page apart from the last one's."""
+    global _cursor
+    with _cursor_lock:
+        start = _cursor
+        _cursor += -(-max(nbytes, 1) // _PAGE) * _PAGE + _PAGE
+        if _cursor > _END:
+            raise RuntimeError("remote_accelerator: out of storage addresses in this process")
+    return start
 
 
 class SharedStorage:
-    """The server storage a remote tensor and its views share; its storage object made on first ask."""
+    """The server storage a remote tensor and its views share; its storage object made on first ask,
+    and the handles of the tensors that asked for it (any one still alive names the server's)."""
 
-    __slots__ = ("layout", "storage")
+    __slots__ = ("__weakref__", "layout", "owners", "storage")
 
     def __init__(self, layout: Layout) -> None:
         self.layout = layout  # of the tensor the views came from: its extent is the storage's size
         self.storage: Any = None
+        self.owners: weakref.WeakSet[Any] = weakref.WeakSet()
 
-    def named(self, device: torch.device) -> Any:
+    def storage_on(self, device: torch.device, owner: Any) -> Any:
+        """The storage object, `owner` (a tensor's handle) remembered as one that names it."""
         if self.storage is None:
-            n = next(_next)
-            if n > _LAST:
-                raise RuntimeError("remote_accelerator: out of storage addresses in this process")
-            self.storage = torch._C._construct_storage_from_data_pointer(
-                _BASE + n * _SPAN, device, _nbytes(self.layout)
-            )
+            nbytes = _nbytes(self.layout)
+            self.storage = torch._C._construct_storage_from_data_pointer(_address(nbytes), device, nbytes)
+            _by_storage[self.storage._cdata] = self
+        if owner is not None:
+            self.owners.add(owner)
         return self.storage
+
+    def owner(self) -> Any:
+        """A handle of a live tensor that names this storage, or None."""
+        return next(iter(self.owners), None)
+
+
+def named_by(storage: Any) -> SharedStorage | None:
+    """The shared storage a storage object is (from a remote tensor's `untyped_storage()`), or None."""
+    return _by_storage.get(storage._cdata)
+
+
+def of(tensor: Any) -> SharedStorage:
+    """`tensor`'s shared storage, made for it if it has none yet."""
+    shared = tensor.__dict__.get("_shared")
+    if shared is None:
+        shared = tensor._shared = SharedStorage(tensor._layout)
+        handle = tensor.__dict__.get("_handle")
+        if handle is not None:  # (the tensor the views come from names it while it lives)
+            shared.owners.add(handle)
+    return shared
 
 
 def _nbytes(layout: Layout) -> int:
@@ -76,8 +112,6 @@ def view_of(func: Any) -> int | None:
 
 
 def share(view: Any, base: Any) -> None:
-    """`view` (a remote tensor an op just made) names `base`'s storage."""
-    shared = base.__dict__.get("_shared")
-    if shared is None:
-        shared = base._shared = SharedStorage(base._layout)
-    view._shared = shared
+    """`view` (a remote tensor an op just made, or one `set_` or `.data =` pointed elsewhere) names
+    `base`'s storage."""
+    view._shared = of(base)

@@ -4,7 +4,6 @@ server when a value is needed."""
 
 from __future__ import annotations
 
-import weakref
 from collections import OrderedDict
 from typing import Any, SupportsIndex
 
@@ -25,9 +24,6 @@ _TO_COPY = aten._to_copy.default
 _COPY = aten.copy_.default
 _SET_STORAGE = (aten.set_.source_Storage, aten.set_.source_Storage_storage_offset)
 _SET_TENSOR = aten.set_.source_Tensor
-
-# A remote tensor's (placeholder) storage, by the storage's address: `x.set_(y.untyped_storage())`.
-_storage_owners: dict[int, Any] = {}
 
 
 class _Handle:
@@ -78,6 +74,7 @@ class RemoteTensor(torch.Tensor):
         self._stream.record(("op", "aten.alias.default", (value._ref,), None, (rid,), None))
         self._rid, self._ref, self._handle = rid, ref(rid), _Handle(self._stream, rid)
         self._layout = value._layout
+        storages.share(self, value)
 
     # PyTorch's own idiom for a subclass without __torch_function__ (typed unlike Tensor's classmethod)
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
@@ -128,19 +125,15 @@ class RemoteTensor(torch.Tensor):
         return self.detach().cpu().tolist()
 
     def untyped_storage(self) -> Any:
-        """The server storage this tensor shares with its views (storages.py); remembered so that
-        `t.set_(x.untyped_storage(), ...)` can name x."""
-        shared = self.__dict__.get("_shared")
-        if shared is None:
-            shared = self._shared = storages.SharedStorage(self._layout)
-        storage = shared.named(self.device)
-        handle = self.__dict__.get("_handle")
-        if handle is not None:
-            _storage_owners[storage._cdata] = weakref.ref(handle)
-        return storage
+        """The server storage this tensor shares with its views (storages.py); this tensor is
+        remembered as one that names it, so that `t.set_(x.untyped_storage(), ...)` names x's."""
+        return storages.of(self).storage_on(self.device, self.__dict__.get("_handle"))
 
     def data_ptr(self) -> int:
-        """An address in its storage's own range (storages.py), as CUDA's are in its storage."""
+        """An address in its storage's own range (storages.py), as CUDA's are in its storage; 0 for
+        a tensor with no elements, as PyTorch's."""
+        if not self.numel():
+            return 0
         return int(self.untyped_storage().data_ptr()) + int(self.storage_offset()) * self.element_size()
 
     def register_hook(self, hook: Any) -> Any:
@@ -450,12 +443,14 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         else:  # no tensor out (a check, like _linalg_check_errors)
             results, out_ids = [out_meta], [None]
         reshaped: list[tuple[Any, Any]] = []
-        if info.view_of is not None and type(args[info.view_of]) is RemoteTensor:  # (views: split, unbind, ...)
-            for view in results:
-                if type(view) is RemoteTensor:
-                    storages.share(view, args[info.view_of])
     else:
         results, out_ids, reshaped = _outputs(out_meta, outputs.aliases, args, kwargs, stream)
+    if info.view_of is not None and type(args[info.view_of]) is RemoteTensor:  # (split, unbind, conj, ...)
+        for view, rid in zip(results, out_ids, strict=True):
+            if rid is not None and type(view) is RemoteTensor:  # (not a written argument: it is itself)
+                storages.share(view, args[info.view_of])
+    elif func in _SET_STORAGE or func is _SET_TENSOR:
+        _storage_set(args)
     enc_args: tuple
     enc_kwargs: dict | None
     if local:
@@ -472,6 +467,17 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     if type(out_meta) not in (tuple, list):
         return results[0]
     return type(out_meta)(results)
+
+
+def _storage_set(args: tuple) -> None:
+    """`t.set_(x)` or `t.set_(x.untyped_storage(), ...)`: t names x's storage from here."""
+    target, source = args[0], args[1]
+    if type(source) is RemoteTensor:
+        storages.share(target, source)
+    elif isinstance(source, torch.UntypedStorage):
+        shared = storages.named_by(source)
+        if shared is not None:
+            target._shared = shared
 
 
 def _already_as_asked(fetched: torch.Tensor, remote: Any, kwargs: dict) -> bool:
@@ -602,8 +608,8 @@ def record_call(
 
 def _encode_storage(storage: Any, stream: OpStream) -> StorageOf:
     """A storage argument (`set_`): a remote tensor's, or bytes loaded for the device."""
-    owner = _storage_owners.get(storage._cdata)
-    handle = owner() if owner is not None else None
+    shared = storages.named_by(storage)
+    handle = shared.owner() if shared is not None else None
     if handle is not None:
         return StorageOf(ref(handle.rid))
     loaded = serialization.loaded.get(storage.data_ptr()) if storage.device.type == DEVICE_TYPE else None
