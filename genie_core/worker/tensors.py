@@ -415,7 +415,7 @@ class TensorExecutor:
         try:
             out = func(*inputs, **self._resolve_all(kwargs)) if kwargs else func(*inputs)
         except RuntimeError as exc:
-            self._refuse_growing_upload(exc, inputs)
+            _refuse_growing_upload(exc, inputs)
         if type(out) is torch.Tensor and len(out_ids) == 1:  # the common case: one tensor out
             rid = out_ids[0]
             if rid is not None:
@@ -428,23 +428,6 @@ class TensorExecutor:
         if len(store) > self.max_tensors or self.max_bytes is not None:
             self._check_limits(f"remote op {name}")
         return out
-
-    @staticmethod
-    def _refuse_growing_upload(exc: RuntimeError, inputs: list[Any]) -> NoReturn:
-        """An op that would grow a tensor whose memory came with the ops (`resize_`, an `out=` that
-        grows, a (1,) `self` of addbmm_): a big upload stays in the segment it arrived in on a CPU
-        server (no copy: protocol/tensor_ops.py), which cannot grow. Said so, where PyTorch says
-        only "storage that is not resizable"."""
-        uploaded = any(
-            isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.untyped_storage().resizable()
-            for t in inputs
-        )
-        if not uploaded or "not resizable" not in str(exc):
-            raise exc
-        raise RuntimeError(
-            "it would grow a tensor uploaded from the client, whose memory on a CPU server is the memory "
-            "it arrived in and cannot grow; clone() it on the device first"
-        ) from exc
 
     def _conform(self, name: str, value: torch.Tensor, want: Expect, inputs: Any) -> torch.Tensor:
         """An output as the client expects it (_agree), noting an op whose output was not exactly so
@@ -482,6 +465,22 @@ class TensorExecutor:
                 want = expect[i]  # (calls are checked at every use: no need to note them)
                 self.store[rid] = value if want is None else _agree(name, value, want, (args, kwargs))
         self._check_limits(f"remote call {name}")
+
+
+def _refuse_growing_upload(exc: RuntimeError, inputs: list[Any]) -> NoReturn:
+    """An op that would grow a tensor whose memory came with the ops (`resize_`, an `out=` that
+    grows, a (1,) `self` of addbmm_): a big upload stays in the segment it arrived in on a CPU
+    server (no copy: protocol/tensor_ops.py), which cannot grow. Said so, where PyTorch says
+    only "storage that is not resizable"."""
+    uploaded = any(
+        isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.untyped_storage().resizable() for t in inputs
+    )
+    if not uploaded or "not resizable" not in str(exc):
+        raise exc
+    raise RuntimeError(
+        "it would grow a tensor uploaded from the client, whose memory on a CPU server is the memory "
+        "it arrived in and cannot grow; clone() it on the device first"
+    ) from exc
 
 
 def _described(rid: int | None, value: Any) -> dict[str, Any]:
