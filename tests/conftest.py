@@ -176,6 +176,17 @@ def remote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
         yield srv
 
 
+@pytest.fixture(scope="module")
+def quiet_transformers() -> None:
+    """transformers' warnings off for a module of model tests (they say nothing about the device)."""
+    import warnings
+
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", module="transformers")
+
+
 def run(client: Client, code: str, timeout: float = 30.0, **kwargs) -> list:
     """Execute and collect (type, content) of every reply, ending with execute_reply."""
     return [(m.type, m.content) for m in client.execute(code, **kwargs).replies(timeout)]

@@ -849,6 +849,13 @@ def document(
     return "\n".join(lines)
 
 
+def write_section(name: str, text: str) -> None:
+    """Write one section of CONFORMANCE.md (the committed one or the run's copy: reliability.measured_doc)."""
+    from reliability import measured_doc
+
+    replace_section(measured_doc("CONFORMANCE.md"), name, text)
+
+
 def replace_section(path: Any, name: str, text: str) -> None:
     """Put `text` between this section's markers in the file (made with a title if missing)."""
     from pathlib import Path

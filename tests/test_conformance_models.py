@@ -10,21 +10,15 @@ from __future__ import annotations
 
 import copy
 import time
-import warnings
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("quiet_transformers")
 
 DEV = "remote_accelerator:0"
 VOCAB = 96
-
-
-@pytest.fixture(scope="module", autouse=True)
-def quiet_transformers():
-    transformers.logging.set_verbosity_error()
-    warnings.filterwarnings("ignore", module="transformers")
 
 
 def _tokens(**extra):
@@ -148,7 +142,6 @@ def _document():
     import platform
 
     import opinfo_conformance
-    from reliability import measured_doc
 
     lines = [
         "## Hugging Face transformers models",
@@ -168,7 +161,7 @@ def _document():
         row = RESULTS.get(kind, {})
         generate = row.get("generate", "n/a" if kind not in dict(GENERATIVE) else "not run")
         lines.append(f"| {kind} | {row.get('train', 'not run')} | {generate} | {row.get('seconds', '')} |")
-    opinfo_conformance.replace_section(measured_doc("CONFORMANCE.md"), "models", "\n".join(lines) + "\n")
+    opinfo_conformance.write_section("models", "\n".join(lines))
 
 
 def _note(kind: str, what: str, outcome: str, seconds: float) -> None:

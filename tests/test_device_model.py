@@ -37,6 +37,12 @@ def test_a_data_dependent_shape_is_not_known_here():
         device_model.outputs(aten.nonzero.default, (meta(5),), {}, "cuda")
 
 
+def test_a_server_of_an_unknown_kind_is_refused_in_words():
+    """Not a KeyError from deep inside: the kinds modelled are named."""
+    with pytest.raises(ValueError, match="no model of a 'xpu' server's ops \\(known: cuda, cpu\\)"):
+        device_model.outputs(aten.convolution.default, (meta(1, 1, 3, 3), meta(1, 1, 1, 1)), {}, "xpu")
+
+
 def test_below_python_dispatch_too():
     """A kernel the device registers below Python dispatch (`_copy_from`: `torch.tensor(data,
     device=...)`) runs with the Python keys excluded; fake tensors need them (without them: a crash)."""

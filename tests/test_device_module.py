@@ -422,8 +422,7 @@ REFUSED_IN_CPP = {
 
 
 def test_the_device_module_audit(remote):
-    from opinfo_conformance import replace_section
-    from reliability import measured_doc
+    from opinfo_conformance import write_section
 
     dev = torch.remote_accelerator
     found = {name: hasattr(dev, name) for name in AUDIT}
@@ -444,4 +443,4 @@ def test_the_device_module_audit(remote):
     ]
     lines += [f"| refused: `{n}` | {why} |" for n, why in AUDIT.items() if why is not None]
     lines += [f"| refused: `{n}` | {why} |" for n, why in REFUSED_IN_CPP.items()]
-    replace_section(measured_doc("CONFORMANCE.md"), "device-module", "\n".join(lines) + "\n")
+    write_section("device-module", "\n".join(lines))

@@ -42,7 +42,6 @@ def test_opinfo_database_on_a_gpu_server(tmp_path):
     pytest.importorskip("expecttest")
     import opinfo_conformance as conformance
     from conftest import start_server
-    from reliability import measured_doc
 
     srv = start_server(tmp_path, "--gpus", "0")
     try:
@@ -51,8 +50,7 @@ def test_opinfo_database_on_a_gpu_server(tmp_path):
         seconds = time.perf_counter() - start
     finally:
         srv.stop()
-    conformance.replace_section(
-        measured_doc("CONFORMANCE.md"),
+    conformance.write_section(
         "opinfo-gpu",
         conformance.document(
             results,
@@ -93,7 +91,6 @@ def test_module_database_on_a_gpu_server(tmp_path):
     import opinfo_conformance as conformance
     import test_conformance_modules as modules
     from conftest import start_server
-    from reliability import measured_doc
 
     srv = start_server(tmp_path, "--gpus", "0")
     try:
@@ -107,7 +104,7 @@ def test_module_database_on_a_gpu_server(tmp_path):
     text = modules.document(results, seconds, torch.cuda.get_device_name(0), WORKERS).replace(
         "## PyTorch ModuleInfo database", "## ModuleInfo on a GPU server"
     )
-    conformance.replace_section(measured_doc("CONFORMANCE.md"), "modules-gpu", text)
+    conformance.write_section("modules-gpu", text)
     failing = {
         (r["op"], mode): conformance.outcome(r, mode)
         for r in results

@@ -25,8 +25,6 @@ _PAGE = 4096
 _cursor = _BASE
 _cursor_lock = threading.Lock()
 _COMPOSITE = "CompositeImplicitAutograd"
-# a storage object (by its address in this process) -> the SharedStorage it names: `set_(storage)`
-_by_storage: weakref.WeakValueDictionary[int, SharedStorage] = weakref.WeakValueDictionary()
 
 
 def _address(nbytes: int) -> int:
@@ -41,25 +39,35 @@ def _address(nbytes: int) -> int:
 
 
 class SharedStorage:
-    """The server storage a remote tensor and its views share; its storage object made on first ask,
-    and the handles of the tensors that asked for it (any one still alive names the server's)."""
+    """The server storage a remote tensor and its views share: its address, given on first ask, and
+    the handles of the tensors that asked for its storage object (any one still alive names the
+    server's)."""
 
-    __slots__ = ("__weakref__", "layout", "owners", "storage")
+    __slots__ = ("__weakref__", "_storage", "address", "layout", "owners")
 
     def __init__(self, layout: Layout) -> None:
         self.layout = layout  # of the tensor the views came from: its extent is the storage's size
-        self.storage: Any = None
+        self.address: int | None = None
+        self._storage: weakref.ref[Any] | None = None  # the storage object while one is alive
         self.owners: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def storage_on(self, device: torch.device, owner: Any) -> Any:
-        """The storage object, `owner` (a tensor's handle) remembered as one that names it."""
-        if self.storage is None:
-            nbytes = _nbytes(self.layout)
-            self.storage = torch._C._construct_storage_from_data_pointer(_address(nbytes), device, nbytes)
-            _by_storage[self.storage._cdata] = self
+        """The storage object (made again at the same address if the last is gone), `owner` (a
+        tensor's handle) remembered as one that names it."""
         if owner is not None:
             self.owners.add(owner)
-        return self.storage
+        storage = self._storage() if self._storage is not None else None
+        if storage is None:
+            nbytes = _nbytes(self.layout)
+            if self.address is None:
+                self.address = _address(nbytes)
+            storage = torch._C._construct_storage_from_data_pointer(self.address, device, nbytes)
+            # it names this (`named_by`) and, held alone, keeps it and a tensor of the server's storage
+            # alive, as a CPU storage keeps its memory; this holds it weakly, so that a tensor's memory
+            # goes when the tensor does, not at the next cycle collection
+            storage._genie_keeps = (self, self.owner())  # type: ignore[attr-defined]
+            self._storage = weakref.ref(storage)
+        return storage
 
     def owner(self) -> Any:
         """A handle of a live tensor that names this storage, or None."""
@@ -68,7 +76,8 @@ class SharedStorage:
 
 def named_by(storage: Any) -> SharedStorage | None:
     """The shared storage a storage object is (from a remote tensor's `untyped_storage()`), or None."""
-    return _by_storage.get(storage._cdata)
+    keeps = getattr(storage, "_genie_keeps", None)
+    return None if keeps is None else keeps[0]
 
 
 def of(tensor: Any) -> SharedStorage:
@@ -80,6 +89,15 @@ def of(tensor: Any) -> SharedStorage:
         if handle is not None:  # (the tensor the views come from names it while it lives)
             shared.owners.add(handle)
     return shared
+
+
+def grown(tensor: Any) -> None:
+    """After an op laid `tensor` out anew (`resize_`, an `out=` that grows): a storage it names that
+    is now too small is made again at the new size (PyTorch's grows, its address moving as memory
+    reallocated does); the old storage object keeps its size, and names the same server storage."""
+    shared = tensor.__dict__.get("_shared")
+    if shared is not None and shared.address is not None and _nbytes(tensor._layout) > _nbytes(shared.layout):
+        shared.layout, shared.address, shared._storage = tensor._layout, None, None
 
 
 def _nbytes(layout: Layout) -> int:
@@ -111,7 +129,10 @@ def view_of(func: Any) -> int | None:
     return None
 
 
-def share(view: Any, base: Any) -> None:
+def share(view: Any, source: Any) -> None:
     """`view` (a remote tensor an op just made, or one `set_` or `.data =` pointed elsewhere) names
-    `base`'s storage."""
-    view._shared = of(base)
+    the storage of `source`: a remote tensor, or a storage object one gave (a storage of another
+    device's leaves `view` as it is)."""
+    shared = named_by(source) if isinstance(source, torch.UntypedStorage) else of(source)
+    if shared is not None:
+        view._shared = shared

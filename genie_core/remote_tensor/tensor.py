@@ -285,6 +285,7 @@ def set_metadata(t: torch.Tensor, size: Any, stride: Any, offset: int) -> None:
             torch._C._set_meta_in_tls_dispatch_include(was)
     if isinstance(t, RemoteTensor):
         t._layout = layout_of(t.dtype, size, stride, offset)
+        storages.grown(t)
 
 
 class _OpInfo:
@@ -471,13 +472,8 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
 
 def _storage_set(args: tuple) -> None:
     """`t.set_(x)` or `t.set_(x.untyped_storage(), ...)`: t names x's storage from here."""
-    target, source = args[0], args[1]
-    if type(source) is RemoteTensor:
-        storages.share(target, source)
-    elif isinstance(source, torch.UntypedStorage):
-        shared = storages.named_by(source)
-        if shared is not None:
-            target._shared = shared
+    if type(args[1]) is RemoteTensor or isinstance(args[1], torch.UntypedStorage):
+        storages.share(args[0], args[1])
 
 
 def _already_as_asked(fetched: torch.Tensor, remote: Any, kwargs: dict) -> bool:
