@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import io
 
 import pytest
 import torch
@@ -422,6 +423,51 @@ def test_a_tensor_and_its_views_name_one_storage_as_on_the_cpu(remote, op):
         del out
         again = torch.empty(0, device=DEV).set_(storage, 4, (4,), (1,))
         assert torch.equal(again.cpu(), torch.arange(4.0, 8.0))
+
+
+def _storage_uses(device: str) -> list:
+    """What code does with storages, on one device: PyTorch's own storage methods for the CPU."""
+    x = torch.arange(6.0, device=device)
+    s = x.untyped_storage()
+    swapped = torch.arange(3.0, device=device)
+    swapped.untyped_storage().byteswap(torch.float32)
+    filled = torch.arange(4.0, device=device)
+    filled.untyped_storage().fill_(0)
+    written = io.BytesIO()
+    s._write_file(written, False, True, 4)  # (torch.save's legacy format, and pickling a storage)
+    return [
+        torch.UntypedStorage(8, device=device).nbytes(),
+        torch.UntypedStorage([1, 2, 3], device=device).tolist(),
+        torch.UntypedStorage(4, device=device).device.type == torch.device(device).type,
+        torch.TypedStorage(4, dtype=torch.float32, device=device).size(),
+        s.new().nbytes(),
+        s.clone().tolist(),
+        x.storage().float().tolist(),
+        x.storage().double().tolist(),
+        s.cpu().tolist(),
+        bytes(s),
+        swapped.cpu().tolist(),
+        filled.cpu().tolist(),
+        written.getvalue(),
+    ]
+
+
+def test_a_storage_does_what_a_cpu_storage_does(remote):
+    """A new storage on the device, clone(), a typed storage's casts, byteswap(), storage.new() and
+    writing a storage to a file: each crashed the process (PyTorch's asked for an allocator, or read
+    memory at the storage's address) or failed; now as on the CPU."""
+    assert _storage_uses(DEV) == _storage_uses("cpu")
+
+
+def test_the_legacy_save_format_is_refused_in_words_and_loads_onto_the_device(remote, tmp_path):
+    """torch.save's legacy format loads a tensor before its bytes: a remote tensor saved in it is
+    refused (it loaded as garbage, silently); a CPU tensor saved in it loads onto the device."""
+    with pytest.raises(RuntimeError, match="cannot hold remote_accelerator tensors"):
+        torch.save({"w": torch.ones(3, device=DEV)}, tmp_path / "x.pt", _use_new_zipfile_serialization=False)
+    base = torch.arange(6.0)
+    torch.save({"a": base, "b": base[2:]}, tmp_path / "cpu.pt", _use_new_zipfile_serialization=False)
+    loaded = torch.load(tmp_path / "cpu.pt", map_location=DEV)
+    assert torch.equal(loaded["a"].cpu(), base) and torch.equal(loaded["b"].cpu(), base[2:])
 
 
 def test_a_storage_held_alone_keeps_its_values_as_on_the_cpu(remote):

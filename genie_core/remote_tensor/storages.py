@@ -11,12 +11,14 @@ through it), as big as the tensor the views came from, and the same object for e
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from typing import Any
 
 import torch
 
+from .connection import DEVICE_TYPE
 from .output_specs import Layout
 
 _BASE = 1 << 62  # addresses from here: past any process's memory, and past CPU addresses torch.load tags
@@ -25,6 +27,8 @@ _PAGE = 4096
 _cursor = _BASE
 _cursor_lock = threading.Lock()
 _COMPOSITE = "CompositeImplicitAutograd"
+# an address handed out -> the shared storage there (addresses are never handed out twice)
+_by_address: weakref.WeakValueDictionary[int, SharedStorage] = weakref.WeakValueDictionary()
 
 
 def _address(nbytes: int) -> int:
@@ -61,11 +65,13 @@ class SharedStorage:
             nbytes = _nbytes(self.layout)
             if self.address is None:
                 self.address = _address(nbytes)
+                _by_address[self.address] = self
             storage = torch._C._construct_storage_from_data_pointer(self.address, device, nbytes)
             # it names this (`named_by`) and, held alone, keeps it and a tensor of the server's storage
             # alive, as a CPU storage keeps its memory; this holds it weakly, so that a tensor's memory
             # goes when the tensor does, not at the next cycle collection
             storage._genie_keeps = (self, self.owner())  # type: ignore[attr-defined]
+            _instead_of_raw_memory(storage)
             self._storage = weakref.ref(storage)
         return storage
 
@@ -74,10 +80,47 @@ class SharedStorage:
         return next(iter(self.owners), None)
 
 
+def _instead_of_raw_memory(storage: Any) -> None:
+    """The storage methods that would read or allocate memory at its address in this process, done
+    on the device instead (PyTorch's would crash the process)."""
+    device = storage.device
+    storage.new = lambda: torch.UntypedStorage(0, device=device)
+    storage._byteswap = functools.partial(_byteswap, weakref.ref(storage))
+
+
+def _byteswap(storage: weakref.ref[Any], element_size: int) -> None:
+    """`storage.byteswap(dtype)`: each element's bytes reversed, by ops on the device."""
+    alive: Any = storage()  # (the storage whose method this is: alive while it is called)
+    raw = torch.empty(0, dtype=torch.uint8, device=alive.device).set_(alive)
+    raw.copy_(raw.view(-1, element_size).flip(-1).reshape(-1))
+
+
+def register() -> None:
+    """`torch.UntypedStorage(n or bytes, device="remote_accelerator")`, and what makes one (a
+    storage's `clone()`, a typed storage's casts): a remote tensor's storage, as CUDA gives a device
+    storage. PyTorch's constructor asks the device for an allocator, which a device defined in Python
+    has not, and crashes the process."""
+    plain: Any = torch.UntypedStorage.__new__
+
+    def __new__(cls: type, *args: Any, device: Any = None, **kwargs: Any) -> Any:
+        if device is not None and cls is torch.UntypedStorage and not kwargs:
+            where = torch.device(device)
+            if where.type == DEVICE_TYPE:
+                if not args or isinstance(args[0], int):
+                    made = torch.empty(args[0] if args else 0, dtype=torch.uint8, device=where)
+                else:
+                    made = torch.tensor(list(args[0]), dtype=torch.uint8, device=where)
+                return made.untyped_storage()
+        return plain(cls, *args, **kwargs) if device is None else plain(cls, *args, device=device, **kwargs)
+
+    torch.UntypedStorage.__new__ = __new__  # type: ignore[method-assign]
+
+
 def named_by(storage: Any) -> SharedStorage | None:
-    """The shared storage a storage object is (from a remote tensor's `untyped_storage()`), or None."""
+    """The shared storage a storage object is (from a remote tensor's `untyped_storage()`, or one
+    PyTorch's C++ made at its address: writing a storage to a file), or None."""
     keeps = getattr(storage, "_genie_keeps", None)
-    return None if keeps is None else keeps[0]
+    return keeps[0] if keeps is not None else _by_address.get(storage.data_ptr())
 
 
 def of(tensor: Any) -> SharedStorage:

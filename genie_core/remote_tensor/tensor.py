@@ -156,6 +156,7 @@ class RemoteTensor(torch.Tensor):
         """Pickled (and `torch.save`d) as its values on the CPU and its device, as PyTorch does for
         devices without host-visible storage: `torch.load` puts it back on the device, or where
         `map_location` says."""
+        serialization.refuse_the_legacy_format()
         if getattr(self, "_is_param", False):
             return (torch._utils._rebuild_parameter, (self.detach(), self.requires_grad, OrderedDict()))
         return (
