@@ -48,6 +48,10 @@ ReplayRecord: TypeAlias = tuple[Literal["replay"], int]  # run a captured graph 
 RngGetRecord: TypeAlias = tuple[Literal["rng_get"], int]  # the device generator's state, kept under an id
 RngSetRecord: TypeAlias = tuple[Literal["rng_set"], "HostTensor"]  # ... and set (fork_rng, checkpointing)
 ImportRecord: TypeAlias = tuple[Literal["import"], str]  # the module defining a custom op, imported first
+# A custom op defined in the client's notebook (`__main__`, which the server cannot import): its
+# name, its schema without the name, and its kernels by device type (None: every device), pickled
+# by value (cloudpickle)
+DefineRecord: TypeAlias = tuple[Literal["define"], str, str, bytes]
 ClockRecord: TypeAlias = tuple[Literal["clock"], int]  # the device's clock when it gets here (Event timing)
 # A question about the device (memory, properties, elapsed time): answered as the batch's
 # "eager" {"value": ...} when the batch names it (OpBatch.answer).
@@ -71,6 +75,7 @@ Record: TypeAlias = (
     | RngGetRecord
     | RngSetRecord
     | ImportRecord
+    | DefineRecord
     | ClockRecord
     | AskRecord
     | LoadRecord
@@ -82,4 +87,6 @@ def name_of(record: Record) -> str:
     """What a record is called in an error or a profile: an op's or call's name, else its kind."""
     if record[0] == "op" or record[0] == "call":
         return record[1]
+    if record[0] == "define":
+        return f"the definition of custom op {record[1]}"
     return "put" if record[0] == "part" else record[0]  # (a part of an upload fails as the upload)

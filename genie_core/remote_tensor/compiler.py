@@ -24,11 +24,12 @@ import torch
 from .. import torch_compat
 from ..protocol import fx_graph
 from ..protocol.tensor_ops import HostTensor
+from . import custom_ops
 from .after_import import after_import
 from .attention import _Graph
 from .attention import _meta as meta_like
 from .connection import DEVICE_TYPE, stream_for
-from .tensor import RemoteTensor, _encode_other, _import_on_server, record_call
+from .tensor import RemoteTensor, _encode_other, record_call
 
 COMPILERS = ("inductor", "eager")
 stats = {"graphs": 0}  # graphs compiled here (Dynamo's recompiles included), for benchmarks and tests
@@ -170,7 +171,7 @@ class CompiledGraph:
             stream = stream_for(self.index)
         if self.key not in stream.graphs:
             for op in self.custom_ops:
-                _import_on_server(op, stream)
+                custom_ops.make_known(op, stream)
             stream.record(("graph", self.key, self.nodes, self.how))
             stream.graphs.add(self.key)
         expected, numbers = self._expected(args)

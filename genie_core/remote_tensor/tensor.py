@@ -11,7 +11,7 @@ import torch
 from torch.utils._mode_utils import no_dispatch
 
 from ..protocol.tensor_ops import RemoteDevice, StorageOf, TensorRef, encode_value, ref
-from . import device_model, serialization, storages
+from . import custom_ops, device_model, serialization, storages
 from .output_specs import Layout, OutputSpec, aliases, expectations, layout_of
 from .stream import OpStream, _ids, new_id, new_ids
 
@@ -409,7 +409,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
                 return dispatch(_SET_TENSOR, (dst, src), {})
 
     if info.foreign:
-        _import_on_server(func, stream)
+        custom_ops.make_known(func, stream)
     outputs = None
     if not info.learn:
         try:
@@ -718,18 +718,6 @@ _SHAPE_RULES = {
     aten.to_padded_tensor.default: _padded_output,
     aten._transformer_encoder_layer_fwd.default: _like_source,
 }
-
-
-def _import_on_server(func, stream: OpStream) -> None:
-    """A custom op (torch.library.custom_op) exists on the server once its module is imported there."""
-    from torch._library.custom_ops import OPDEFS
-
-    opdef = OPDEFS.get(func._qualified_op_name if isinstance(func, torch._ops.OpOverloadPacket) else func._schema.name)
-    module = getattr(getattr(opdef, "_init_fn", None), "__module__", None)
-    if module and module != "__main__" and module not in stream.imported:
-        stream.imported.add(module)
-        stream.record(("import", module))
-        stream.new_generation()  # (a module may register kernels for any op)
 
 
 def _output_specs(func, sig: list[Any], args: tuple, kwargs: dict, stream: OpStream, info: Any = None) -> Any:

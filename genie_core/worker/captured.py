@@ -21,7 +21,7 @@ import torch
 
 from ..protocol.op_records import Expect, Record, name_of
 
-_ONCE = frozenset({"put", "seed", "rng_set", "import", "graph", "fail", "clock"})
+_ONCE = frozenset({"put", "seed", "rng_set", "import", "define", "graph", "fail", "clock"})
 
 
 class CapturedGraph:

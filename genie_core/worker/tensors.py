@@ -18,7 +18,7 @@ from ..protocol.contents import OpBatch, TensorReply
 from ..protocol.op_records import CallRecord, Expect, Expects, OpRecord, Record, name_of
 from ..protocol.tensor_ops import MemoryFormat, RemoteDevice, StorageOf, TensorRef, ref_id
 from ..serialize import serialize_namespace
-from . import checkpoints, device_answers, host_copies
+from . import checkpoints, custom_ops, device_answers, host_copies
 from .captured import CapturedGraph
 from .compiled import CompiledGraphs
 from .cpu_shims import CPU_SHIMS
@@ -364,6 +364,8 @@ class TensorExecutor:
             found.replay()
         elif record[0] == "import":  # the module that defines a custom op used here (torch.library)
             importlib.import_module(record[1])
+        elif record[0] == "define":  # a custom op defined in the client's notebook, sent by value
+            custom_ops.define(record)
         elif record[0] == "clock":
             self.clocks[record[1]] = device_answers.clock(self.device)
         elif record[0] == "ask":

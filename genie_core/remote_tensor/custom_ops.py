@@ -1,0 +1,57 @@
+"""Custom ops (`torch.library.custom_op`) on the remote device. One defined in a module is imported
+on the server before its first use; one defined in the notebook itself (`__main__`), which the
+server cannot import, is sent there by value: its schema and its kernels, defined again on the
+server (worker/custom_ops.py) before its first use, as a CUDA device would run the same kernels."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from .stream import OpStream
+
+
+def make_known(func: Any, stream: OpStream) -> None:
+    """Before `func` (an op outside aten and prims) is first recorded on `stream`: its module
+    imported on the server, or its definition sent there."""
+    from torch._library.custom_ops import OPDEFS
+
+    opdef = OPDEFS.get(func._qualified_op_name if isinstance(func, torch._ops.OpOverloadPacket) else func._schema.name)
+    module = getattr(getattr(opdef, "_init_fn", None), "__module__", None)
+    if module == "__main__":
+        _define(opdef, stream)
+    elif module and module not in stream.imported:
+        stream.imported.add(module)
+        stream.record(("import", module))
+        stream.new_generation()  # (a module may register kernels for any op)
+
+
+def _define(opdef: Any, stream: OpStream) -> None:
+    name = f"{opdef._namespace}::{opdef._name}"
+    if name in stream.imported:
+        return
+    import cloudpickle
+
+    schema = str(opdef._opoverload._schema)
+    kernels = {device: _as_written(fn) for device, fn in opdef._backend_fns.items()}
+    try:
+        sent = cloudpickle.dumps(kernels)
+    except Exception as e:
+        raise RuntimeError(
+            f"custom op {name}: its kernels cannot be sent to the server ({type(e).__name__}: {e}); define it "
+            "in a module the server can import"
+        ) from e
+    stream.imported.add(name)
+    stream.record(("define", name, schema[schema.index("(") :], sent))
+
+
+def _as_written(kernel: Any) -> Any:
+    """A kernel as the user wrote it: PyTorch keeps each in a closure over it (`fn`), which also
+    holds the op's definition (nothing to send)."""
+    kernel = inspect.unwrap(kernel)
+    code = getattr(kernel, "__code__", None)
+    if code is not None and "fn" in code.co_freevars and kernel.__closure__:
+        return kernel.__closure__[code.co_freevars.index("fn")].cell_contents
+    return kernel

@@ -1,0 +1,90 @@
+"""Custom ops (`torch.library.custom_op`) on remote tensors. One defined in the notebook itself
+(`__main__`), which the server cannot import, is sent there by value before its first use: its
+kernels (the default one, and the one for the server's device type where there is one) run on the
+server as a CUDA device would run them. Here a function is made a notebook's by its `__module__`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from genie_core.errors import RemoteError
+
+DEV = "remote_accelerator:0"
+
+
+def _in_notebook(fn):
+    fn.__module__ = "__main__"
+    return fn
+
+
+@_in_notebook
+def _scale(x):  # a helper of the notebook's, which a kernel calls: it goes by value too
+    return x * 3
+
+
+def test_a_custom_op_defined_in_the_notebook_runs_on_the_server(remote):
+    @torch.library.custom_op("genie_test::scaled", mutates_args=())
+    @_in_notebook
+    def scaled(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return _scale(x) + y
+
+    @scaled.register_fake
+    def _(x, y):
+        return torch.empty_like(x)
+
+    @torch.library.custom_op("genie_test::bump", mutates_args=("x",))
+    @_in_notebook
+    def bump(x: torch.Tensor, by: float) -> None:
+        x.add_(by)
+
+    @torch.library.custom_op("genie_test::per_device", mutates_args=())
+    @_in_notebook
+    def per_device(x: torch.Tensor) -> torch.Tensor:
+        return x + 1  # the default kernel
+
+    @per_device.register_kernel("cpu")
+    @_in_notebook
+    def _(x):
+        return x - 1  # the CPU's: the server of this suite runs on its CPU
+
+    per_device.register_fake(lambda x: torch.empty_like(x))
+
+    found = []
+    for device in ("cpu", DEV):
+        x, y = torch.arange(4.0, device=device), torch.ones(4, device=device)
+        z = scaled(x, y)
+        bump(z, 0.5)
+        found.append([z.cpu(), per_device(z).cpu(), scaled(z, z).cpu()])
+    for got, expected in zip(found[1], found[0], strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_a_custom_op_whose_kernel_cannot_be_sent_says_so(remote):
+    import threading
+
+    lock = threading.Lock()
+
+    @torch.library.custom_op("genie_test::locked", mutates_args=())
+    @_in_notebook
+    def locked(x: torch.Tensor) -> torch.Tensor:
+        with lock:
+            return x.clone()
+
+    locked.register_fake(lambda x: torch.empty_like(x))
+    with pytest.raises(RuntimeError, match="genie_test::locked: its kernels cannot be sent to the server"):
+        locked(torch.ones(2, device=DEV))
+    assert torch.equal((torch.ones(2, device=DEV) + 1).cpu(), torch.full((2,), 2.0))  # the session goes on
+
+
+def test_a_custom_op_the_server_cannot_find_fails_naming_it(remote, monkeypatch):
+    """Not sent (the client's copy of it is not the notebook's): the server's error names the op."""
+
+    @torch.library.custom_op("genie_test::elsewhere", mutates_args=())
+    def elsewhere(x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    elsewhere.register_fake(lambda x: torch.empty_like(x))
+    monkeypatch.setattr(elsewhere._init_fn, "__module__", None)
+    with pytest.raises(RemoteError, match=r"genie_test\.elsewhere"):
+        elsewhere(torch.ones(2, device=DEV)).cpu()
