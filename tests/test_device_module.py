@@ -224,6 +224,10 @@ def test_pin_memory_and_a_pinned_data_loader(remote):
     )
     batches = [b for (b,) in loader]
     assert all(b.is_pinned() for b in batches) and torch.equal(torch.cat(batches), torch.arange(16.0).view(8, 2))
+    on_device = torch.ones(2, device=DEV)
+    with pytest.raises(RuntimeError, match="cannot pin a remote_accelerator tensor"):  # at the op, as CUDA's
+        on_device.pin_memory()
+    assert not on_device.is_pinned() and torch.equal(on_device.cpu(), torch.ones(2))
 
 
 def test_a_refused_memory_lock_says_so(remote, tmp_path):

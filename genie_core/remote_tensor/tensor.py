@@ -710,6 +710,11 @@ def _like_source(src: Any, *args: Any, **kwargs: Any) -> Any:
     return torch.empty_like(src)
 
 
+def _not_pinned(t: Any, *args: Any, **kwargs: Any) -> Any:
+    """`pin_memory()` of a remote tensor, refused at the op in PyTorch's words for a CUDA tensor."""
+    raise RuntimeError(f"cannot pin a {DEVICE_TYPE} tensor: only dense CPU tensors can be pinned")
+
+
 # The nested tensors of nn.TransformerEncoder's inference fast path (`enable_nested_tensor`): the
 # server holds the nested tensor, and here it has its padded shape (the source's), the shape that
 # each encoder layer (a meta kernel of its own from torch 2.13) and `to_padded_tensor` work with.
@@ -717,6 +722,7 @@ _SHAPE_RULES = {
     aten._nested_tensor_from_mask.default: _padded_from_mask,
     aten.to_padded_tensor.default: _padded_output,
     aten._transformer_encoder_layer_fwd.default: _like_source,
+    aten._pin_memory.default: _not_pinned,
 }
 
 
