@@ -88,3 +88,20 @@ def test_a_custom_op_the_server_cannot_find_fails_naming_it(remote, monkeypatch)
     monkeypatch.setattr(elsewhere._init_fn, "__module__", None)
     with pytest.raises(RemoteError, match=r"genie_test\.elsewhere"):
         elsewhere(torch.ones(2, device=DEV)).cpu()
+
+
+def test_an_out_of_memory_on_the_server_is_torchs_out_of_memory_error(remote):
+    """What the server device's allocator raises (here by a kernel that raises it) is caught as
+    `torch.OutOfMemoryError` (`torch.cuda.OutOfMemoryError`), as code that shrinks a batch on OOM
+    expects; the op and the server's message kept."""
+
+    @torch.library.custom_op("genie_test::too_big", mutates_args=())
+    @_in_notebook
+    def too_big(x: torch.Tensor) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    too_big.register_fake(lambda x: torch.empty_like(x))
+    with pytest.raises(torch.cuda.OutOfMemoryError, match=r"Tried to allocate 2\.00 GiB") as caught:
+        too_big(torch.ones(2, device=DEV)).cpu()
+    assert isinstance(caught.value, RemoteError) and "genie_test.too_big" in str(caught.value)
+    assert torch.equal((torch.ones(2, device=DEV) + 1).cpu(), torch.full((2,), 2.0))

@@ -33,10 +33,11 @@ def test_too_many_remote_tensors(limited):
     kept = [torch.full((4,), float(i), device=DEV) for i in range(30)]
     assert kept[29].cpu().tolist() == [29.0] * 4
     more = [torch.ones(4, device=DEV) for _ in range(20)]
-    with pytest.raises(
-        LimitExceeded, match=r"hold 41 remote tensors; the server allows 40 \(--max-session-tensors\)"
+    with pytest.raises(  # (also torch.OutOfMemoryError: out of room on the device, as CUDA says it)
+        torch.OutOfMemoryError, match=r"hold 41 remote tensors; the server allows 40 \(--max-session-tensors\)"
     ) as caught:
         more[-1].cpu()
+    assert isinstance(caught.value, LimitExceeded)
     assert kept[5].cpu().tolist() == [5.0] * 4  # what it held before is intact
     record(
         SECTION,
@@ -55,7 +56,8 @@ def test_too_many_bytes_of_remote_tensors(limited):
     assert a.sum().item() == 10 * MiB
     b = torch.zeros(6 * MiB, device=DEV)  # 24 MiB more: 64 MiB + the sum's result > 64 MiB
     with pytest.raises(
-        LimitExceeded, match=r"would make this session hold 88\.0 MiB in remote tensors; the server allows 64\.0 MiB"
+        torch.OutOfMemoryError,
+        match=r"would make this session hold 88\.0 MiB in remote tensors; the server allows 64\.0 MiB",
     ):
         (b + 1).cpu()
     assert a[:3].cpu().tolist() == [1.0, 1.0, 1.0]
@@ -90,10 +92,11 @@ def test_an_upload_over_the_limit_is_refused_before_a_byte_moves(limited):
     held = torch.arange(1.0, device=DEV)
     before = limited.segments()
     with pytest.raises(
-        LimitExceeded, match=r"remote_accelerator tensor of 80\.0 MiB is more than the server lets a session hold"
+        torch.OutOfMemoryError,
+        match=r"remote_accelerator tensor of 80\.0 MiB is more than the server lets a session hold",
     ) as caught:
         torch.ones(20 * MiB).to(DEV)  # (its empty destination is refused first)
-    with pytest.raises(LimitExceeded, match=r"upload to remote_accelerator of 80\.0 MiB is more than"):
+    with pytest.raises(torch.OutOfMemoryError, match=r"upload to remote_accelerator of 80\.0 MiB is more than"):
         held + torch.ones(20 * MiB)  # (a CPU argument travels with the op)
     record(
         SECTION,

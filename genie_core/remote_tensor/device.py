@@ -74,7 +74,7 @@ def _factory_kernels(lib: Any) -> None:
             stream = stream_for(device.index if device is not None else None)
             assert spec.made is not None  # (a factory makes one fresh tensor)
             shape, _, _, dtype, _ = spec.made
-            stream.transfers.refuse_over_limit(math.prod(shape) * dtype.itemsize, f"a {DEVICE_TYPE} tensor")
+            stream.refuse_over_limit(math.prod(shape) * dtype.itemsize, f"a {DEVICE_TYPE} tensor")
             r = remote(stream, spec.made)
             enc_kwargs = {k: encode_value(v) for k, v in kwargs.items()}
             enc_kwargs["device"] = RemoteDevice()

@@ -10,10 +10,11 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, cast
 
-from ..errors import ConnectionLost
+from ..errors import ConnectionLost, LimitExceeded
 from ..protocol import MessageType, contents, error_from
 from ..protocol.op_records import Expects, Record
 from ..serialize import deserialize_namespace
+from . import out_of_memory
 
 if TYPE_CHECKING:
     from .output_specs import OutputSpec
@@ -110,6 +111,14 @@ class OpStream:
             at -= 1
         return self._exchange(records, [], answer=at, sync=False)["eager"]
 
+    def refuse_over_limit(self, nbytes: int, what: str) -> None:
+        """More bytes than the server lets the session hold: refused before any is sent, as an
+        out-of-memory error (out_of_memory.py)."""
+        try:
+            self.transfers.refuse_over_limit(nbytes, what)
+        except LimitExceeded as exc:
+            raise out_of_memory.as_torch(exc) from None
+
     def upload(self, rid: int, tensor: Any) -> None:
         """Record a CPU tensor's values going to the server as `rid`. One that goes by the data
         plane (64 KiB and up, a data plane chosen) is refused first when it is more than the session
@@ -121,7 +130,7 @@ class OpStream:
         from ..protocol.tensor_ops import HostBytes, HostTensor
 
         nbytes = tensor.numel() * tensor.element_size()
-        self.transfers.refuse_over_limit(nbytes, "this upload to remote_accelerator")
+        self.refuse_over_limit(nbytes, "this upload to remote_accelerator")
         borrow = self.transfers.goes_by_data_plane(nbytes) and self._uncaptured is None
         if borrow and nbytes > self.UPLOAD_PART and lends_uploads(self.device_kind):
             whole = HostTensor(tensor, snapshot=False).tensor  # dense, at offset 0 (copied if it was not)
@@ -307,7 +316,8 @@ class OpStream:
         if failure is not None:
             bad, n = failure
             where = f"op {bad.get('index', 0) + 1} of {n} sent together"
-            raise error_from(bad, f"remote op {bad.get('op')} ({where}) failed{self.versions}: ")
+            failed = error_from(bad, f"remote op {bad.get('op')} ({where}) failed{self.versions}: ")
+            raise out_of_memory.as_torch(failed)
         if content.get("fetch"):
             ref = content.get("data")  # staged by the worker: fetched over the data plane
             buffers = self.transfers.receive(ref, "fetch of remote tensors") if ref else reply.buffers

@@ -1,0 +1,28 @@
+"""Out of memory on the remote device, said as PyTorch says it. The server device's allocator
+running out, or the session reaching what the server lets it hold (`--max-session-bytes`,
+`--max-session-tensors`), is raised as an exception that is also `torch.OutOfMemoryError` (which
+`torch.cuda.OutOfMemoryError` is), so that code which shrinks a batch on OOM works on this device
+as on CUDA (accelerate's `find_executable_batch_size`, a hand-written loop)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import LimitExceeded, RemoteError
+
+
+class RemoteOutOfMemoryError(RemoteError, torch.OutOfMemoryError):
+    """The server device's allocator ran out (its message and traceback as the server gave them)."""
+
+
+class SessionLimitReached(LimitExceeded, torch.OutOfMemoryError):
+    """The session holds what its server lets it hold."""
+
+
+def as_torch(exc: Exception) -> Exception:
+    """`exc`, as an out-of-memory error where it is one; anything else as it is."""
+    if type(exc) is LimitExceeded:
+        return SessionLimitReached(str(exc))
+    if type(exc) is RemoteError and exc.ename == "OutOfMemoryError":
+        return RemoteOutOfMemoryError(exc.ename, exc.evalue, exc.traceback)
+    return exc
