@@ -210,6 +210,41 @@ def test_dtypes_round_trip_bit_exact(remote):
         assert back.dtype == dtype and torch.equal(back, t), dtype
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_threads_record_and_flush_at_once(remote, monkeypatch, pipelined):
+    """Six threads, each a chain of ops with values read as it goes: batches reach the server in the
+    order they were taken (before, a thread's batch could arrive ahead of another's that made a
+    tensor it used: "does not exist on the server"), flushed or sent while recording goes on."""
+    import threading
+
+    from genie_core.remote_tensor.connection import stream_for
+
+    monkeypatch.setattr(stream_for(0), "pipelined", pipelined)
+    monkeypatch.setattr(stream_for(0), "SUBMIT_EVERY", 16)
+
+    results: dict[int, torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def chain(k: int) -> None:
+        try:
+            x = torch.full((64,), float(k), device=DEV)
+            for i in range(200):
+                x = x * 1.0 + 1
+                if i % 40 == 0:
+                    x.sum().item()
+            results[k] = x.cpu()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=chain, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert all(torch.equal(results[k], torch.full((64,), k + 200.0)) for k in range(6))
+
+
 def test_garbage_collected_tensors_are_freed_remotely(remote):
     keep = torch.zeros(10, device=DEV)
     for _ in range(200):

@@ -3,6 +3,7 @@ value is needed: one round trip per materialization, however many ops were recor
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import pickle
@@ -52,7 +53,10 @@ class OpStream:
 
         self.device = torch.device("remote_accelerator", index)
         self._records: list[Record] = []
-        self._lock = threading.RLock()  # (re-entered when the garbage collector frees a remote tensor inside it)
+        # recording, and taking and sending a batch, from any thread; not `free`: the garbage collector
+        # calls it inside other locks (the data plane's), which a sender holding this one waits for
+        self._lock = threading.RLock()
+        self._freed: collections.deque[int] = collections.deque()  # ids collected, not yet recorded
         self._inflight: list[tuple[Any, int]] = []  # batches sent without waiting: (request, ops)
         self.round_trips = 0  # batches waited for
         self.messages = 0  # batches sent
@@ -95,6 +99,8 @@ class OpStream:
 
     def record(self, entry: Record) -> None:
         with self._lock:
+            if self._freed:
+                self._record_frees()
             self._records.append(entry)
             full = self.pipelined and len(self._records) >= self.SUBMIT_EVERY
         if full:
@@ -102,14 +108,9 @@ class OpStream:
 
     def answer(self, entry: Record) -> Any:
         """Record `entry` (an op or a question whose answer the caller needs now) and send it with
-        what came before it: the server's answer to it, one round trip. The batch is taken with it
-        under the lock and names it by index: a free recorded after it (a tensor collected, on any
-        thread) or another thread's flush cannot take its place."""
-        records = self._take(last=entry)
-        at = len(records) - 1  # found by identity: frees may have been recorded after it, even during the append
-        while records[at] is not entry:
-            at -= 1
-        return self._exchange(records, [], answer=at, sync=False)["eager"]
+        what came before it: the server's answer to it, one round trip. The batch is taken with it,
+        at its end, and sent under the lock: another thread's flush cannot take its place."""
+        return self._exchange(*self._send_taken([], last=entry, sync=False))["eager"]
 
     def refuse_over_limit(self, nbytes: int, what: str) -> None:
         """More bytes than the server lets the session hold: refused before any is sent, as an
@@ -156,10 +157,17 @@ class OpStream:
             self._submit()
 
     def free(self, rid: int) -> None:
-        """Called when a remote tensor is garbage-collected here (any thread). (A stream whose session
-        ended keeps what it is told until it is dropped: no check on the hot path.)"""
-        with self._lock:
-            self._records.append(("free", rid))
+        """Called when a remote tensor is garbage-collected here (any thread, inside any lock): kept
+        without a lock, recorded with the next record or batch, after every op that used it. (A
+        stream whose session ended keeps what it is told until it is dropped: no check on the hot
+        path.)"""
+        self._freed.append(rid)
+
+    def _record_frees(self) -> None:
+        """The frees collected so far, recorded (under the lock)."""
+        freed = self._freed
+        while freed:
+            self._records.append(("free", freed.popleft()))
 
     def checks(self, spec: OutputSpec) -> Expects:
         """What an op with this output spec (output_specs.py) carries for the server to check, while
@@ -184,6 +192,7 @@ class OpStream:
         before the capture), and every signature is checked again after it. A failure to send
         them is raised here, before the cell goes. Frees alone wait (a cell cannot see them)."""
         with self._lock:
+            self._record_frees()
             pending = self._records if self._uncaptured is None else self._uncaptured
             only_frees = all(record[0] == "free" for record in pending)
         if not only_frees:
@@ -244,38 +253,47 @@ class OpStream:
 
     def _submit(self, *, before_capture: bool = False) -> None:
         """Send what was recorded; the reply is read at the next flush. While a graph is captured,
-        its records go at the end of the capture; `before_capture`: what was recorded before it goes."""
+        its records go at the end of the capture; `before_capture`: what was recorded before it goes.
+        Taken and sent under the lock: batches reach the server in the order they were taken."""
         with self._lock:
             if self._uncaptured is None:
+                self._record_frees()
                 records, self._records = self._records, []
                 self._borrowed = False
             elif before_capture:
                 records, self._uncaptured = self._uncaptured, []
             else:
                 return
-        if records:
-            try:
-                sent = self._send({"ops": records, "fetch": [], "answer": -1, "sync": False}, len(records))
-            except BaseException:
-                self._checking = []  # what they carried to check never ran
-                raise
-            self._inflight.append((sent, len(records)))
+            if records:
+                try:
+                    sent = self._send({"ops": records, "fetch": [], "answer": -1, "sync": False}, len(records))
+                except BaseException:
+                    self._checking = []  # what they carried to check never ran
+                    raise
+                self._inflight.append((sent, len(records)))
 
     def flush(self, fetch: list[int] | None = None, *, sync: bool = False) -> contents.TensorReply:
         """Send what was recorded (and fetch these ids), wait; raise the first failure: one kept
         from backward (see defer), else the first the server reports."""
-        return self._exchange(self._take(), list(fetch or []), answer=-1, sync=sync)
+        return self._exchange(*self._send_taken(list(fetch or []), last=None, sync=sync))
 
-    def _take(self, last: Record | None = None) -> list[Record]:
-        """The batch to send now and wait for (refused during a capture, as CUDA refuses a sync),
-        with `last` recorded at its end under the same lock."""
+    def _send_taken(self, fetch: list[int], *, last: Record | None, sync: bool) -> tuple[Any, ...]:
+        """Take the batch to send now and wait for (refused during a capture, as CUDA refuses a
+        sync), with `last` recorded at its end, and send it, all under the lock: whichever threads
+        record and flush, batches reach the server in the order they were taken (a batch sent
+        ahead of an earlier one would use tensors not made yet). Returns what `_exchange` waits on."""
         self._refuse_while_capturing()
         with self._lock:
+            self._record_frees()
             if last is not None:
                 self._records.append(last)
             records, self._records = self._records, []
             self._borrowed = False
-        return records
+            answer = len(records) - 1 if last is not None else -1
+            checking, self._checking = self._checking, []
+            request = self._send({"ops": records, "fetch": fetch, "answer": answer, "sync": sync}, len(records))
+            earlier, self._inflight = self._inflight, []
+        return records, request, earlier, checking
 
     def _refuse_while_capturing(self) -> None:
         if self._uncaptured is not None:
@@ -284,11 +302,10 @@ class OpStream:
                 f"on {self.device} (as on CUDA): capture only device work, read values after the capture"
             )
 
-    def _exchange(self, records: list[Record], fetch: list[int], *, answer: int, sync: bool) -> contents.TensorReply:
-        """Send `records` and wait for every batch in flight and then theirs (see flush)."""
-        checking, self._checking = self._checking, []
-        request = self._send({"ops": records, "fetch": fetch, "answer": answer, "sync": sync}, len(records))
-        earlier, self._inflight = self._inflight, []
+    def _exchange(
+        self, records: list[Record], request: Any, earlier: list[tuple[Any, int]], checking: list[Any]
+    ) -> contents.TensorReply:
+        """Wait for every batch sent before `records` and then for theirs (see flush)."""
         failure: tuple[contents.TensorReply, int] | None = None
         relaid: set[str] = set()
         for sent, n in earlier:  # answered before the last one: the worker runs batches in order
