@@ -1,14 +1,16 @@
 """Out of memory on the remote device, said as PyTorch says it. The server device's allocator
 running out, or the session reaching what the server lets it hold (`--max-session-bytes`,
 `--max-session-tensors`), is raised as an exception that is also `torch.OutOfMemoryError` (which
-`torch.cuda.OutOfMemoryError` is), so that code which shrinks a batch on OOM works on this device
-as on CUDA (accelerate's `find_executable_batch_size`, a hand-written loop)."""
+`torch.cuda.OutOfMemoryError` is), its message beginning as CUDA's does, so that code which shrinks
+a batch on OOM works on this device as on CUDA (accelerate's `find_executable_batch_size`, which
+looks for " out of memory." in the message; a hand-written loop)."""
 
 from __future__ import annotations
 
 import torch
 
 from ..errors import LimitExceeded, RemoteError
+from .connection import DEVICE_TYPE
 
 
 class RemoteOutOfMemoryError(RemoteError, torch.OutOfMemoryError):
@@ -21,8 +23,8 @@ class SessionLimitReached(LimitExceeded, torch.OutOfMemoryError):
 
 def as_torch(exc: Exception) -> Exception:
     """`exc`, as an out-of-memory error where it is one; anything else as it is."""
-    if type(exc) is LimitExceeded:
-        return SessionLimitReached(str(exc))
+    if type(exc) is LimitExceeded:  # (said as CUDA says it first: tools look for " out of memory.")
+        return SessionLimitReached(f"{DEVICE_TYPE} out of memory. {exc}")
     if type(exc) is RemoteError and exc.ename == "OutOfMemoryError":
         return RemoteOutOfMemoryError(exc.ename, exc.evalue, exc.traceback)
     return exc
