@@ -492,6 +492,8 @@ def test_a_storage_does_what_a_cpu_storage_does(remote):
     writing a storage to a file: each crashed the process (PyTorch's asked for an allocator, or read
     memory at the storage's address) or failed; now as on the CPU."""
     assert _storage_uses(DEV) == _storage_uses("cpu")
+    with pytest.raises(RuntimeError, match="cannot be resized in place; resize a tensor of it"):
+        torch.ones(2, device=DEV).untyped_storage().resize_(64)
 
 
 def test_the_legacy_save_format_is_refused_in_words_and_loads_onto_the_device(remote, tmp_path):

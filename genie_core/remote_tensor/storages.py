@@ -82,10 +82,18 @@ class SharedStorage:
 
 def _instead_of_raw_memory(storage: Any) -> None:
     """The storage methods that would read or allocate memory at its address in this process, done
-    on the device instead (PyTorch's would crash the process)."""
+    on the device instead (PyTorch's would crash the process), or refused in words."""
     device = storage.device
     storage.new = lambda: torch.UntypedStorage(0, device=device)
     storage._byteswap = functools.partial(_byteswap, weakref.ref(storage))
+    storage.resize_ = _no_resize  # (PyTorch's asks C++ hooks a Python-defined device has not)
+
+
+def _no_resize(nbytes: int) -> None:
+    raise RuntimeError(
+        f"a {DEVICE_TYPE} storage cannot be resized in place; resize a tensor of it (t.resize_(...)), whose "
+        "storage grows as on the CPU"
+    )
 
 
 def _byteswap(storage: weakref.ref[Any], element_size: int) -> None:
