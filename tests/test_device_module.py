@@ -230,6 +230,33 @@ def test_pin_memory_and_a_pinned_data_loader(remote):
     assert not on_device.is_pinned() and torch.equal(on_device.cpu(), torch.ones(2))
 
 
+class _ScaledByIndex(torch.utils.data.Dataset):
+    """Items read from a remote tensor: in a forked DataLoader worker, refused (as CUDA is there)."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self.values = values
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        assert torch.remote_accelerator._is_in_bad_fork()
+        return (self.values * i).cpu()
+
+
+def test_a_forked_worker_is_refused_at_once_and_the_session_goes_on(remote):
+    """A fork's sockets are its parent's, without their I/O threads: it hung until the DataLoader's
+    timeout (forever without one). Now one clear error, and the parent's session and tensors intact."""
+    values = torch.arange(4.0, device=DEV)
+    loader = torch.utils.data.DataLoader(
+        _ScaledByIndex(values), batch_size=2, num_workers=1, multiprocessing_context="fork", timeout=20
+    )
+    with pytest.raises(RuntimeError, match="Cannot use remote_accelerator tensors in a forked subprocess"):
+        list(loader)
+    assert not torch.remote_accelerator._is_in_bad_fork()
+    assert torch.equal((values + 1).cpu(), torch.arange(1.0, 5.0))
+
+
 def test_a_refused_memory_lock_says_so(remote, tmp_path):
     """A process without the capability to lock memory past `ulimit -l` (root has it; here it is
     dropped, and the limit set to 8 MiB) pinning more than that gets one clear error, never

@@ -221,7 +221,10 @@ class _DeviceModule:
 
     @staticmethod
     def _is_in_bad_fork() -> bool:
-        return False
+        """A fork of a process that had a session, which cannot use it (connection.py)."""
+        from . import connection
+
+        return connection.forked_from_session
 
     @staticmethod
     def current_device() -> int:

@@ -15,7 +15,7 @@ from ..errors import ConnectionLost, LimitExceeded
 from ..protocol import MessageType, contents, error_from
 from ..protocol.op_records import Expects, Record
 from ..serialize import deserialize_namespace
-from . import out_of_memory
+from . import connection, out_of_memory
 
 if TYPE_CHECKING:
     from .output_specs import OutputSpec
@@ -235,6 +235,7 @@ class OpStream:
         return not self._records and not self._inflight
 
     def _send(self, request: contents.OpBatch, n: int) -> Any:
+        connection.refuse_in_a_forked_child()
         if self.profile is not None:
             request["profile"] = True
         if not self.alive:
