@@ -63,6 +63,10 @@ class LimitExceeded(GenieError):
     """A session went over a limit its server sets (remote tensors held, bytes held)."""
 
 
+class MemoryLimitExceeded(LimitExceeded):
+    """A session went over the bytes its server lets it hold (--max-session-bytes)."""
+
+
 def size_text(n: float) -> str:
     """1536 -> '1.5 KiB'."""
     if n < 1024:

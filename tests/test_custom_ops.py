@@ -105,3 +105,52 @@ def test_an_out_of_memory_on_the_server_is_torchs_out_of_memory_error(remote):
         too_big(torch.ones(2, device=DEV)).cpu()
     assert isinstance(caught.value, RemoteError) and "genie_test.too_big" in str(caught.value)
     assert torch.equal((torch.ones(2, device=DEV) + 1).cpu(), torch.full((2,), 2.0))
+
+
+def test_a_kernel_registered_after_first_use_runs_from_then_on(remote):
+    """The definition goes again when the notebook's kernels change (not the first one forever)."""
+
+    @torch.library.custom_op("genie_test::changing", mutates_args=())
+    @_in_notebook
+    def changing(x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    changing.register_fake(lambda x: torch.empty_like(x))
+    x = torch.zeros(2, device=DEV)
+    assert changing(x).cpu().tolist() == [1.0, 1.0]
+
+    @changing.register_kernel("cpu")
+    @_in_notebook
+    def _(x):
+        return x + 5
+
+    assert changing(x).cpu().tolist() == [5.0, 5.0] == changing(torch.zeros(2)).tolist()
+
+
+def test_a_definition_sent_inside_a_failed_capture_still_reaches_the_server(remote):
+    ra = torch.remote_accelerator
+
+    @torch.library.custom_op("genie_test::captured", mutates_args=())
+    @_in_notebook
+    def captured(x: torch.Tensor) -> torch.Tensor:
+        return x * 4
+
+    captured.register_fake(lambda x: torch.empty_like(x))
+    x = torch.ones(2, device=DEV)
+    with pytest.raises(RuntimeError, match="not permitted while a graph is being captured"), ra.graph(ra.CUDAGraph()):
+        captured(x).sum().item()
+    assert captured(x).cpu().tolist() == [4.0, 4.0]
+
+
+def test_a_notebook_custom_op_in_a_graph_compiled_by_the_servers_inductor(remote):
+    """The server's Inductor traces the op with its fake, sent with its kernels."""
+
+    @torch.library.custom_op("genie_test::compiled", mutates_args=())
+    @_in_notebook
+    def compiled(x: torch.Tensor) -> torch.Tensor:
+        return x.sin() * 2
+
+    compiled.register_fake(lambda x: torch.empty_like(x))
+    f = torch.compile(lambda t: compiled(t) + 1, backend="remote_accelerator")
+    x = torch.arange(4.0)
+    assert torch.allclose(f(x.to(DEV)).cpu(), x.sin() * 2 + 1)

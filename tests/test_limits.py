@@ -33,11 +33,11 @@ def test_too_many_remote_tensors(limited):
     kept = [torch.full((4,), float(i), device=DEV) for i in range(30)]
     assert kept[29].cpu().tolist() == [29.0] * 4
     more = [torch.ones(4, device=DEV) for _ in range(20)]
-    with pytest.raises(  # (also torch.OutOfMemoryError: out of room on the device, as CUDA says it)
-        torch.OutOfMemoryError, match=r"hold 41 remote tensors; the server allows 40 \(--max-session-tensors\)"
+    with pytest.raises(
+        LimitExceeded, match=r"hold 41 remote tensors; the server allows 40 \(--max-session-tensors\)"
     ) as caught:
         more[-1].cpu()
-    assert isinstance(caught.value, LimitExceeded)
+    assert not isinstance(caught.value, torch.OutOfMemoryError)  # (a smaller batch would not mend it)
     assert kept[5].cpu().tolist() == [5.0] * 4  # what it held before is intact
     record(
         SECTION,

@@ -537,16 +537,31 @@ def test_a_tensor_whose_storage_was_asked_for_is_freed_when_it_goes(remote):
 
 
 def test_a_storage_grows_with_its_tensor_as_on_the_cpu(remote):
-    """resize_ and an out= that grows, after the storage was asked for: its size is the new one."""
+    """resize_ and an out= that grows, the storage asked for first or not: its size is the new one."""
 
     def sizes(device: str) -> list[int]:
         t, out = torch.zeros(4, device=device), torch.zeros(2, device=device)
         found = [t.untyped_storage().nbytes(), out.untyped_storage().nbytes()]
         t.resize_(100)
         torch.add(torch.ones(50, device=device), 1, out=out)
-        return [*found, t.untyped_storage().nbytes(), out.untyped_storage().nbytes()]
+        u = torch.zeros(4, device=device)
+        view = u[1:]  # (a storage shared, never asked for)
+        u.resize_(100)
+        return [*found, t.untyped_storage().nbytes(), out.untyped_storage().nbytes(), view.untyped_storage().nbytes()]
 
-    assert sizes(DEV) == sizes("cpu") == [16, 8, 400, 200]
+    assert sizes(DEV) == sizes("cpu") == [16, 8, 400, 200, 400]
+
+
+def test_a_storage_is_one_object_while_its_tensors_live(remote):
+    """As on the CPU: asked twice, or by two views of one base, the same storage object (fake
+    tensors, which torch.compile makes of views, tell aliases apart by it)."""
+    import weakref
+
+    for device in ("cpu", DEV):
+        base = torch.arange(8.0, device=device)
+        first, second = base[:4], base[4:]
+        asked = weakref.ref(first.untyped_storage())  # (not held here)
+        assert asked() is second.untyped_storage() is base.untyped_storage()
 
 
 def test_storage_addresses_run_out_in_words(monkeypatch):

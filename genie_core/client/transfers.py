@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar, cast
 
 from ..dataplane import DATA_THRESHOLD, BackendReport, Channel, InlineChannel, Link, backends, discover
-from ..errors import ConnectionLost, GenieError, LimitExceeded, size_text
+from ..errors import ConnectionLost, GenieError, MemoryLimitExceeded, size_text
 from ..protocol import Message, MessageType, contents, error_from
 from ..serialize import deserialize_namespace, serialize_namespace
 from .connection import Connection
@@ -166,7 +166,7 @@ class Transfers:
         limits = self.connection.node.get("limits")
         limit = limits.get("session_bytes") if limits else None
         if limit is not None and size > limit:
-            raise LimitExceeded(
+            raise MemoryLimitExceeded(
                 f"{what} of {size_text(size)} is more than the server lets a session hold "
                 f"({size_text(limit)}, --max-session-bytes)"
             )

@@ -9,6 +9,7 @@ from ..errors import (
     ConnectionLost,
     GenieError,
     LimitExceeded,
+    MemoryLimitExceeded,
     ProtocolError,
     RemoteError,
     VersionMismatch,
@@ -20,6 +21,7 @@ from .contents import Failure
 GENIE_ERRORS: dict[str, type[GenieError]] = {
     "WorkerDied": WorkerDied,
     "LimitExceeded": LimitExceeded,
+    "MemoryLimitExceeded": MemoryLimitExceeded,
     "ProtocolError": ProtocolError,
     "VersionMismatch": VersionMismatch,
     "SessionInUse": ConnectionFailed,  # a named session another user's client holds

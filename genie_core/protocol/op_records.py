@@ -88,5 +88,5 @@ def name_of(record: Record) -> str:
     if record[0] == "op" or record[0] == "call":
         return record[1]
     if record[0] == "define":
-        return f"the definition of custom op {record[1]}"
+        return f"{record[1]} (its definition)"
     return "put" if record[0] == "part" else record[0]  # (a part of an upload fails as the upload)

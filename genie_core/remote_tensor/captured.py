@@ -45,10 +45,10 @@ class CUDAGraph:
 
     def _abandon(self) -> None:
         """A capture that failed: its ops are dropped; what the stream counts on having been sent
-        (frees, compiled graphs' definitions, custom ops' imports) goes on as recorded."""
+        (frees, compiled graphs' definitions, custom ops' imports and definitions) goes on as recorded."""
         if self._stream is not None and self._stream.capturing:
             for record in self._stream.end_capture():
-                if record[0] in ("free", "graph", "import"):
+                if record[0] in ("free", "graph", "import", "define"):
                     self._stream.record(record)
 
     def replay(self) -> None:

@@ -1,11 +1,13 @@
 """Custom ops (`torch.library.custom_op`) on the remote device. One defined in a module is imported
 on the server before its first use; one defined in the notebook itself (`__main__`), which the
-server cannot import, is sent there by value: its schema and its kernels, defined again on the
-server (worker/custom_ops.py) before its first use, as a CUDA device would run the same kernels."""
+server cannot import, is sent there by value: its schema, kernels and fake (`register_fake`: the
+server's torch.compile traces with it), defined again on the server (worker/custom_ops.py) before
+its first use, and again whenever its kernels change, as a CUDA device would run the same kernels."""
 
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any
 
 import torch
@@ -14,8 +16,8 @@ from .stream import OpStream
 
 
 def make_known(func: Any, stream: OpStream) -> None:
-    """Before `func` (an op outside aten and prims) is first recorded on `stream`: its module
-    imported on the server, or its definition sent there."""
+    """Before `func` (an op outside aten and prims) is recorded on `stream`: its module imported on
+    the server, or its definition sent there (once, and again when its kernels changed)."""
     from torch._library.custom_ops import OPDEFS
 
     opdef = OPDEFS.get(func._qualified_op_name if isinstance(func, torch._ops.OpOverloadPacket) else func._schema.name)
@@ -30,26 +32,28 @@ def make_known(func: Any, stream: OpStream) -> None:
 
 def _define(opdef: Any, stream: OpStream) -> None:
     name = f"{opdef._namespace}::{opdef._name}"
-    if name in stream.imported:
+    kernels = (*opdef._backend_fns.items(), ("fake", opdef._abstract_fn))
+    if stream.defined.get(name) == kernels:
         return
     import cloudpickle
 
     schema = str(opdef._opoverload._schema)
-    kernels = {device: _as_written(fn) for device, fn in opdef._backend_fns.items()}
+    written = {device: _as_written(fn) for device, fn in opdef._backend_fns.items()}
     try:
-        sent = cloudpickle.dumps(kernels)
+        sent = cloudpickle.dumps({"kernels": written, "fake": opdef._abstract_fn, "python": sys.version_info[:2]})
     except Exception as e:
         raise RuntimeError(
             f"custom op {name}: its kernels cannot be sent to the server ({type(e).__name__}: {e}); define it "
             "in a module the server can import"
         ) from e
-    stream.imported.add(name)
+    stream.defined[name] = kernels
     stream.record(("define", name, schema[schema.index("(") :], sent))
 
 
 def _as_written(kernel: Any) -> Any:
-    """A kernel as the user wrote it: PyTorch keeps each in a closure over it (`fn`), which also
-    holds the op's definition (nothing to send)."""
+    """A kernel as the user wrote it. PyTorch keeps each in a closure over it, its variable `fn`
+    (torch 2.11 to 2.15; the torch-range lanes run tests/test_custom_ops.py), beside the op's
+    definition, which cannot be sent."""
     kernel = inspect.unwrap(kernel)
     code = getattr(kernel, "__code__", None)
     if code is not None and "fn" in code.co_freevars and kernel.__closure__:

@@ -18,7 +18,6 @@ import torch
 
 DEVICE_TYPE = "remote_accelerator"
 _LOCATION = re.compile(rf"{DEVICE_TYPE}(:\d+)?$")
-_PICKLER_DEPTH = 6  # frames between a tensor's __reduce_ex__ and the torch.save that pickles it
 
 
 class LoadedBytes:
@@ -70,22 +69,19 @@ def _restore(storage: Any, location: str) -> Any:
 
 def refuse_the_legacy_format() -> None:
     """`torch.save(..., _use_new_zipfile_serialization=False)` of a remote tensor: refused in words.
-    That format's `torch.load` reads storages' bytes only after it has rebuilt the tensors that use
-    them, so a tensor rebuilt on the device would be sent its bytes before they were read: wrong
-    values, silently. (Called by a remote tensor's `__reduce_ex__`: the pickler's caller is looked
-    for a few frames up.)"""
+    That format's `torch.load` reads the bytes of the CPU tensor a remote tensor is saved as only
+    after it has rebuilt the remote tensor from it: a remote tensor in it loads with wrong values,
+    silently. (Called by a remote tensor's `__reduce_ex__`: the whole stack is looked at, whatever
+    pickler, C or Python, runs between.)"""
     code = getattr(getattr(torch.serialization, "_legacy_save", None), "__code__", None)
     frame = sys._getframe(1)
-    for _ in range(_PICKLER_DEPTH):
-        frame = frame.f_back  # type: ignore[assignment]
-        if frame is None:
-            return
+    while frame is not None:
         if frame.f_code is code:
             raise RuntimeError(
                 "torch.save(..., _use_new_zipfile_serialization=False) cannot hold remote_accelerator tensors "
-                "(that format would load them before their bytes); use torch.save's default format, or save "
-                "t.cpu()"
+                "(that format would load them with wrong values); use torch.save's default format, or save t.cpu()"
             )
+        frame = frame.f_back  # type: ignore[assignment]
 
 
 def register() -> None:

@@ -12,6 +12,7 @@ through it), as big as the tensor the views came from, and the same object for e
 from __future__ import annotations
 
 import functools
+import operator
 import threading
 import weakref
 from typing import Any
@@ -68,8 +69,9 @@ class SharedStorage:
                 _by_address[self.address] = self
             storage = torch._C._construct_storage_from_data_pointer(self.address, device, nbytes)
             # it names this (`named_by`) and, held alone, keeps it and a tensor of the server's storage
-            # alive, as a CPU storage keeps its memory; this holds it weakly, so that a tensor's memory
-            # goes when the tensor does, not at the next cycle collection
+            # alive, as a CPU storage keeps its memory; this holds it weakly and the tensors that asked
+            # for it strongly (no cycle: a tensor's memory goes when the tensor does, not at the next
+            # cycle collection), so it is one object while any of them lives, as on the CPU
             storage._genie_keeps = (self, self.owner())  # type: ignore[attr-defined]
             _instead_of_raw_memory(storage)
             self._storage = weakref.ref(storage)
@@ -114,8 +116,12 @@ def register() -> None:
         if device is not None and cls is torch.UntypedStorage and not kwargs:
             where = torch.device(device)
             if where.type == DEVICE_TYPE:
-                if not args or isinstance(args[0], int):
-                    made = torch.empty(args[0] if args else 0, dtype=torch.uint8, device=where)
+                if len(args) > 1:
+                    raise TypeError(f"torch.UntypedStorage(): one size or sequence of bytes, got {len(args)} arguments")
+                if not args or hasattr(args[0], "__index__"):
+                    made = torch.empty(operator.index(args[0]) if args else 0, dtype=torch.uint8, device=where)
+                elif isinstance(args[0], (bytes, bytearray, memoryview)):
+                    made = torch.frombuffer(bytearray(args[0]), dtype=torch.uint8).to(where)
                 else:
                     made = torch.tensor(list(args[0]), dtype=torch.uint8, device=where)
                 return made.untyped_storage()
@@ -147,8 +153,10 @@ def grown(tensor: Any) -> None:
     is now too small is made again at the new size (PyTorch's grows, its address moving as memory
     reallocated does); the old storage object keeps its size, and names the same server storage."""
     shared = tensor.__dict__.get("_shared")
-    if shared is not None and shared.address is not None and _nbytes(tensor._layout) > _nbytes(shared.layout):
-        shared.layout, shared.address, shared._storage = tensor._layout, None, None
+    if shared is not None and _nbytes(tensor._layout) > _nbytes(shared.layout):
+        shared.layout = tensor._layout
+        if shared.address is not None:  # (a storage object made already: the next is made at a new address)
+            shared.address, shared._storage = None, None
 
 
 def _nbytes(layout: Layout) -> int:

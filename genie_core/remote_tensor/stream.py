@@ -11,7 +11,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, cast
 
-from ..errors import ConnectionLost, LimitExceeded
+from ..errors import ConnectionLost, MemoryLimitExceeded
 from ..protocol import MessageType, contents, error_from
 from ..protocol.op_records import Expects, Record
 from ..serialize import deserialize_namespace
@@ -75,6 +75,7 @@ class OpStream:
         self.transfers = client.transfers  # its bytes' data plane, and the session's byte limit
         self.versions = _versions_if_they_differ(getattr(client, "server_versions", None) or {}, torch.__version__)
         self.imported: set[str] = set()  # modules defining custom ops, imported on the server
+        self.defined: dict[str, Any] = {}  # notebook custom ops sent to the server: name -> their kernels then
         self.graphs: set[str] = set()  # compiled graphs the server holds, by content hash (compiler.py)
         # On a small machine the server and this kernel share the cores: overlapping them costs more
         # than it saves (benchmarks/llm.py measures both).
@@ -117,7 +118,7 @@ class OpStream:
         out-of-memory error (out_of_memory.py)."""
         try:
             self.transfers.refuse_over_limit(nbytes, what)
-        except LimitExceeded as exc:
+        except MemoryLimitExceeded as exc:
             raise out_of_memory.as_torch(exc) from None
 
     def upload(self, rid: int, tensor: Any) -> None:
@@ -217,6 +218,7 @@ class OpStream:
         if self._uncaptured is not None:
             raise RuntimeError("a graph is already being captured on this device")
         with self._lock:
+            self._record_frees()  # (frees collected before it go before it)
             self._uncaptured, self._records = self._records, []
         self.trusted = -2
 

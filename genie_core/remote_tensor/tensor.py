@@ -126,8 +126,10 @@ class RemoteTensor(torch.Tensor):
 
     def untyped_storage(self) -> Any:
         """The server storage this tensor shares with its views (storages.py); this tensor is
-        remembered as one that names it, so that `t.set_(x.untyped_storage(), ...)` names x's."""
-        return storages.of(self).storage_on(self.device, self.__dict__.get("_handle"))
+        remembered as one that names it, so that `t.set_(x.untyped_storage(), ...)` names x's, and
+        holds it, so that it stays one object (fake tensors of views tell aliases apart by it)."""
+        storage = self._storage_object = storages.of(self).storage_on(self.device, self.__dict__.get("_handle"))
+        return storage
 
     def data_ptr(self) -> int:
         """An address in its storage's own range (storages.py), as CUDA's are in its storage; 0 for
@@ -715,9 +717,10 @@ def _not_pinned(t: Any, *args: Any, **kwargs: Any) -> Any:
     raise RuntimeError(f"cannot pin a {DEVICE_TYPE} tensor: only dense CPU tensors can be pinned")
 
 
-# The nested tensors of nn.TransformerEncoder's inference fast path (`enable_nested_tensor`): the
-# server holds the nested tensor, and here it has its padded shape (the source's), the shape that
-# each encoder layer (a meta kernel of its own from torch 2.13) and `to_padded_tensor` work with.
+# Ops whose outputs here are not their meta kernel's. The nested tensors of nn.TransformerEncoder's
+# inference fast path (`enable_nested_tensor`): the server holds the nested tensor, and here it has
+# its padded shape (the source's), the shape that each encoder layer (a meta kernel of its own from
+# torch 2.13) and `to_padded_tensor` work with. `pin_memory()`: none, refused at the op.
 _SHAPE_RULES = {
     aten._nested_tensor_from_mask.default: _padded_from_mask,
     aten.to_padded_tensor.default: _padded_output,

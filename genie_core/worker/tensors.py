@@ -13,7 +13,7 @@ from typing import Any, NamedTuple, NoReturn, cast
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ..errors import LimitExceeded, size_text
+from ..errors import LimitExceeded, MemoryLimitExceeded, size_text
 from ..protocol.contents import OpBatch, TensorReply
 from ..protocol.op_records import CallRecord, Expect, Expects, OpRecord, Record, name_of
 from ..protocol.tensor_ops import MemoryFormat, RemoteDevice, StorageOf, TensorRef, ref_id
@@ -146,7 +146,7 @@ class TensorExecutor:
                 f"{self.max_tensors:,} (--max-session-tensors): free some (del)"
             )
         if self.max_bytes is not None and self.store.bytes_held > self.max_bytes:
-            raise LimitExceeded(
+            raise MemoryLimitExceeded(
                 f"{made} would make this session hold {size_text(self.store.bytes_held)} in remote tensors; the server "
                 f"allows {size_text(self.max_bytes)} (--max-session-bytes): free some (del)"
             )
