@@ -245,8 +245,9 @@ class _ScaledByIndex(torch.utils.data.Dataset):
 
 
 def test_a_forked_worker_is_refused_at_once_and_the_session_goes_on(remote):
-    """A fork's sockets are its parent's, without their I/O threads: it hung until the DataLoader's
-    timeout (forever without one). Now one clear error, and the parent's session and tensors intact."""
+    """A fork's sockets are its parent's, without their I/O threads (using them would hang until the
+    DataLoader's timeout, forever without one): one clear error, the parent's session and tensors
+    intact."""
     values = torch.arange(4.0, device=DEV)
     loader = torch.utils.data.DataLoader(
         _ScaledByIndex(values), batch_size=2, num_workers=1, multiprocessing_context="fork", timeout=20

@@ -213,8 +213,8 @@ def test_dtypes_round_trip_bit_exact(remote):
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_threads_record_and_flush_at_once(remote, monkeypatch, pipelined):
     """Six threads, each a chain of ops with values read as it goes: batches reach the server in the
-    order they were taken (before, a thread's batch could arrive ahead of another's that made a
-    tensor it used: "does not exist on the server"), flushed or sent while recording goes on."""
+    order they were taken (a batch sent ahead of another that made a tensor it uses fails: "does not
+    exist on the server"), flushed or sent while recording goes on."""
     import threading
 
     from genie_core.remote_tensor.connection import stream_for
@@ -489,8 +489,8 @@ def _storage_uses(device: str) -> list:
 
 def test_a_storage_does_what_a_cpu_storage_does(remote):
     """A new storage on the device, clone(), a typed storage's casts, byteswap(), storage.new() and
-    writing a storage to a file: each crashed the process (PyTorch's asked for an allocator, or read
-    memory at the storage's address) or failed; now as on the CPU."""
+    writing a storage to a file, as on the CPU (PyTorch's own would ask a Python-defined device for
+    an allocator, or read memory at the storage's address: the process would crash)."""
     assert _storage_uses(DEV) == _storage_uses("cpu")
     with pytest.raises(RuntimeError, match="cannot be resized in place; resize a tensor of it"):
         torch.ones(2, device=DEV).untyped_storage().resize_(64)

@@ -10,6 +10,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from . import forks
+
 DEVICE_TYPE = "remote_accelerator"
 _streams: dict[tuple[int, int], Any] = {}
 
@@ -35,7 +37,7 @@ def stream_for(index: int | None) -> Any:
     from ..errors import NotInitializedError
     from .stream import OpStream
 
-    refuse_in_a_forked_child()
+    forks.refuse_in_a_forked_child()
     client = _connected()
     if client is None:
         raise NotInitializedError("using remote_accelerator tensors")
@@ -89,27 +91,11 @@ def _connected() -> Any:
     return client if client is not None and client.connected else None
 
 
-# This process is a fork of one that had a session (a DataLoader worker, multiprocessing's "fork"):
-# its sockets are the parent's, their I/O threads did not come with it; using them would hang, or
-# mix its messages into the parent's session.
-forked_from_session = False
-
-
 def _after_fork_in_child() -> None:
-    global forked_from_session
-    forked_from_session = forked_from_session or _streams != {} or _current_client() is not None
+    forks.from_a_session = forks.from_a_session or _streams != {} or _current_client() is not None
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def refuse_in_a_forked_child() -> None:
-    """As CUDA refuses to be initialized again in a forked subprocess."""
-    if forked_from_session:
-        raise RuntimeError(
-            f"Cannot use {DEVICE_TYPE} tensors in a forked subprocess: the session is its parent's. Make them in "
-            "the parent process, or use the 'spawn' start method (DataLoader(multiprocessing_context='spawn'))"
-        )
 
 
 def live_streams() -> list[Any]:

@@ -25,19 +25,6 @@ def _fake_mode() -> Any:
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
 
 
-def _as_remote(t: Any) -> Any:
-    """A plain tensor that PyTorch's C++ made over a remote tensor's storage (writing a storage to a
-    file, pickling one): the remote tensor it stands for; anything else as it is."""
-    import torch
-
-    from .tensor import RemoteTensor
-
-    if isinstance(t, RemoteTensor) or not isinstance(t, torch.Tensor) or t.device.type != DEVICE_TYPE:
-        return t
-    made = torch.empty(0, dtype=t.dtype, device=t.device)
-    return made.set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
-
-
 def _factory_kernels(lib: Any) -> None:
     import torch
 
@@ -86,17 +73,19 @@ def _factory_kernels(lib: Any) -> None:
     def copy_from(src: Any, dst: Any, non_blocking: bool = False) -> Any:
         """CPU -> remote, remote -> remote and remote -> CPU copies reached below Python dispatch
         (`torch.tensor(data, device=...)` and `.to()` make an empty remote tensor, then copy)."""
+        from . import storages
         from .tensor import dispatch
 
         if _fake_mode() is not None and not isinstance(dst, RemoteTensor):
             return dst  # a fake tensor made above: it has no values to copy into
-        src, dst = _as_remote(src), _as_remote(dst)
+        src, dst = storages.as_remote(src), storages.as_remote(dst)
         return dispatch(torch.ops.aten.copy_.default, (dst, src), {"non_blocking": non_blocking})
 
     def copy_from_and_resize(src: Any, dst: Any) -> Any:
+        from . import storages
         from .tensor import dispatch
 
-        src, dst = _as_remote(src), _as_remote(dst)
+        src, dst = storages.as_remote(src), storages.as_remote(dst)
         if tuple(dst.shape) != tuple(src.shape):
             dispatch(torch.ops.aten.resize_.default, (dst, list(src.shape)), {})
         return dispatch(torch.ops.aten.copy_.default, (dst, src), {})

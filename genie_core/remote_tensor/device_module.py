@@ -222,9 +222,9 @@ class _DeviceModule:
     @staticmethod
     def _is_in_bad_fork() -> bool:
         """A fork of a process that had a session, which cannot use it (connection.py)."""
-        from . import connection
+        from . import forks
 
-        return connection.forked_from_session
+        return forks.from_a_session
 
     @staticmethod
     def current_device() -> int:

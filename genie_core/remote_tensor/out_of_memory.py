@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from ..errors import MemoryLimitExceeded, RemoteError
-from .connection import DEVICE_TYPE
 
 
 class RemoteOutOfMemoryError(RemoteError, torch.OutOfMemoryError):
@@ -22,10 +21,10 @@ class SessionMemoryReached(MemoryLimitExceeded, torch.OutOfMemoryError):
     """The session holds the bytes its server lets it hold."""
 
 
-def as_torch(exc: Exception) -> Exception:
-    """`exc`, as an out-of-memory error where it is one; anything else as it is."""
+def as_torch(exc: Exception, device_type: str) -> Exception:
+    """`exc`, as an out-of-memory error of `device_type` where it is one; anything else as it is."""
     if type(exc) is MemoryLimitExceeded:  # (said as CUDA says it first: tools look for " out of memory.")
-        return SessionMemoryReached(f"{DEVICE_TYPE} out of memory. {exc}")
+        return SessionMemoryReached(f"{device_type} out of memory. {exc}")
     if type(exc) is RemoteError and exc.ename == "OutOfMemoryError":
         return RemoteOutOfMemoryError(exc.ename, exc.evalue, exc.traceback)
     return exc

@@ -6,7 +6,10 @@ that tells storages apart by address (safetensors' `save_file`, transformers' `s
 its tied weights) needs what CUDA gives. So the storage a remote tensor names is a `SharedStorage`'s,
 made on first use: tagged with the device, at an address no process memory has (nothing reads
 through it), as big as the tensor the views came from, and the same object for every view,
-`detach()`, `set_` and `.data =` of it.
+`detach()`, `set_` and `.data =` of it. Its methods that would touch memory at that address
+(`byteswap`, `new`, `resize_`) and PyTorch's constructor of a storage on the device (`register`)
+are done on the device, or refused in words: PyTorch's would crash the process; a tensor PyTorch's
+C++ makes over it is the remote tensor it stands for (`as_remote`).
 """
 
 from __future__ import annotations
@@ -103,6 +106,15 @@ def _byteswap(storage: weakref.ref[Any], element_size: int) -> None:
     alive: Any = storage()  # (the storage whose method this is: alive while it is called)
     raw = torch.empty(0, dtype=torch.uint8, device=alive.device).set_(alive)
     raw.copy_(raw.view(-1, element_size).flip(-1).reshape(-1))
+
+
+def as_remote(t: Any) -> Any:
+    """A plain tensor that PyTorch's C++ made over a remote tensor's storage (writing a storage to a
+    file, pickling one): the remote tensor it stands for; anything else as it is."""
+    if type(t) is not torch.Tensor or t.device.type != DEVICE_TYPE:  # (a remote tensor is of a subclass)
+        return t
+    made = torch.empty(0, dtype=t.dtype, device=t.device)
+    return made.set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
 
 
 def register() -> None:

@@ -15,7 +15,7 @@ from ..errors import ConnectionLost, MemoryLimitExceeded
 from ..protocol import MessageType, contents, error_from
 from ..protocol.op_records import Expects, Record
 from ..serialize import deserialize_namespace
-from . import connection, out_of_memory
+from . import forks, out_of_memory
 
 if TYPE_CHECKING:
     from .output_specs import OutputSpec
@@ -119,7 +119,7 @@ class OpStream:
         try:
             self.transfers.refuse_over_limit(nbytes, what)
         except MemoryLimitExceeded as exc:
-            raise out_of_memory.as_torch(exc) from None
+            raise out_of_memory.as_torch(exc, self.device.type) from None
 
     def upload(self, rid: int, tensor: Any) -> None:
         """Record a CPU tensor's values going to the server as `rid`. One that goes by the data
@@ -237,7 +237,7 @@ class OpStream:
         return not self._records and not self._inflight
 
     def _send(self, request: contents.OpBatch, n: int) -> Any:
-        connection.refuse_in_a_forked_child()
+        forks.refuse_in_a_forked_child()
         if self.profile is not None:
             request["profile"] = True
         if not self.alive:
@@ -337,7 +337,7 @@ class OpStream:
             bad, n = failure
             where = f"op {bad.get('index', 0) + 1} of {n} sent together"
             failed = error_from(bad, f"remote op {bad.get('op')} ({where}) failed{self.versions}: ")
-            raise out_of_memory.as_torch(failed)
+            raise out_of_memory.as_torch(failed, self.device.type)
         if content.get("fetch"):
             ref = content.get("data")  # staged by the worker: fetched over the data plane
             buffers = self.transfers.receive(ref, "fetch of remote tensors") if ref else reply.buffers
