@@ -15,7 +15,7 @@ from ..errors import ConnectionLost, MemoryLimitExceeded
 from ..protocol import MessageType, contents, error_from
 from ..protocol.op_records import Expects, Record
 from ..serialize import deserialize_namespace
-from . import forks, out_of_memory
+from . import forks
 
 if TYPE_CHECKING:
     from .output_specs import OutputSpec
@@ -119,6 +119,8 @@ class OpStream:
         try:
             self.transfers.refuse_over_limit(nbytes, what)
         except MemoryLimitExceeded as exc:
+            from . import out_of_memory  # (it imports torch: a session that never makes a tensor never does)
+
             raise out_of_memory.as_torch(exc, self.device.type) from None
 
     def upload(self, rid: int, tensor: Any) -> None:
@@ -337,6 +339,8 @@ class OpStream:
             bad, n = failure
             where = f"op {bad.get('index', 0) + 1} of {n} sent together"
             failed = error_from(bad, f"remote op {bad.get('op')} ({where}) failed{self.versions}: ")
+            from . import out_of_memory
+
             raise out_of_memory.as_torch(failed, self.device.type)
         if content.get("fetch"):
             ref = content.get("data")  # staged by the worker: fetched over the data plane
