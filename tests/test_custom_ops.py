@@ -107,6 +107,30 @@ def test_an_out_of_memory_on_the_server_is_torchs_out_of_memory_error(remote):
     assert torch.equal((torch.ones(2, device=DEV) + 1).cpu(), torch.full((2,), 2.0))
 
 
+def test_a_definition_in_a_batch_that_failed_goes_again(remote):
+    """The server stops a batch at its first failure: a definition recorded after it never ran,
+    and goes again with the op's next use (not "no such op" from then on)."""
+
+    @torch.library.custom_op("genie_test::fails", mutates_args=())
+    @_in_notebook
+    def fails(x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("this kernel fails")
+
+    @torch.library.custom_op("genie_test::after_a_failure", mutates_args=())
+    @_in_notebook
+    def after_a_failure(x: torch.Tensor) -> torch.Tensor:
+        return x * 7
+
+    fails.register_fake(lambda x: torch.empty_like(x))
+    after_a_failure.register_fake(lambda x: torch.empty_like(x))
+    x = torch.ones(2, device=DEV)
+    fails(x)
+    after_a_failure(x)  # (its definition recorded after the op that fails)
+    with pytest.raises(RemoteError, match="this kernel fails"):
+        torch.remote_accelerator.synchronize()
+    assert after_a_failure(x).cpu().tolist() == [7.0, 7.0]
+
+
 def test_a_kernel_registered_after_first_use_runs_from_then_on(remote):
     """The definition goes again when the notebook's kernels change (not the first one forever)."""
 

@@ -404,6 +404,11 @@ def test_a_cpu_checkpoint_loads_onto_the_device(remote, tmp_path):
     assert torch.equal(loaded["a"].cpu(), base) and torch.equal(loaded["row"].cpu(), base[1])
     loaded["a"].add_(1)  # views that shared a storage in the file share it on the server
     assert torch.equal(loaded["row"].cpu(), base[1] + 1)
+    # and name one storage, as on the CPU (what tells tied weights apart)
+    storage = loaded["a"].untyped_storage()
+    assert loaded["row"].untyped_storage().data_ptr() == storage.data_ptr()
+    assert loaded["row"].data_ptr() - loaded["a"].data_ptr() == 4 * 4
+    assert loaded["sd"]["net.0.weight"].untyped_storage().data_ptr() != storage.data_ptr()
 
 
 # Ops whose output may share its input's storage, judged against the CPU (the same relation there).
@@ -494,6 +499,14 @@ def test_a_storage_does_what_a_cpu_storage_does(remote):
     assert _storage_uses(DEV) == _storage_uses("cpu")
     with pytest.raises(RuntimeError, match="cannot be resized in place; resize a tensor of it"):
         torch.ones(2, device=DEV).untyped_storage().resize_(64)
+    with pytest.raises(TypeError, match="one size or sequence of bytes, got 2 arguments"):
+        torch.UntypedStorage(3, 4, device=DEV)  # (not a storage of 3 bytes)
+    x = torch.arange(4.0, device=DEV)
+    for sliced in (slice(0, 4), slice(4, 8)):  # (one at its start was the whole storage; one inside it none)
+        with pytest.raises(RuntimeError, match=r"cannot be sliced \(s\[i:j\]\); slice a tensor of it"):
+            x.untyped_storage()[sliced]
+    assert x.untyped_storage()[4] == torch.arange(4.0).untyped_storage()[4]  # (a byte: as on the CPU)
+    assert torch.equal(x.cpu(), torch.arange(4.0))
 
 
 def test_the_legacy_save_format_is_refused_in_words_and_loads_onto_the_device(remote, tmp_path):

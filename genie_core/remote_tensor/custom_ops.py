@@ -24,16 +24,17 @@ def make_known(func: Any, stream: OpStream) -> None:
     module = getattr(getattr(opdef, "_init_fn", None), "__module__", None)
     if module == "__main__":
         _define(opdef, stream)
-    elif module and module not in stream.imported:
-        stream.imported.add(module)
+    elif module and module not in stream.definitions.imported:
+        stream.definitions.imported.add(module)
         stream.record(("import", module))
+        stream.definitions.sent(module)
         stream.new_generation()  # (a module may register kernels for any op)
 
 
 def _define(opdef: Any, stream: OpStream) -> None:
     name = f"{opdef._namespace}::{opdef._name}"
     kernels = (*opdef._backend_fns.items(), ("fake", opdef._abstract_fn))
-    if stream.defined.get(name) == kernels:
+    if stream.definitions.defined.get(name) == kernels:
         return
     import cloudpickle
 
@@ -46,8 +47,9 @@ def _define(opdef: Any, stream: OpStream) -> None:
             f"custom op {name}: its kernels cannot be sent to the server ({type(e).__name__}: {e}); define it "
             "in a module the server can import"
         ) from e
-    stream.defined[name] = kernels
+    stream.definitions.defined[name] = kernels
     stream.record(("define", name, schema[schema.index("(") :], sent))
+    stream.definitions.sent(name)
 
 
 def _as_written(kernel: Any) -> Any:

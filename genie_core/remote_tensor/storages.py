@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .connection import DEVICE_TYPE
-from .output_specs import Layout
+from .output_specs import Layout, layout_of
 
 _BASE = 1 << 62  # addresses from here: past any process's memory, and past CPU addresses torch.load tags
 _END = (1 << 63) - 1  # (a storage's address is a signed 64-bit pointer)
@@ -121,7 +121,8 @@ def register() -> None:
     """`torch.UntypedStorage(n or bytes, device="remote_accelerator")`, and what makes one (a
     storage's `clone()`, a typed storage's casts): a remote tensor's storage, as CUDA gives a device
     storage. PyTorch's constructor asks the device for an allocator, which a device defined in Python
-    has not, and crashes the process."""
+    has not, and crashes the process. A slice of one (`s[i:j]`) is refused in words: PyTorch's
+    names memory inside it, which would be read as the whole storage or as none."""
     plain: Any = torch.UntypedStorage.__new__
 
     def __new__(cls: type, *args: Any, device: Any = None, **kwargs: Any) -> Any:
@@ -140,6 +141,17 @@ def register() -> None:
         return plain(cls, *args, **kwargs) if device is None else plain(cls, *args, device=device, **kwargs)
 
     torch.UntypedStorage.__new__ = __new__  # type: ignore[method-assign]
+    item: Any = torch.UntypedStorage.__getitem__
+
+    def __getitem__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.device.type == DEVICE_TYPE and args and isinstance(args[0], slice):
+            raise RuntimeError(  # (PyTorch's makes a storage at an address inside this one's, named by none)
+                f"a {DEVICE_TYPE} storage cannot be sliced (s[i:j]); slice a tensor of it instead: "
+                "torch.empty(0, dtype=torch.uint8, device=s.device).set_(s)[i:j]"
+            )
+        return item(self, *args, **kwargs)
+
+    torch.UntypedStorage.__getitem__ = __getitem__  # type: ignore[method-assign]
 
 
 def named_by(storage: Any) -> SharedStorage | None:
@@ -204,6 +216,13 @@ def share(view: Any, source: Any) -> None:
     """`view` (a remote tensor an op just made, or one `set_` or `.data =` pointed elsewhere) names
     the storage of `source`: a remote tensor, or a storage object one gave (a storage of another
     device's leaves `view` as it is)."""
-    shared = named_by(source) if isinstance(source, torch.UntypedStorage) else of(source)
+    if not isinstance(source, torch.UntypedStorage):
+        view._shared = of(source)
+        return
+    shared = named_by(source)
+    if shared is None and source.device.type == DEVICE_TYPE:  # bytes torch.load tagged for the device:
+        # every view loaded from them names one storage, as they did where they were saved
+        shared = SharedStorage(layout_of(torch.uint8, (source.nbytes(),), (1,), 0))
+        source._genie_keeps = (shared, None)  # type: ignore[attr-defined]
     if shared is not None:
         view._shared = shared

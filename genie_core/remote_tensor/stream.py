@@ -16,6 +16,7 @@ from ..protocol import MessageType, contents, error_from
 from ..protocol.op_records import Expects, Record
 from ..serialize import deserialize_namespace
 from . import forks
+from .definitions import Definitions
 
 if TYPE_CHECKING:
     from .output_specs import OutputSpec
@@ -74,8 +75,7 @@ class OpStream:
         client.code_watchers.add(self)
         self.transfers = client.transfers  # its bytes' data plane, and the session's byte limit
         self.versions = _versions_if_they_differ(getattr(client, "server_versions", None) or {}, torch.__version__)
-        self.imported: set[str] = set()  # modules defining custom ops, imported on the server
-        self.defined: dict[str, Any] = {}  # notebook custom ops sent to the server: name -> their kernels then
+        self.definitions = Definitions()  # custom ops' modules and notebook custom ops sent to the server
         self.graphs: set[str] = set()  # compiled graphs the server holds, by content hash (compiler.py)
         # On a small machine the server and this kernel share the cores: overlapping them costs more
         # than it saves (benchmarks/llm.py measures both).
@@ -274,6 +274,7 @@ class OpStream:
                     sent = self._send({"ops": records, "fetch": [], "answer": -1, "sync": False}, len(records))
                 except BaseException:
                     self._checking = []  # what they carried to check never ran
+                    self.definitions.forget(self.definitions.taken())
                     raise
                 self._inflight.append((sent, len(records)))
 
@@ -296,9 +297,14 @@ class OpStream:
             self._borrowed = False
             answer = len(records) - 1 if last is not None else -1
             checking, self._checking = self._checking, []
-            request = self._send({"ops": records, "fetch": fetch, "answer": answer, "sync": sync}, len(records))
+            sent_names = self.definitions.taken()
+            try:
+                request = self._send({"ops": records, "fetch": fetch, "answer": answer, "sync": sync}, len(records))
+            except BaseException:
+                self.definitions.forget(sent_names)
+                raise
             earlier, self._inflight = self._inflight, []
-        return records, request, earlier, checking
+        return records, request, earlier, checking, sent_names
 
     def _refuse_while_capturing(self) -> None:
         if self._uncaptured is not None:
@@ -307,7 +313,17 @@ class OpStream:
                 f"on {self.device} (as on CUDA): capture only device work, read values after the capture"
             )
 
-    def _exchange(
+    def _exchange(self, *taken: Any) -> contents.TensorReply:
+        """Wait for the batches `_send_taken` took (see _replies); on a failure, the definitions
+        they sent are forgotten (definitions.py)."""
+        *batch, sent_names = taken
+        try:
+            return self._replies(*batch)
+        except BaseException:
+            self.definitions.forget(sent_names)
+            raise
+
+    def _replies(
         self, records: list[Record], request: Any, earlier: list[tuple[Any, int]], checking: list[Any]
     ) -> contents.TensorReply:
         """Wait for every batch sent before `records` and then for theirs (see flush)."""
