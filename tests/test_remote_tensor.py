@@ -395,6 +395,32 @@ def test_save_and_load_like_cuda(remote, tmp_path):
     assert fresh_opt.state_dict()["state"][0]["exp_avg"].device == torch.device(DEV)
 
 
+def test_safetensors_files_load_onto_the_device(remote, tmp_path):
+    """`load_file`, `load_model` and `safe_open` with device="remote_accelerator:0", as with "cuda"
+    (safetensors itself refuses a device type it does not know); other devices stay safetensors' own."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, load_model, save_file, save_model
+
+    path = tmp_path / "w.safetensors"
+    weights = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2, dtype=torch.bfloat16), "c": torch.arange(5)}
+    save_file(weights, path)
+    for device in (DEV, torch.device(DEV)):
+        loaded = load_file(path, device=device)
+        assert sorted(loaded) == ["a", "b", "c"]
+        for name, t in loaded.items():
+            assert t.device == torch.device(DEV) and torch.equal(t.cpu(), weights[name]), name
+    with safe_open(path, framework="pt", device=DEV) as f:
+        assert sorted(f.keys()) == ["a", "b", "c"] and f.get_slice("c").get_shape() == [5]
+        part = f.get_slice("c")[1:4]  # (a CPU view at an offset, before it moves)
+        assert part.device == torch.device(DEV) and torch.equal(part.detach().cpu(), torch.arange(1, 4))
+    assert load_file(path)["a"].device.type == "cpu"
+    model, fresh = MLP(), MLP().to(DEV)
+    save_model(model, tmp_path / "m.safetensors")
+    assert load_model(fresh, tmp_path / "m.safetensors", device=DEV) == (set(), [])
+    for name, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name].cpu(), value), name
+
+
 def test_a_cpu_checkpoint_loads_onto_the_device(remote, tmp_path):
     base = torch.arange(12.0).reshape(3, 4)
     path = tmp_path / "cpu.pt"
@@ -609,6 +635,33 @@ def test_a_model_on_the_device_saves_with_save_pretrained_and_safetensors(remote
     assert torch.equal(back["x"], x.cpu()) and torch.equal(back["y"], y.cpu())
     with pytest.raises(RuntimeError, match="share memory"):  # as for a CPU tensor and its view
         save_file({"x": x, "same": x.detach()}, tmp_path / "shared.safetensors")
+
+
+CPU_VIEWS = {
+    "slice": lambda: torch.arange(12.0)[3:9],
+    "row": lambda: torch.arange(12.0).reshape(3, 4)[1],
+    "rows": lambda: torch.arange(12.0).reshape(3, 4)[1:],
+    "column": lambda: torch.arange(12.0).reshape(3, 4)[:, 1],
+    "corner": lambda: torch.arange(12.0).reshape(3, 4)[1:, 2:],
+    "big slice": lambda: torch.arange(70_000.0)[5:],  # (past the data plane's threshold)
+}
+
+
+@pytest.mark.parametrize("view", list(CPU_VIEWS))
+def test_a_cpu_view_moved_to_the_device_is_laid_out_as_its_copy(remote, view):
+    """`x[1:].to(device)` is a tensor of its own, from its storage's start, as `.to("cuda")` gives
+    (it was a tensor at the view's offset into a storage that had only its elements on the server:
+    the first op whose output the server checks failed)."""
+    found = []
+    for device in ("cpu", DEV):
+        v = CPU_VIEWS[view]()
+        moved = v.to(device) if device == DEV else v.clone()
+        layout = (moved.shape, moved.stride(), moved.storage_offset(), moved.untyped_storage().nbytes())
+        ops = (moved.detach(), moved.reshape(-1)[1:], moved.unsqueeze(0).transpose(0, -1), moved.mul_(2) + 1)
+        found.append((layout, [op.cpu() for op in ops]))
+    assert found[1][0] == found[0][0]
+    for got, expected in zip(found[1][1], found[0][1], strict=True):
+        assert torch.equal(got, expected)
 
 
 def test_an_uploaded_tensor_grows_as_one_made_on_the_device(remote):

@@ -153,7 +153,7 @@ def register() -> None:
         from . import serialization
 
         serialization.register()
-        from . import accelerator, attention, autocast, compiler, lazy, pinned, storages, whole_ops
+        from . import accelerator, attention, autocast, compiler, lazy, pinned, safetensors_files, storages, whole_ops
 
         accelerator.register()
         storages.register()
@@ -163,6 +163,7 @@ def register() -> None:
         whole_ops.register()
         pinned.register()
         compiler.register()
+        safetensors_files.register()
         _registered = True
 
 

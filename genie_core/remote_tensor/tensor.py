@@ -408,7 +408,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
             if type(dst) is not RemoteTensor:  # remote -> local
                 return dst.copy_(stream.fetch(src._rid))
             if local and _takes_storage(dst, src, stream):  # `.to()`, `torch.tensor(data, device=...)`
-                return dispatch(_SET_TENSOR, (dst, src), {})
+                return dispatch(_SET_TENSOR, (dst, _from_its_first_element(src)), {})
 
     if info.foreign:
         custom_ops.make_known(func, stream)
@@ -505,6 +505,17 @@ def _takes_storage(dst: RemoteTensor, src: Any, stream: OpStream) -> bool:
         and src.is_contiguous()
         and stream.made_empty_last(dst._rid)
     )
+
+
+def _from_its_first_element(src: torch.Tensor) -> torch.Tensor:
+    """A CPU view (`x[1:]`) whose storage starts at its first element: the same memory. Only the
+    elements go up, into a storage of their own on the server, so a tensor that takes them as its
+    own must start there too (as `x[1:].to("cuda")` does), not at the view's offset."""
+    if not src.storage_offset():
+        return src
+    start = src.storage_offset() * src.element_size()
+    storage = src.untyped_storage()[start:]  # (a CPU storage's slice: the same memory, kept alive by it)
+    return torch.empty(0, dtype=src.dtype).set_(storage, 0, src.shape, src.stride())
 
 
 def _split(enc: list[Any], args: tuple, kwargs: dict) -> tuple[tuple, dict | None]:

@@ -97,8 +97,8 @@ def _agree(name: str, value: torch.Tensor, want: Expect, inputs: Any) -> torch.T
         return torch.empty_strided(shape, stride, dtype=dtype, device=value.device).copy_(value)
     raise RuntimeError(
         f"{name} gave a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)} "
-        f"(strides {value.stride()}) "
-        f"on the server where its meta kernel promised {str(dtype).removeprefix('torch.')} {shape} (strides {stride}): "
+        f"(strides {value.stride()}, offset {value.storage_offset()}) on the server where its meta kernel promised "
+        f"{str(dtype).removeprefix('torch.')} {shape} (strides {stride}, offset {offset}): "
         "this op is not supported on remote_accelerator for these arguments"
     )
 
