@@ -644,21 +644,28 @@ CPU_VIEWS = {
     "column": lambda: torch.arange(12.0).reshape(3, 4)[:, 1],
     "corner": lambda: torch.arange(12.0).reshape(3, 4)[1:, 2:],
     "big slice": lambda: torch.arange(70_000.0)[5:],  # (past the data plane's threshold)
+    "conjugate": lambda: torch.view_as_complex(torch.arange(8.0).reshape(4, 2))[1:].conj(),
+}
+MOVES = {
+    "to": lambda v, device: v.to(device) if device == DEV else v.clone(),
+    "copy_ into empty_like": lambda v, device: torch.empty_like(v, device=device).copy_(v),
 }
 
 
+@pytest.mark.parametrize("move", list(MOVES))
 @pytest.mark.parametrize("view", list(CPU_VIEWS))
-def test_a_cpu_view_moved_to_the_device_is_laid_out_as_its_copy(remote, view):
+def test_a_cpu_view_moved_to_the_device_is_laid_out_as_its_copy(remote, view, move):
     """`x[1:].to(device)` is a tensor of its own, from its storage's start, as `.to("cuda")` gives
     (it was a tensor at the view's offset into a storage that had only its elements on the server:
-    the first op whose output the server checks failed)."""
+    the first op whose output the server checks failed), with the view's values (a conjugate view's
+    conjugated)."""
     found = []
     for device in ("cpu", DEV):
-        v = CPU_VIEWS[view]()
-        moved = v.to(device) if device == DEV else v.clone()
+        moved = MOVES[move](CPU_VIEWS[view](), device)
         layout = (moved.shape, moved.stride(), moved.storage_offset(), moved.untyped_storage().nbytes())
+        layout += (moved.is_conj(),)
         ops = (moved.detach(), moved.reshape(-1)[1:], moved.unsqueeze(0).transpose(0, -1), moved.mul_(2) + 1)
-        found.append((layout, [op.cpu() for op in ops]))
+        found.append((layout, [op.cpu().resolve_conj() for op in ops]))
     assert found[1][0] == found[0][0]
     for got, expected in zip(found[1][1], found[0][1], strict=True):
         assert torch.equal(got, expected)

@@ -515,7 +515,10 @@ def _from_its_first_element(src: torch.Tensor) -> torch.Tensor:
         return src
     start = src.storage_offset() * src.element_size()
     storage = src.untyped_storage()[start:]  # (a CPU storage's slice: the same memory, kept alive by it)
-    return torch.empty(0, dtype=src.dtype).set_(storage, 0, src.shape, src.stride())
+    rebased = torch.empty(0, dtype=src.dtype).set_(storage, 0, src.shape, src.stride())
+    torch._C._set_conj(rebased, src.is_conj())  # (lazy conjugation and negation, kept)
+    torch._C._set_neg(rebased, src.is_neg())
+    return rebased
 
 
 def _split(enc: list[Any], args: tuple, kwargs: dict) -> tuple[tuple, dict | None]:
