@@ -671,6 +671,31 @@ def test_a_cpu_view_moved_to_the_device_is_laid_out_as_its_copy(remote, view, mo
         assert torch.equal(got, expected)
 
 
+DEVICE_VIEWS = {
+    "transposed": lambda d: torch.arange(12.0, device=d).reshape(3, 4).T,
+    "transposed rows": lambda d: torch.arange(16.0, device=d).reshape(4, 4)[1:].T,
+    "channels_last": lambda d: torch.arange(96.0, device=d).reshape(2, 3, 4, 4).to(memory_format=torch.channels_last),
+    "permuted": lambda d: torch.arange(24.0, device=d).reshape(2, 3, 4).permute(2, 0, 1),
+    "expanded": lambda d: torch.arange(3.0, device=d).expand(4, 3),
+    "every other": lambda d: torch.arange(12.0, device=d)[1::2],
+}
+
+
+@pytest.mark.parametrize("view", list(DEVICE_VIEWS))
+def test_cpu_of_a_remote_tensor_keeps_its_strides_as_cuda_does(remote, view):
+    """`.cpu()` and `.to("cpu", dtype)` lay a dense tensor out as it is on the device (transposed,
+    channels_last), as `.to()` does between any two devices; a gapped or overlapping one comes
+    contiguous. (The fetch's bytes arrive in C order: they came contiguous whatever the tensor.)"""
+    cpu, remote_view = DEVICE_VIEWS[view]("cpu"), DEVICE_VIEWS[view](DEV)
+    for fetched, expected in (
+        (remote_view.cpu(), cpu.clone()),
+        (remote_view.to("cpu", torch.float64), cpu.to(torch.float64)),
+        (remote_view.to("cpu", memory_format=torch.contiguous_format), cpu.contiguous()),
+    ):
+        assert (fetched.stride(), fetched.storage_offset(), fetched.dtype) == (expected.stride(), 0, expected.dtype)
+        assert torch.equal(fetched, expected)
+
+
 def test_an_uploaded_tensor_grows_as_one_made_on_the_device(remote):
     """resize_, an out= that grows, and addbmm_'s (1,) self, on tensors sent from here: a small
     upload gets memory of its own on a CPU server (it was the message's, which cannot grow); a big

@@ -399,7 +399,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         if func is _TO_COPY:
             device = kwargs.get("device")
             if device is not None and not _is_remote_device(device):
-                local_copy = stream.fetch(args[0]._rid)
+                local_copy = _laid_out_as(stream.fetch(args[0]._rid), args[0], kwargs)
                 if _already_as_asked(local_copy, args[0], kwargs):
                     return local_copy  # fetched into memory of its own: the user's now (no second copy)
                 return func(local_copy, **kwargs)
@@ -477,6 +477,25 @@ def _storage_set(args: tuple) -> None:
     """`t.set_(x)` or `t.set_(x.untyped_storage(), ...)`: t names x's storage from here."""
     if type(args[1]) is RemoteTensor or isinstance(args[1], torch.UntypedStorage):
         storages.share(args[0], args[1])
+
+
+def _laid_out_as(fetched: torch.Tensor, remote: Any, kwargs: dict) -> torch.Tensor:
+    """A fetched copy (its values in C order) with the remote tensor's strides where `.to()` keeps
+    them, as a CUDA tensor's `.cpu()` does: a dense one's (transposed, channels_last), not an
+    overlapping or gapped one's (expanded, sliced with a step), which comes contiguous."""
+    if fetched.stride() == remote.stride() or kwargs.get("memory_format") not in (None, torch.preserve_format):
+        return fetched
+    dims = sorted(((n, s) for n, s in zip(remote.shape, remote.stride(), strict=True) if n != 1), key=_stride)
+    dense, step = True, 1  # (PyTorch's test: by growing stride, each dim's the product of those before)
+    for n, stride in dims:
+        dense, step = dense and stride == step, step * n
+    if not dense:
+        return fetched
+    return torch.empty_strided(remote.shape, remote.stride(), dtype=fetched.dtype).copy_(fetched)
+
+
+def _stride(dim: tuple[int, int]) -> int:
+    return dim[1]
 
 
 def _already_as_asked(fetched: torch.Tensor, remote: Any, kwargs: dict) -> bool:
