@@ -192,6 +192,9 @@ def test_values_for_python(remote):
     assert "device='remote_accelerator:0'" in repr(x)
     branch = "negative" if x[1] < 0 else "not negative"  # control flow on a remote value
     assert branch == "negative" and not (x[0] < 0)
+    # elements PyTorch's C++ reads itself, below Python dispatch (it failed: no kernel for the device)
+    assert torch.equal(torch.tensor([x[0], x[2]]), torch.tensor([1.5, 3.25]))
+    assert torch.equal(torch.tensor([[x[1], 1.0]], device=DEV).cpu(), torch.tensor([[-2.0, 1.0]]))
 
 
 def test_dtypes_round_trip_bit_exact(remote):

@@ -104,6 +104,8 @@ def _factory_kernels(lib: Any) -> None:
     lib.impl(
         "silu_backward", whole(torch.ops.aten.silu_backward.default), "PrivateUse1"
     )  # (mish_backward has no meta kernel)
+    # A value read below Python dispatch: `torch.tensor([t[0], t[1]])` reads each element in C++.
+    lib.impl("_local_scalar_dense", whole(torch.ops.aten._local_scalar_dense.default), "PrivateUse1")
 
     # Autograd's zeros that carry no memory (ZeroTensor): plain zeros on the server.
     lib.impl("_efficientzerotensor", make("_efficientzerotensor.default", "aten.zeros.default"), "PrivateUse1")
