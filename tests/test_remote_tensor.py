@@ -197,6 +197,36 @@ def test_values_for_python(remote):
     assert torch.equal(torch.tensor([[x[1], 1.0]], device=DEV).cpu(), torch.tensor([[-2.0, 1.0]]))
 
 
+def test_record_stream_and_dlpack_as_a_device_without_local_memory(remote):
+    """`record_stream` (bound or not, with this device's stream or `torch.accelerator`'s) does
+    nothing, as the server frees a tensor after every op that uses it; DLPack, which would share
+    memory this process has not, is refused in words; neither loses what was recorded before."""
+    import numpy as np
+
+    x = torch.arange(6.0, device=DEV)
+    x.record_stream(torch.remote_accelerator.current_stream())
+    torch.Tensor.record_stream(x, torch.accelerator.current_stream())  # (it reaches the op itself)
+    with pytest.raises(RuntimeError, match="is not a stream of remote_accelerator:0"):
+        x.record_stream(torch.Stream(device="cpu"))
+    with pytest.raises(BufferError, match="cannot be shared by DLPack: its memory is on the server"):
+        np.from_dlpack(x)
+    made_over_raw_memory = torch.from_dlpack(torch.utils.dlpack.to_dlpack(x))
+    with pytest.raises(RuntimeError, match="is not a remote tensor: it was made over raw memory"):
+        made_over_raw_memory + 1  # (it recursed without end)
+    assert torch.equal((x + 1).cpu(), torch.arange(1.0, 7.0))
+
+
+def test_an_argument_that_cannot_be_sent_is_refused_at_its_op():
+    """Pickled with its batch, it would fail the whole batch's send, losing every op before it."""
+    import threading
+
+    from genie_core.remote_tensor import tensor as remote_tensor
+
+    with pytest.raises(TypeError, match="an argument of type lock cannot be sent to the server"):
+        remote_tensor._encode_other(threading.Lock())
+    assert remote_tensor._encode_other(torch.device("cpu")) == torch.device("cpu")
+
+
 def test_dtypes_round_trip_bit_exact(remote):
     for dtype in (
         torch.float16,

@@ -4,13 +4,14 @@ server when a value is needed."""
 
 from __future__ import annotations
 
+import pickle
 from collections import OrderedDict
 from typing import Any, SupportsIndex
 
 import torch
 from torch.utils._mode_utils import no_dispatch
 
-from ..protocol.tensor_ops import RemoteDevice, StorageOf, TensorRef, encode_value, ref
+from ..protocol.tensor_ops import HostTensor, RemoteDevice, StorageOf, TensorRef, encode_value, ref
 from . import custom_ops, device_model, serialization, storages
 from .output_specs import Layout, OutputSpec, aliases, expectations, layout_of
 from .stream import OpStream, _ids, new_id, new_ids
@@ -22,6 +23,7 @@ DEVICE_TYPE = "remote_accelerator"
 _LOCAL_SCALAR = aten._local_scalar_dense.default
 _TO_COPY = aten._to_copy.default
 _COPY = aten.copy_.default
+_RECORD_STREAM = aten.record_stream.default
 _SET_STORAGE = (aten.set_.source_Storage, aten.set_.source_Storage_storage_offset)
 _SET_TENSOR = aten.set_.source_Tensor
 
@@ -166,6 +168,19 @@ class RemoteTensor(torch.Tensor):
             (self.detach().cpu(), self.dtype, str(self.device), self.requires_grad),
         )
 
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused in words (DLPack's `BufferError`): its memory is on the server, not in this process."""
+        raise BufferError(
+            f"a {DEVICE_TYPE} tensor cannot be shared by DLPack: its memory is on the server; use .cpu() or .numpy()"
+        )
+
+    def record_stream(self, stream: Any) -> None:
+        """Nothing to do: the server runs a device's work in one order, and frees a tensor after
+        every op that uses it, whichever stream the notebook named (`torch.cuda`'s use: keeping
+        memory from reuse while another stream reads it)."""
+        if getattr(stream, "device", None) != self.device and getattr(stream, "device_type", None) != self.device.type:
+            raise RuntimeError(f"record_stream: {stream} is not a stream of {self.device}")
+
     def __deepcopy__(self, memo: dict) -> Any:
         """A copy on the same device (recorded, no round trip); Parameters stay Parameters."""
         if id(self) in memo:
@@ -301,7 +316,7 @@ class _OpInfo:
         self.learn = func in _DEVICE_DEPENDENT
         self.aliases = aliases(func)
         self.view_of = storages.view_of(func)  # the argument its output shares a storage with
-        self.special = func in (_LOCAL_SCALAR, _TO_COPY, _COPY)
+        self.special = func in (_LOCAL_SCALAR, _TO_COPY, _COPY, _RECORD_STREAM)
         self.foreign = func.namespace not in ("aten", "prims")
 
 
@@ -387,8 +402,11 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     info = func.__dict__.get("_genie")  # (not a dict keyed by the op: its __hash__ is Python code)
     if info is None:
         info = func._genie = _OpInfo(func)
-    if info.special and func is _COPY and isinstance(args[1], _Uninitialized) and uninitialized_copy is not None:
-        return uninitialized_copy(args[0], args[1])  # `.to()` of a lazy module's parameter: no values yet
+    if info.special:
+        if func is _COPY and isinstance(args[1], _Uninitialized) and uninitialized_copy is not None:
+            return uninitialized_copy(args[0], args[1])  # `.to()` of a lazy module's parameter: no values yet
+        if func is _RECORD_STREAM:  # (`Tensor.record_stream(t, s)`: see RemoteTensor.record_stream)
+            return None
     stream, sig, local, enc = _scan(args, kwargs)
     if stream is None:
         raise RuntimeError("no remote tensor among the arguments")
@@ -554,7 +572,19 @@ def _encode_other(a: Any) -> Any:
         raise NotImplementedError(
             "explicit torch.Generator objects are not supported on remote tensors; use torch.manual_seed"
         )
+    if type(a) not in _SENDABLE:  # refused at the op: pickled with its batch, it would lose the batch
+        try:
+            pickle.dumps(a, protocol=5, buffer_callback=_no_copy)
+        except Exception as e:
+            raise TypeError(f"an argument of type {type(a).__name__} cannot be sent to the server: {e}") from None
     return encode_value(a)
+
+
+_SENDABLE = frozenset({bytes, torch.device, torch.Size, torch.memory_format, torch.qscheme, HostTensor, RemoteDevice})
+
+
+def _no_copy(buffer: Any) -> None:
+    """(Big buffers stay out of the check: the batch sends them out of band.)"""
 
 
 def _outputs(out_meta: Any, aliases: dict, args: tuple, kwargs: dict, stream: OpStream) -> tuple[list, list, list]:
@@ -599,19 +629,18 @@ def _encoder(stream: OpStream, uploads: list[int]) -> Any:
         if isinstance(a, torch.Tensor):
             if a.device.type == "meta":
                 raise RuntimeError("meta tensors cannot be mixed with remote tensors")
+            if a.device.type == DEVICE_TYPE:  # (storages.as_remote gave it back: no remote tensor's)
+                raise RuntimeError(
+                    f"this {a.device} tensor is not a remote tensor: it was made over raw memory (DLPack, "
+                    "C++ code), which this device has not in this process; make it on the device, or from a CPU tensor"
+                )
             rid = new_id()
             stream.upload(rid, a)  # a snapshot, or sent at the end of the op: later local changes must not leak in
             uploads.append(rid)
             return ref(rid)
-        if _is_remote_device(a):
-            return RemoteDevice()
-        if isinstance(a, torch.Generator):
-            raise NotImplementedError(
-                "explicit torch.Generator objects are not supported on remote tensors; use torch.manual_seed"
-            )
         if isinstance(a, torch.UntypedStorage):
             return _encode_storage(a, stream)
-        return encode_value(a)
+        return a if type(a) in _PLAIN or type(a) in _TYPED else _encode_other(a)
 
     return encode
 
