@@ -524,6 +524,43 @@ def test_a_tensor_and_its_views_name_one_storage_as_on_the_cpu(remote, op):
         assert torch.equal(again.cpu(), torch.arange(4.0, 8.0))
 
 
+CONJUGATE_VIEWS = {  # each of `conj(x)`: a conjugate view, and (to fill the meta cache first) x itself
+    "imag of a conjugate": lambda x, conj: conj(x).imag,
+    "transposed conjugate": lambda x, conj: conj(x).T,
+    "its conjugate": lambda x, conj: conj(x).T.conj(),
+    "a row of a conjugate": lambda x, conj: conj(x)[0],
+    "real of a transposed conjugate": lambda x, conj: conj(x).T.real,
+    "imag of a row of a conjugate": lambda x, conj: conj(x)[0].imag,
+    "a row of the adjoint": lambda x, conj: conj(x).T[0],
+    "a conjugate reshaped": lambda x, conj: conj(x).reshape(4),
+    "a negative view's row": lambda x, conj: conj(x).imag[1],
+    "a row of a conjugate transposed in place": lambda x, conj: conj(x).t_()[1],
+    "resolved, then viewed as real": lambda x, conj: torch.view_as_real(conj(x).T.resolve_conj()),
+}
+
+
+@pytest.mark.parametrize("view", list(CONJUGATE_VIEWS))
+def test_a_view_of_a_conjugate_or_negative_view_is_one_as_on_the_cpu(remote, view):
+    """PyTorch's test_view_ops (test_conj_imag_view) found it: a view op of a lazily conjugated or
+    negated tensor lost the bit here, not on the server (a view_as_real there then failed); the
+    same op on a plain tensor of the same layout, run first, is another signature."""
+    found = []
+    for device in ("cpu", DEV):
+        x = torch.tensor([[1 + 2j, 3 + 4j], [5 - 6j, -7 + 8j]], device=device)
+        CONJUGATE_VIEWS[view](x.clone(), lambda t: t)
+        v = CONJUGATE_VIEWS[view](x, torch.conj)
+        found.append(((v.is_conj(), v.is_neg(), v.shape, v.stride()), v.cpu().resolve_conj().resolve_neg()))
+    assert found[1][0] == found[0][0]
+    assert torch.equal(found[1][1], found[0][1])
+
+
+def test_a_view_a_negative_view_refuses_is_refused_at_the_op(remote):
+    with pytest.raises(RuntimeError, match="negative bit"):
+        torch.tensor([1 + 2j, 3 + 4j]).conj().imag.view(torch.int32)  # (the CPU's words)
+    with pytest.raises(RuntimeError, match="negative bit"):
+        torch.tensor([1 + 2j, 3 + 4j], device=DEV).conj().imag.view(torch.int32)
+
+
 def _storage_uses(device: str) -> list:
     """What code does with storages, on one device: PyTorch's own storage methods for the CPU."""
     x = torch.arange(6.0, device=device)

@@ -13,22 +13,26 @@ from ..protocol.op_records import Expects
 _alias_cache: dict[Any, dict[int, Any]] = {}  # op -> {output position: the argument it writes}
 
 
+CONJUGATE, NEGATIVE = 1, 2  # a layout's `bits`: a lazily conjugated or negated view
+
+
 class Layout:
-    """A remote tensor's dtype, shape, strides and offset, interned: equal layouts are one object,
-    which the meta-shape cache hashes and compares by identity (reading them off a tensor costs
-    four calls into PyTorch per argument per op)."""
+    """A remote tensor's dtype, shape, strides and offset, and whether it is a conjugate or negative
+    view (`bits`: a view op's output keeps them, as its meta kernel says), interned: equal layouts
+    are one object, which the meta-shape cache hashes and compares by identity (reading them off a
+    tensor costs four calls into PyTorch per argument per op)."""
 
-    __slots__ = ("dtype", "offset", "shape", "stride")
+    __slots__ = ("bits", "dtype", "offset", "shape", "stride")
 
-    def __init__(self, dtype: Any, shape: tuple, stride: tuple, offset: int) -> None:
-        self.dtype, self.shape, self.stride, self.offset = dtype, shape, stride, offset
+    def __init__(self, dtype: Any, shape: tuple, stride: tuple, offset: int, bits: int) -> None:
+        self.dtype, self.shape, self.stride, self.offset, self.bits = dtype, shape, stride, offset, bits
 
 
 _layouts: dict[tuple, Layout] = {}
 
 
-def layout_of(dtype: Any, shape: Any, stride: Any, offset: int) -> Layout:
-    key = (dtype, tuple(shape), tuple(stride), offset)
+def layout_of(dtype: Any, shape: Any, stride: Any, offset: int, bits: int = 0) -> Layout:
+    key = (dtype, tuple(shape), tuple(stride), offset, bits)
     found = _layouts.get(key)
     if found is None:
         if len(_layouts) > 200_000:  # (tensors keep theirs; equal new ones then miss the cache once)

@@ -13,7 +13,7 @@ from torch.utils._mode_utils import no_dispatch
 
 from ..protocol.tensor_ops import HostTensor, RemoteDevice, StorageOf, TensorRef, encode_value, ref
 from . import custom_ops, device_model, serialization, storages
-from .output_specs import Layout, OutputSpec, aliases, expectations, layout_of
+from .output_specs import CONJUGATE, NEGATIVE, Layout, OutputSpec, aliases, expectations, layout_of
 from .stream import OpStream, _ids, new_id, new_ids
 
 aten = torch.ops.aten
@@ -302,7 +302,7 @@ def set_metadata(t: torch.Tensor, size: Any, stride: Any, offset: int) -> None:
         finally:
             torch._C._set_meta_in_tls_dispatch_include(was)
     if isinstance(t, RemoteTensor):
-        t._layout = layout_of(t.dtype, size, stride, offset)
+        t._layout = layout_of(t.dtype, size, stride, offset, t._layout.bits)
         storages.grown(t)
 
 
@@ -321,9 +321,10 @@ class _OpInfo:
 
 
 def _sig(a: Any) -> Any:
-    """One argument in the meta-cache key (tensors by dtype, shape, strides, offset, and whether remote)."""
+    """One argument in the meta-cache key (tensors by dtype, shape, strides, offset, conjugate and
+    negative bits, and whether remote)."""
     if isinstance(a, torch.Tensor):
-        return (a.dtype, a.shape, a.stride(), a.storage_offset(), type(a) is RemoteTensor)
+        return (a.dtype, a.shape, a.stride(), a.storage_offset(), _bits(a), type(a) is RemoteTensor)
     if isinstance(a, torch.UntypedStorage):
         return ("storage", a.nbytes())
     return typed_key(a)
@@ -607,10 +608,11 @@ def _outputs(out_meta: Any, aliases: dict, args: tuple, kwargs: dict, stream: Op
             out_ids.append(None)
         elif isinstance(m, torch.Tensor):
             r = RemoteTensor(m.shape, m.stride(), m.storage_offset(), m.dtype, stream)
-            if m.is_conj():  # lazy conjugation and negation, as on the server
-                torch._C._set_conj(r, True)
-            if m.is_neg():
-                torch._C._set_neg(r, True)
+            bits = _bits(m)
+            if bits:  # lazy conjugation and negation, as on the server (a view of such a view keeps them)
+                torch._C._set_conj(r, bool(bits & CONJUGATE))
+                torch._C._set_neg(r, bool(bits & NEGATIVE))
+                r._layout = layout_of(m.dtype, m.shape, m.stride(), int(m.storage_offset()), bits)
             results.append(r)
             out_ids.append(r._rid)
         else:
@@ -694,18 +696,27 @@ def _argument(alias: Any, args: tuple, kwargs: dict) -> Any:
 
 def _to_meta(a: Any) -> Any:
     if isinstance(a, torch.Tensor):
-        return (
+        m = (
             torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta").as_strided(
                 a.shape, a.stride(), a.storage_offset()
             )
             if a.storage_offset()
             else torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
         )
+        if a.is_conj() or a.is_neg():  # (a view op's meta output keeps them, as the server's does)
+            torch._C._set_conj(m, a.is_conj())
+            torch._C._set_neg(m, a.is_neg())
+        return m
     if _is_remote_device(a):
         return torch.device("meta")
     if isinstance(a, torch.UntypedStorage):
         return torch.UntypedStorage(a.nbytes(), device="meta")
     return a
+
+
+def _bits(t: torch.Tensor) -> int:
+    """Whether a tensor is a lazily conjugated or negated view (a Layout's `bits`)."""
+    return (CONJUGATE if t.is_conj() else 0) | (NEGATIVE if t.is_neg() else 0)
 
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
