@@ -888,4 +888,4 @@ def _run_eagerly(
         stream.meta_cache[learn] = OutputSpec(out, func)
     if described["tuple"]:
         return results if is_list else tuple(results)
-    return results[0]
+    return results[0] if returns else None  # (an op that returns nothing: `_fused_sgd_`)
