@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from genie_core.errors import RemoteError
+from genie_core.remote_tensor.connection import stream_for
 
 DEV = "remote_accelerator:0"
 
@@ -129,6 +130,29 @@ def test_a_definition_in_a_batch_that_failed_goes_again(remote):
     with pytest.raises(RemoteError, match="this kernel fails"):
         torch.remote_accelerator.synchronize()
     assert after_a_failure(x).cpu().tolist() == [7.0, 7.0]
+
+
+def test_an_op_that_returns_nothing_run_at_once_returns_none(remote):
+    """One whose outputs the client cannot know (here its fake says so, as a data-dependent op's
+    does) runs at once, one round trip; one that returns nothing then returns None, as on the CPU
+    (an IndexError before)."""
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
+    @torch.library.custom_op("genie_test::doubled", mutates_args=("x",))
+    @_in_notebook
+    def doubled(x: torch.Tensor) -> None:
+        x.mul_(2)
+
+    @doubled.register_fake
+    def _(x):
+        raise DynamicOutputShapeException("doubled")
+
+    for device in ("cpu", DEV):
+        x = torch.arange(3.0, device=device)
+        trips = stream_for(0).round_trips
+        assert doubled(x) is None
+        assert stream_for(0).round_trips - trips == (device == DEV)
+        assert x.cpu().tolist() == [0.0, 2.0, 4.0]
 
 
 def test_a_kernel_registered_after_first_use_runs_from_then_on(remote):

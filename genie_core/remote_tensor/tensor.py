@@ -823,8 +823,12 @@ def _output_specs(func, sig: list[Any], args: tuple, kwargs: dict, stream: OpStr
                 out = rule(*margs, **mkwargs)
             else:
                 out = device_model.outputs(func, margs, mkwargs, stream.device_kind)
-        except (NotImplementedError, *device_model.NOT_KNOWN_HERE):
-            return None  # no meta kernel, or a data-dependent output shape: run it on the server now
+        except NotImplementedError:
+            if func._schema.returns:
+                return None  # no meta kernel: run it on the server now
+            out = None  # one that makes nothing, only writes its arguments (`_fused_sgd_`): recorded
+        except device_model.NOT_KNOWN_HERE:
+            return None  # a data-dependent output shape: run it on the server now
         except RuntimeError as exc:
             if "meta" in str(exc).lower() and ("cannot" in str(exc).lower() or "not implemented" in str(exc).lower()):
                 return None
