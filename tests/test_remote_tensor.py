@@ -1101,6 +1101,29 @@ def test_a_sync_of_the_session_directory_is_a_change_of_code_as_a_cell_is(remote
     assert torch.equal(y.cpu(), torch.full((2, 9), 0.25))
 
 
+def test_what_a_failed_op_leaves_is_as_the_notebook_believes(remote):
+    """PyTorch's test_indexing found it: the server skipped every record after a failure, so a
+    write recorded after it (c.add_) was lost without a word. Now what does not depend on the
+    failure runs; what does fails naming it, and so does a tensor an op would have written from
+    it; the failed op's own target keeps its values, as where PyTorch raises at the op."""
+    c = torch.zeros(3, device=DEV)
+    c.cpu()
+    a = torch.zeros(3, device=DEV)
+    a.index_fill_(0, torch.tensor([0], device=DEV), 1 + 1j)  # (the server's kernel refuses the complex value)
+    c.add_(5)
+    b = torch.ones(3, device=DEV) + 1
+    e = torch.zeros(3, device=DEV).index_fill(0, torch.tensor([1], device=DEV), 1 + 1j)  # (fails too)
+    d = torch.zeros(3, device=DEV)
+    d.add_(e)
+    with pytest.raises(RemoteError, match=r"aten\.index_fill_"):  # (the first failure)
+        torch.ones(1, device=DEV).cpu()
+    assert c.cpu().tolist() == [5.0] * 3 and b.cpu().tolist() == [2.0] * 3
+    assert a.cpu().tolist() == [0.0] * 3
+    for lost in (e, d, e.sum()):
+        with pytest.raises(RemoteError, match=r"aten\.index_fill\.int_Scalar"):  # (its own, or as depended on)
+            lost.cpu()
+
+
 def test_a_failed_batch_verifies_nothing(remote):
     x = torch.arange(3.0, dtype=torch.float64).to(DEV)
     stream = x._stream

@@ -1,8 +1,8 @@
 """What one remote device's server was sent to define: the modules of custom ops, imported there,
 and custom ops defined in the notebook, sent by value (custom_ops.py). A name counts as known once
-it is sent, so it goes once; but a batch that failed may not have run it (the server stops at the
-first failure), so the names sent since the last good flush are forgotten then, and go again with
-their next use."""
+it is sent, so it goes once; but in a batch that failed, it may have been what failed (a module the
+server cannot import, kernels it cannot load), so the names sent since the last good flush are
+forgotten then, and go again with their next use."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ class Definitions:
         return names
 
     def forget(self, names: list[str]) -> None:
-        """Names a failed batch may not have run: they go again with their next use."""
+        """Names a failed batch may not have defined: they go again with their next use."""
         for name in names:
             self.imported.discard(name)
             self.defined.pop(name, None)

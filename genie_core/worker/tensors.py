@@ -34,6 +34,53 @@ class _Failed:
         self.error = error
 
 
+class _FailedEarlier(RuntimeError):
+    """An op's argument is a tensor whose op failed: the op fails too, naming that failure."""
+
+    def __init__(self, failed: _Failed) -> None:
+        super().__init__(f"depends on a remote op that failed earlier: {failed.op}: {failed.error}")
+        self.failed = failed
+        self.__cause__ = failed.error
+
+
+def _poison(store: Any, record: Record, failed: _Failed, written: bool) -> None:
+    """What a record that failed would have made, and, with `written` (it failed for want of a
+    tensor whose op failed), the tensors it would have written in place, which never got that
+    write: later uses name the first failure. (The target of an op that failed on its own
+    arguments is left as it was: PyTorch checks them before it writes.)"""
+    if record[0] == "put" or record[0] == "part":
+        store[record[1]] = _Failed("put", failed.error)
+    elif record[0] == "op" or record[0] == "call":
+        out_ids = record[4]
+        if not isinstance(out_ids, range):  # (a range: a list op's block of ids)
+            for rid in out_ids:
+                if rid is not None:
+                    store[rid] = failed
+        if written and record[0] == "op":
+            for rid in _written(record):
+                if rid in store:
+                    store[rid] = failed
+    elif record[0] == "capture":
+        for inner in record[2]:
+            _poison(store, inner, failed, written)
+
+
+def _written(record: OpRecord) -> list[int]:
+    """The ids of the tensors an op writes in place: its schema's `Tensor(a!)` arguments."""
+    _, name, args, kwargs, _, _ = record
+    namespace, packet, overload = name.split(".")
+    schema = getattr(getattr(getattr(torch.ops, namespace), packet), overload)._schema
+    ids = []
+    for position, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[position] if position < len(args) else (kwargs or {}).get(argument.name)
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if type(v) is TensorRef:
+                ids.append(ref_id(v))
+    return ids
+
+
 class _Failure(NamedTuple):
     """The first record of a batch that failed: its name, its place in the batch, the error."""
 
@@ -182,7 +229,7 @@ class TensorExecutor:
         if t is None:
             raise RuntimeError(f"remote tensor {rid} does not exist on the server (freed, or made in another session)")
         if isinstance(t, _Failed):
-            raise RuntimeError(f"depends on a remote op that failed earlier: {t.op}: {t.error}") from t.error
+            raise _FailedEarlier(t)
         return t
 
     def _resolve(self, value: Any) -> Any:
@@ -229,16 +276,15 @@ class TensorExecutor:
                 if graph_of or clocks or type(found) is CapturedGraph:
                     self._freed(record[1], found)
                 continue
-            if failure is not None and record[0] != "fail":  # skip the rest, poisoning what they would have made
-                self._poison(record, failure.op, failure.error)
-                continue
-            try:
+            try:  # (after a failure too: what does not depend on it runs, as the client believes it has)
                 out = self._run_op(record) if record[0] == "op" else self.step(record)
                 if index == answer:
                     eager = _answer(record, out)
             except Exception as exc:
-                failure = _Failure(name_of(record), index, exc)
-                self._poison(record, failure.op, exc)
+                if failure is None:
+                    failure = _Failure(name_of(record), index, exc)
+                earlier = exc.failed if isinstance(exc, _FailedEarlier) else None
+                _poison(self.store, record, earlier or _Failed(name_of(record), exc), earlier is not None)
         if timing is not None and records:
             _note_time(timing, records[-1], tick)
         return self._reply(request, failure, start, eager, timing)
@@ -277,21 +323,6 @@ class TensorExecutor:
         metas, buffers = serialize_namespace(fetch, each=host_copies.serialized)
         content["fetch"] = metas
         return content, buffers
-
-    def _poison(self, record: Record, op: str, error: BaseException) -> None:
-        """What a record that failed, or was skipped after a failure, would have made: later uses
-        name the failure."""
-        if record[0] == "put" or record[0] == "part":
-            self.store[record[1]] = _Failed("put", error)
-        elif record[0] == "op" or record[0] == "call":
-            out_ids = record[4]
-            if not isinstance(out_ids, range):  # (a range: a list op's block of ids)
-                for rid in out_ids:
-                    if rid is not None:
-                        self.store[rid] = _Failed(op, error)
-        elif record[0] == "capture":
-            for inner in record[2]:
-                self._poison(inner, op, error)
 
     def _free(self, rid: int) -> None:
         self._freed(rid, self.store.pop(rid, None))
