@@ -341,8 +341,11 @@ def test_garbage_collected_tensors_are_freed_remotely(remote):
 def test_a_server_side_error_is_raised_at_materialization_naming_the_op(remote):
     x = torch.arange(3.0).to(DEV)
     y = x[torch.tensor([10])]  # the shape is fine, so nothing can fail locally
-    with pytest.raises(RemoteError, match=r"aten\.index\.Tensor.*out of bounds"):
+    with pytest.raises(RemoteError, match=r"aten\.index\.Tensor.*out of bounds") as raised:
         y.cpu()
+    assert isinstance(raised.value, IndexError)  # (also of the kind the server raised: as on the CPU)
+    with pytest.raises(torch.linalg.LinAlgError, match="singular"):  # (PyTorch's own kind)
+        torch.linalg.inv(torch.zeros(2, 2, device=DEV)).cpu()
     with pytest.raises(RemoteError, match="depends on a remote op that failed"):
         (y + 1).cpu()
     assert torch.equal((x + 1).cpu(), torch.arange(3.0) + 1)  # the device stays usable
@@ -819,7 +822,7 @@ def test_cpu_of_a_remote_tensor_keeps_its_strides_as_cuda_does(remote, view):
 def test_an_uploaded_tensor_grows_as_one_made_on_the_device(remote):
     """resize_, an out= that grows, and addbmm_'s (1,) self, on tensors sent from here: a small
     upload gets memory of its own on a CPU server (it was the message's, which cannot grow); a big
-    one is refused in words."""
+    one is refused in words (the next test)."""
     x = torch.tensor([1.0, 2.0], device=DEV)
     x.resize_(6)
     assert torch.equal(x[:2].cpu(), torch.tensor([1.0, 2.0]))
@@ -831,10 +834,6 @@ def test_an_uploaded_tensor_grows_as_one_made_on_the_device(remote):
     remote_self = self_.to(DEV)
     remote_self.addbmm_(b1.to(DEV), b2.to(DEV))
     assert torch.equal(remote_self.cpu(), self_.clone().addbmm_(b1, b2))
-    big = torch.ones(1 << 18).to(DEV)
-    with pytest.raises(RemoteError, match=r"uploaded from the client.*clone"):
-        big.resize_(1 << 20)
-        big.sum().item()
 
 
 def test_a_scalar_formats_as_its_value(remote):
@@ -1104,8 +1103,8 @@ def test_a_sync_of_the_session_directory_is_a_change_of_code_as_a_cell_is(remote
 def test_what_a_failed_op_leaves_is_as_the_notebook_believes(remote):
     """PyTorch's test_indexing found it: the server skipped every record after a failure, so a
     write recorded after it (c.add_) was lost without a word. Now what does not depend on the
-    failure runs; what does fails naming it, and so does a tensor an op would have written from
-    it; the failed op's own target keeps its values, as where PyTorch raises at the op."""
+    failure runs; what does fails naming it, and so does a tensor a failed op would have written
+    (its values are not known: see the next test)."""
     c = torch.zeros(3, device=DEV)
     c.cpu()
     a = torch.zeros(3, device=DEV)
@@ -1118,10 +1117,24 @@ def test_what_a_failed_op_leaves_is_as_the_notebook_believes(remote):
     with pytest.raises(RemoteError, match=r"aten\.index_fill_"):  # (the first failure)
         torch.ones(1, device=DEV).cpu()
     assert c.cpu().tolist() == [5.0] * 3 and b.cpu().tolist() == [2.0] * 3
-    assert a.cpu().tolist() == [0.0] * 3
+    with pytest.raises(RemoteError, match=r"depends on a remote op that failed earlier: aten\.index_fill_"):
+        a.cpu()
     for lost in (e, d, e.sum()):
         with pytest.raises(RemoteError, match=r"aten\.index_fill\.int_Scalar"):  # (its own, or as depended on)
             lost.cpu()
+
+
+def test_a_tensor_an_op_failed_to_write_is_not_read(remote):
+    """`resize_` sets its target's new shape before it finds that the storage cannot grow (one
+    uploaded into the message's memory, on a CPU server): read after that, it crashed the worker
+    (SIGSEGV). The target is marked failed, in its batch and after it."""
+    big = torch.ones(1 << 18).to(DEV)
+    big.resize_(1 << 20)
+    with pytest.raises(RemoteError, match=r"uploaded from the client.*clone"):
+        big.sum().item()
+    with pytest.raises(RemoteError, match=r"depends on a remote op that failed earlier: aten\.resize_"):
+        big.sum().item()
+    assert torch.ones(2, device=DEV).sum().item() == 2.0
 
 
 def test_a_failed_batch_verifies_nothing(remote):

@@ -115,13 +115,13 @@ class OpStream:
 
     def refuse_over_limit(self, nbytes: int, what: str) -> None:
         """More bytes than the server lets the session hold: refused before any is sent, as an
-        out-of-memory error (out_of_memory.py)."""
+        out-of-memory error (torch_errors.py)."""
         try:
             self.transfers.refuse_over_limit(nbytes, what)
         except MemoryLimitExceeded as exc:
-            from . import out_of_memory  # (it imports torch: a session that never makes a tensor never does)
+            from . import torch_errors  # (it imports torch: a session that never makes a tensor never does)
 
-            raise out_of_memory.as_torch(exc, self.device.type) from None
+            raise torch_errors.as_torch(exc, self.device.type) from None
 
     def upload(self, rid: int, tensor: Any) -> None:
         """Record a CPU tensor's values going to the server as `rid`. One that goes by the data
@@ -355,9 +355,9 @@ class OpStream:
             bad, n = failure
             where = f"op {bad.get('index', 0) + 1} of {n} sent together"
             failed = error_from(bad, f"remote op {bad.get('op')} ({where}) failed{self.versions}: ")
-            from . import out_of_memory
+            from . import torch_errors
 
-            raise out_of_memory.as_torch(failed, self.device.type)
+            raise torch_errors.as_torch(failed, self.device.type)
         if content.get("fetch"):
             ref = content.get("data")  # staged by the worker: fetched over the data plane
             buffers = self.transfers.receive(ref, "fetch of remote tensors") if ref else reply.buffers

@@ -43,11 +43,12 @@ class _FailedEarlier(RuntimeError):
         self.__cause__ = failed.error
 
 
-def _poison(store: Any, record: Record, failed: _Failed, written: bool) -> None:
-    """What a record that failed would have made, and, with `written` (it failed for want of a
-    tensor whose op failed), the tensors it would have written in place, which never got that
-    write: later uses name the first failure. (The target of an op that failed on its own
-    arguments is left as it was: PyTorch checks them before it writes.)"""
+def _poison(store: Any, record: Record, failed: _Failed) -> None:
+    """What a record that failed would have made or written in place: later uses name the first
+    failure. A target is not known to be as it was: PyTorch may have begun to write it (`resize_`
+    sets the new shape before it finds the storage cannot grow: read, it would crash the worker),
+    or, failing for want of a tensor whose op failed, it never got the write the notebook believes
+    it did."""
     if record[0] == "put" or record[0] == "part":
         store[record[1]] = _Failed("put", failed.error)
     elif record[0] == "op" or record[0] == "call":
@@ -56,20 +57,23 @@ def _poison(store: Any, record: Record, failed: _Failed, written: bool) -> None:
             for rid in out_ids:
                 if rid is not None:
                     store[rid] = failed
-        if written and record[0] == "op":
+        if record[0] == "op":
             for rid in _written(record):
                 if rid in store:
                     store[rid] = failed
     elif record[0] == "capture":
         for inner in record[2]:
-            _poison(store, inner, failed, written)
+            _poison(store, inner, failed)
 
 
 def _written(record: OpRecord) -> list[int]:
     """The ids of the tensors an op writes in place: its schema's `Tensor(a!)` arguments."""
     _, name, args, kwargs, _, _ = record
     namespace, packet, overload = name.split(".")
-    schema = getattr(getattr(getattr(torch.ops, namespace), packet), overload)._schema
+    try:
+        schema = getattr(getattr(getattr(torch.ops, namespace), packet), overload)._schema
+    except AttributeError:  # (no such op here: it failed before it could write anything)
+        return []
     ids = []
     for position, argument in enumerate(schema.arguments):
         if argument.alias_info is None or not argument.alias_info.is_write:
@@ -283,8 +287,8 @@ class TensorExecutor:
             except Exception as exc:
                 if failure is None:
                     failure = _Failure(name_of(record), index, exc)
-                earlier = exc.failed if isinstance(exc, _FailedEarlier) else None
-                _poison(self.store, record, earlier or _Failed(name_of(record), exc), earlier is not None)
+                failed = exc.failed if isinstance(exc, _FailedEarlier) else _Failed(name_of(record), exc)
+                _poison(self.store, record, failed)
         if timing is not None and records:
             _note_time(timing, records[-1], tick)
         return self._reply(request, failure, start, eager, timing)
