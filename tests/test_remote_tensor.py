@@ -1137,6 +1137,28 @@ def test_a_tensor_an_op_failed_to_write_is_not_read(remote):
     assert torch.ones(2, device=DEV).sum().item() == 2.0
 
 
+def test_the_notebooks_numerics_settings_hold_where_its_ops_run(remote):
+    """`torch.use_deterministic_algorithms(True)` makes index_copy with repeated indices keep the
+    last write, as on the CPU (PyTorch's test_indexing found the server ignoring it); the float32
+    matmul precision and cuDNN's flags go the same way, and are put back with the notebook's."""
+    client = genie_core.get_cluster_state().client
+    torch.manual_seed(0)
+    x, source, index = torch.zeros(2000, 4, 3), torch.rand(40000, 4, 3), torch.randint(2000, (40000,))
+    torch.use_deterministic_algorithms(True)
+    torch.set_float32_matmul_precision("high")
+    try:
+        copied = torch.index_copy(x.to(DEV), 0, index.to(DEV), source.to(DEV)).cpu()
+        assert torch.equal(copied, torch.index_copy(x, 0, index, source))
+        read = "import torch; assert torch.get_float32_matmul_precision() == 'high', 'not forwarded'"
+        assert client.execute(read).wait(30).content["status"] == "ok"
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.set_float32_matmul_precision("highest")
+    torch.ones(1, device=DEV).cpu()
+    read = "import torch; assert not torch.are_deterministic_algorithms_enabled(), 'still on'"
+    assert client.execute(read).wait(30).content["status"] == "ok"
+
+
 def test_a_failed_batch_verifies_nothing(remote):
     x = torch.arange(3.0, dtype=torch.float64).to(DEV)
     stream = x._stream

@@ -229,6 +229,10 @@ class TensorOps(ToWorker):
     streamed: NotRequired[bool]  # ... through the server's data port: reply before filling them
 
 
+# deterministic algorithms (and warn only), float32 matmul precision, cuDNN deterministic and benchmark
+Numerics = tuple[bool, bool, str, bool, bool]
+
+
 class OpBatch(TypedDict):
     """What a `tensor_ops` request carries, pickled (protocol 5) in its first buffer."""
 
@@ -237,6 +241,7 @@ class OpBatch(TypedDict):
     answer: int  # index in `ops` of the op to describe (what it made) or the question to answer; -1: none
     sync: bool  # wait for the device before answering
     profile: NotRequired[bool]  # time each op (benchmarks)
+    numerics: NotRequired[Numerics]  # the notebook's settings the batch runs under (remote_tensor/numerics.py)
 
 
 class Interrupt(TypedDict):

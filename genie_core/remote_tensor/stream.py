@@ -15,7 +15,7 @@ from ..errors import ConnectionLost, MemoryLimitExceeded
 from ..protocol import MessageType, contents, error_from
 from ..protocol.op_records import Expects, Record
 from ..serialize import deserialize_namespace
-from . import forks
+from . import forks, numerics
 from .definitions import Definitions
 
 if TYPE_CHECKING:
@@ -240,6 +240,7 @@ class OpStream:
 
     def _send(self, request: contents.OpBatch, n: int) -> Any:
         forks.refuse_in_a_forked_child()
+        request["numerics"] = numerics.current()
         if self.profile is not None:
             request["profile"] = True
         if not self.alive:

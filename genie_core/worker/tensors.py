@@ -18,7 +18,7 @@ from ..protocol.contents import OpBatch, TensorReply
 from ..protocol.op_records import CallRecord, Expect, Expects, OpRecord, Record, name_of
 from ..protocol.tensor_ops import MemoryFormat, RemoteDevice, StorageOf, TensorRef, ref_id
 from ..serialize import serialize_namespace
-from . import checkpoints, custom_ops, device_answers, host_copies
+from . import checkpoints, custom_ops, device_answers, host_copies, numerics
 from .captured import CapturedGraph
 from .compiled import CompiledGraphs
 from .cpu_shims import CPU_SHIMS
@@ -263,6 +263,7 @@ class TensorExecutor:
 
     def _run(self, frames: list[Any], start: float) -> tuple[TensorReply, list[Any]]:
         request: OpBatch = pickle.loads(frames[0], buffers=frames[1:])
+        numerics.take(request.get("numerics"))
         records: list[Record] = request["ops"]
         timing: Timing | None = {} if request.get("profile") else None
         self.relaid = set()

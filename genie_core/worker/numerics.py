@@ -1,0 +1,22 @@
+"""A notebook's numerics settings (remote_tensor/numerics.py), taken before its batch runs: this
+process's deterministic algorithms, float32 matmul precision and cuDNN flags become the notebook's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_taken: Any = None  # the settings last taken (most batches carry the same)
+
+
+def take(numerics: Any) -> None:
+    global _taken
+    if numerics is None or numerics == _taken:
+        return
+    deterministic, warn_only, precision, cudnn_deterministic, cudnn_benchmark = numerics
+    torch.use_deterministic_algorithms(bool(deterministic), warn_only=bool(warn_only))
+    torch.set_float32_matmul_precision(str(precision))
+    torch.backends.cudnn.deterministic = bool(cudnn_deterministic)
+    torch.backends.cudnn.benchmark = bool(cudnn_benchmark)
+    _taken = tuple(numerics)
