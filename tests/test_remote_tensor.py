@@ -1137,6 +1137,23 @@ def test_a_tensor_an_op_failed_to_write_is_not_read(remote):
     assert torch.ones(2, device=DEV).sum().item() == 2.0
 
 
+def _byte_mask_uses(device: str) -> list[torch.Tensor]:
+    v, mask = torch.arange(6.0, device=device).reshape(2, 3), torch.tensor([1, 0, 1], dtype=torch.uint8, device=device)
+    x = torch.zeros(3, device=device)
+    x[mask] = torch.tensor([5.0, 6.0], device=device)
+    y = torch.zeros(3, device=device).index_put_((mask,), torch.tensor(2.0, device=device), accumulate=True)
+    return [v[:, mask].cpu(), v[torch.tensor([1, 0], dtype=torch.uint8, device=device)].cpu(), x.cpu(), y.cpu()]
+
+
+def test_a_uint8_mask_indexes_as_a_bool_one_with_the_cpus_warning(remote):
+    """PyTorch's test_indexing found it refused at the op: the meta kernel of aten.index takes
+    int8 indices where it means uint8."""
+    with pytest.warns(UserWarning, match="indexing with dtype torch.uint8 is now deprecated"):
+        found = _byte_mask_uses(DEV)
+    for got, expected in zip(found, _byte_mask_uses("cpu"), strict=True):
+        assert torch.equal(got, expected)
+
+
 def test_the_notebooks_numerics_settings_hold_where_its_ops_run(remote):
     """`torch.use_deterministic_algorithms(True)` makes index_copy with repeated indices keep the
     last write, as on the CPU (PyTorch's test_indexing found the server ignoring it); the float32
