@@ -1154,6 +1154,25 @@ def test_a_uint8_mask_indexes_as_a_bool_one_with_the_cpus_warning(remote):
         assert torch.equal(got, expected)
 
 
+BAD_INDICES = {
+    "indices that do not broadcast": lambda x: x[[0, 1], [0, 1, 2]],
+    "a float index, to the op": lambda x: torch.ops.aten.index.Tensor(x, [torch.tensor([0.0, 1.0], device=x.device)]),
+    "no index, to the op": lambda x: torch.ops.aten.index.Tensor(x, []),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_INDICES))
+def test_a_bad_index_is_an_index_error_at_the_op_as_on_the_cpu(remote, bad):
+    """PyTorch's test_indexing found them `RuntimeError`s here (the meta kernel's kind)."""
+    raised = []
+    for device in ("cpu", DEV):
+        with pytest.raises(IndexError) as caught:
+            BAD_INDICES[bad](torch.zeros(5, 5, device=device))
+        raised.append(str(caught.value).split(" (")[0])
+    if bad == "indices that do not broadcast":  # (the others: the meta kernel's words)
+        assert raised[1] == raised[0]
+
+
 def test_the_notebooks_numerics_settings_hold_where_its_ops_run(remote):
     """`torch.use_deterministic_algorithms(True)` makes index_copy with repeated indices keep the
     last write, as on the CPU (PyTorch's test_indexing found the server ignoring it); the float32

@@ -791,24 +791,35 @@ def _not_pinned(t: Any, *args: Any, **kwargs: Any) -> Any:
     raise RuntimeError(f"cannot pin a {DEVICE_TYPE} tensor: only dense CPU tensors can be pinned")
 
 
-def _byte_masks_as_bool(t: Any, indices: list[Any]) -> Any:
-    """`x[mask]` with a uint8 mask, which CPU and CUDA take as a bool mask (with their warning);
-    PyTorch's meta kernel refuses it (it takes int8 where it means uint8)."""
+def _indexed(t: Any, indices: list[Any]) -> Any:
+    """`x[indices]` as the CPU and CUDA check it: a uint8 mask taken as a bool mask (with their
+    warning; PyTorch's meta kernel refuses it, taking int8 where it means uint8), and a bad index
+    an `IndexError` (the meta kernel's is a `RuntimeError`), in the CPU's words where they differ."""
     if any(i is not None and i.dtype == torch.uint8 for i in indices):
         warnings.warn(  # (the warning's place: the op, a few frames up, as PyTorch's C++ gives no frame)
             "indexing with dtype torch.uint8 is now deprecated, please use a dtype torch.bool instead.", stacklevel=2
         )
         indices = [i.bool() if i is not None and i.dtype == torch.uint8 else i for i in indices]
-    return aten.index.Tensor(t, indices)
+    try:
+        return aten.index.Tensor(t, indices)
+    except RuntimeError as e:
+        if type(e) is not RuntimeError:  # (a bool mask's: its output depends on the data)
+            raise
+        if "broadcast" in str(e):
+            shapes = ", ".join(str(list(i.shape)) for i in indices if i is not None)
+            raise IndexError(
+                f"shape mismatch: indexing tensors could not be broadcast together with shapes {shapes}"
+            ) from None
+        raise IndexError(str(e)) from None
 
 
 # Ops whose outputs here are not their meta kernel's. The nested tensors of nn.TransformerEncoder's
 # inference fast path (`enable_nested_tensor`): the server holds the nested tensor, and here it has
 # its padded shape (the source's), the shape that each encoder layer (a meta kernel of its own from
-# torch 2.13) and `to_padded_tensor` work with. `pin_memory()`: none, refused at the op. Indexing
-# with a uint8 mask: a bool mask's.
+# torch 2.13) and `to_padded_tensor` work with. `pin_memory()`: none, refused at the op. Indexing:
+# as the CPU checks it.
 _SHAPE_RULES = {
-    aten.index.Tensor: _byte_masks_as_bool,
+    aten.index.Tensor: _indexed,
     aten._nested_tensor_from_mask.default: _padded_from_mask,
     aten.to_padded_tensor.default: _padded_output,
     aten._transformer_encoder_layer_fwd.default: _like_source,
