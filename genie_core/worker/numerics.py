@@ -15,8 +15,14 @@ def take(numerics: Any) -> None:
     if numerics is None or numerics == _taken:
         return
     deterministic, warn_only, precision, cudnn_deterministic, cudnn_benchmark = numerics
-    torch.use_deterministic_algorithms(bool(deterministic), warn_only=bool(warn_only))
-    torch.set_float32_matmul_precision(str(precision))
+    deterministic_now = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    if (bool(deterministic), bool(warn_only)) != deterministic_now:  # (the setter imports ~70 MiB of modules)
+        torch.use_deterministic_algorithms(bool(deterministic), warn_only=bool(warn_only))
+    if torch.get_float32_matmul_precision() != precision:
+        torch.set_float32_matmul_precision(str(precision))
     torch.backends.cudnn.deterministic = bool(cudnn_deterministic)
     torch.backends.cudnn.benchmark = bool(cudnn_benchmark)
     _taken = tuple(numerics)
