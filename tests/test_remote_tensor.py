@@ -801,6 +801,7 @@ DEVICE_VIEWS = {
     "permuted": lambda d: torch.arange(24.0, device=d).reshape(2, 3, 4).permute(2, 0, 1),
     "expanded": lambda d: torch.arange(3.0, device=d).expand(4, 3),
     "every other": lambda d: torch.arange(12.0, device=d)[1::2],
+    "transposed, every other row": lambda d: torch.arange(24.0, device=d).reshape(4, 6).T[::2],
 }
 
 
@@ -808,7 +809,7 @@ DEVICE_VIEWS = {
 def test_cpu_of_a_remote_tensor_keeps_its_strides_as_cuda_does(remote, view):
     """`.cpu()` and `.to("cpu", dtype)` lay a dense tensor out as it is on the device (transposed,
     channels_last), as `.to()` does between any two devices; a gapped or overlapping one comes
-    contiguous. (The fetch's bytes arrive in C order: they came contiguous whatever the tensor.)"""
+    dense, its dims in the same order. (The fetch's bytes arrive in C order: they came contiguous whatever the tensor.)"""
     cpu, remote_view = DEVICE_VIEWS[view]("cpu"), DEVICE_VIEWS[view](DEV)
     for fetched, expected in (
         (remote_view.cpu(), cpu.clone()),
@@ -1135,6 +1136,30 @@ def test_a_tensor_an_op_failed_to_write_is_not_read(remote):
     with pytest.raises(RemoteError, match=r"depends on a remote op that failed earlier: aten\.resize_"):
         big.sum().item()
     assert torch.ones(2, device=DEV).sum().item() == 2.0
+
+
+def test_a_write_to_an_id_the_worker_does_not_hold_leaves_nothing_behind():
+    """On records as a client writes them: an in-place op on an id already freed (a stale id, a
+    client's fault) fails; the failure marks what the op made, but puts no placeholder under the
+    freed id, which nothing would free."""
+    import pickle
+
+    from genie_core.protocol.tensor_ops import HostTensor, ref
+    from genie_core.worker.tensors import TensorExecutor
+
+    executor = TensorExecutor()
+    gc.unfreeze()  # (a worker freezes what it imported; this process is pytest's)
+    records = [
+        ("put", 1, HostTensor(torch.ones(3))),
+        ("put", 2, HostTensor(torch.ones(3))),
+        ("free", 2),
+        ("op", "aten.add_.Tensor", (ref(2), ref(1)), None, (3,), None),
+    ]
+    oob: list = []
+    frame = pickle.dumps({"ops": records, "fetch": [], "answer": -1, "sync": False}, 5, buffer_callback=oob.append)
+    reply = executor.run([frame, *[b.raw() for b in oob]])[0]
+    assert reply["status"] == "error" and "remote tensor 2 does not exist" in reply["evalue"]
+    assert 2 not in executor.store and 3 in executor.store and torch.equal(executor.store[1], torch.ones(3))
 
 
 def _byte_mask_uses(device: str) -> list[torch.Tensor]:

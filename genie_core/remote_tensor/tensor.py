@@ -500,22 +500,16 @@ def _storage_set(args: tuple) -> None:
 
 
 def _laid_out_as(fetched: torch.Tensor, remote: Any, kwargs: dict) -> torch.Tensor:
-    """A fetched copy (its values in C order) with the remote tensor's strides where `.to()` keeps
-    them, as a CUDA tensor's `.cpu()` does: a dense one's (transposed, channels_last), not an
-    overlapping or gapped one's (expanded, sliced with a step), which comes contiguous."""
+    """A fetched copy (its values in C order) laid out as `.to()` lays out a copy between any two
+    devices, as a CUDA tensor's `.cpu()` does: a dense tensor's strides kept (transposed,
+    channels_last), a gapped or overlapping one's made dense in the same order of dims."""
     if fetched.stride() == remote.stride() or kwargs.get("memory_format") not in (None, torch.preserve_format):
         return fetched
-    dims = sorted(((n, s) for n, s in zip(remote.shape, remote.stride(), strict=True) if n != 1), key=_stride)
-    dense, step = True, 1  # (PyTorch's test: by growing stride, each dim's the product of those before)
-    for n, stride in dims:
-        dense, step = dense and stride == step, step * n
-    if not dense:
+    like = torch.empty_strided(remote.shape, remote.stride(), device="meta")
+    stride = torch.empty_like(like).stride()  # (PyTorch's rule, empty_like's; on meta: no memory)
+    if stride == fetched.stride():
         return fetched
-    return torch.empty_strided(remote.shape, remote.stride(), dtype=fetched.dtype).copy_(fetched)
-
-
-def _stride(dim: tuple[int, int]) -> int:
-    return dim[1]
+    return torch.empty_strided(remote.shape, stride, dtype=fetched.dtype).copy_(fetched)
 
 
 def _already_as_asked(fetched: torch.Tensor, remote: Any, kwargs: dict) -> bool:

@@ -50,7 +50,7 @@ def _poison(store: Any, record: Record, failed: _Failed) -> None:
     or, failing for want of a tensor whose op failed, it never got the write the notebook believes
     it did."""
     if record[0] == "put" or record[0] == "part":
-        store[record[1]] = _Failed("put", failed.error)
+        store[record[1]] = failed  # (its own: an upload depends on nothing)
     elif record[0] == "op" or record[0] == "call":
         out_ids = record[4]
         if not isinstance(out_ids, range):  # (a range: a list op's block of ids)
