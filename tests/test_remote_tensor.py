@@ -809,7 +809,8 @@ DEVICE_VIEWS = {
 def test_cpu_of_a_remote_tensor_keeps_its_strides_as_cuda_does(remote, view):
     """`.cpu()` and `.to("cpu", dtype)` lay a dense tensor out as it is on the device (transposed,
     channels_last), as `.to()` does between any two devices; a gapped or overlapping one comes
-    dense, its dims in the same order. (The fetch's bytes arrive in C order: they came contiguous whatever the tensor.)"""
+    dense, its dims in the same order. (The fetch's bytes arrive in C order: they came contiguous
+    whatever the tensor.)"""
     cpu, remote_view = DEVICE_VIEWS[view]("cpu"), DEVICE_VIEWS[view](DEV)
     for fetched, expected in (
         (remote_view.cpu(), cpu.clone()),
