@@ -29,6 +29,7 @@ def _factory_kernels(lib: Any) -> None:
     import torch
 
     from ..protocol.tensor_ops import RemoteDevice, encode_value
+    from . import scalars
     from .output_specs import OutputSpec
     from .tensor import RemoteTensor, typed_key
     from .tensor import _remote as remote
@@ -53,6 +54,11 @@ def _factory_kernels(lib: Any) -> None:
                 key, spec = None, None
             if spec is None:
                 out = op(*args, **dict(kwargs, device=torch.device("meta")))
+                if not scalars.fit(op, args, kwargs, out):  # (raised here as the CPU raises it, or not)
+                    if op is torch.ops.aten.full.default:
+                        scalars.check_fill(args[1], out.dtype)
+                    else:
+                        op(*args, **dict(kwargs, device=torch.device("cpu")))
                 spec = OutputSpec(out, op)
                 if key is not None:
                     if len(made) > 10_000:

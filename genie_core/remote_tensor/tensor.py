@@ -13,7 +13,7 @@ import torch
 from torch.utils._mode_utils import no_dispatch
 
 from ..protocol.tensor_ops import HostTensor, RemoteDevice, StorageOf, TensorRef, encode_value, ref
-from . import custom_ops, device_model, serialization, storages
+from . import custom_ops, device_model, scalars, serialization, storages
 from .output_specs import CONJUGATE, NEGATIVE, Layout, OutputSpec, aliases, expectations, layout_of
 from .stream import OpStream, _ids, new_id, new_ids
 
@@ -807,17 +807,31 @@ def _indexed(t: Any, indices: list[Any]) -> Any:
         raise IndexError(str(e)) from None
 
 
+def _index_filling(op: Any) -> Any:
+    """`index_fill` checked as the CPU and CUDA check it: a complex value (a number or a tensor,
+    whatever its value) into a real tensor is refused at the op (the meta kernel lets it pass)."""
+
+    def rule(t: Any, dim: Any, index: Any, value: Any) -> Any:
+        if not t.is_complex() and (type(value) is complex or (isinstance(value, torch.Tensor) and value.is_complex())):
+            raise RuntimeError("index_fill_(): Converting complex Scalar to non-complex type is not supported")
+        return op(t, dim, index, value)
+
+    return rule
+
+
 # Ops whose outputs here are not their meta kernel's. The nested tensors of nn.TransformerEncoder's
 # inference fast path (`enable_nested_tensor`): the server holds the nested tensor, and here it has
 # its padded shape (the source's), the shape that each encoder layer (a meta kernel of its own from
-# torch 2.13) and `to_padded_tensor` work with. `pin_memory()`: none, refused at the op. Indexing:
-# as the CPU checks it.
+# torch 2.13) and `to_padded_tensor` work with. `pin_memory()`: none, refused at the op. Indexing
+# and `index_fill`: as the CPU checks them.
 _SHAPE_RULES = {
     aten.index.Tensor: _indexed,
     aten._nested_tensor_from_mask.default: _padded_from_mask,
     aten.to_padded_tensor.default: _padded_output,
     aten._transformer_encoder_layer_fwd.default: _like_source,
     aten._pin_memory.default: _not_pinned,
+    **{op: _index_filling(op) for op in (getattr(aten, name).int_Scalar for name in ("index_fill", "index_fill_"))},
+    **{op: _index_filling(op) for op in (getattr(aten, name).int_Tensor for name in ("index_fill", "index_fill_"))},
 }
 
 
@@ -852,6 +866,8 @@ def _output_specs(func, sig: list[Any], args: tuple, kwargs: dict, stream: OpStr
             if "meta" in str(exc).lower() and ("cannot" in str(exc).lower() or "not implemented" in str(exc).lower()):
                 return None
             raise  # a real error (shapes, dtypes): raised here, at the op, as PyTorch would
+        if not scalars.fit(func, args, kwargs, out):
+            return None  # a number that overflows its dtype: the server's kernel says, at the op
         if any(
             isinstance(m, torch.Tensor) and m.layout != torch.strided
             for m in (out if type(out) in (tuple, list) else (out,))
