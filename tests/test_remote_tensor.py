@@ -1225,6 +1225,47 @@ def test_numbers_that_fit_or_wrap_stay_lazy_and_give_the_cpus_values(remote):
     assert torch.equal(_int8(DEV).add(300).cpu(), _int8("cpu").add(300))
 
 
+def _default_dtype_uses(u8: torch.Tensor, i32: torch.Tensor) -> list[Any]:
+    device = u8.device
+    return [
+        lambda: u8 + 5.5,
+        lambda: torch.true_divide(i32, i32),
+        lambda: 1j * i32,
+        lambda: torch.zeros(2, device=device),
+        lambda: torch.arange(0.0, 2.0, device=device),
+        lambda: torch.full((2,), 1.5, device=device),
+    ]
+
+
+def test_the_default_dtype_is_the_notebooks_on_the_server_and_in_each_ops_outputs(remote):
+    """PyTorch's test_type_promotion found it: after `torch.set_default_dtype(torch.float64)` an op
+    seen before kept its float32 output (the meta cache), and one first seen gave float32 on the
+    server where float64 was promised. Each op now runs under the default dtype it was recorded
+    under, changed between two ops with no read between them too (the first op after a change an
+    op on tensors, or a factory)."""
+    inputs = {
+        d: (torch.tensor([1, 2], dtype=torch.uint8, device=d), torch.tensor([3, 4], dtype=torch.int32, device=d))
+        for d in ("cpu", DEV)
+    }
+    made, expected = [], {}
+    before = torch.get_default_dtype()
+    try:
+        for step, default in enumerate((torch.float32, torch.float64, torch.float32, torch.float64)):
+            torch.set_default_dtype(default)
+            expected[default] = [use().dtype for use in _default_dtype_uses(*inputs["cpu"])]
+            uses = _default_dtype_uses(*inputs[DEV])
+            order = range(len(uses)) if step < 2 else range(len(uses) - 1, -1, -1)
+            tensors = {n: uses[n]() for n in order}  # (no value read between them)
+            made.append((default, [tensors[n] for n in range(len(uses))]))
+    finally:
+        torch.set_default_dtype(before)
+    for default, tensors in made:
+        assert [t.dtype for t in tensors] == expected[default]
+        fetched = [t.cpu() for t in tensors]  # (the server's tensors: a dtype other than promised fails)
+        assert [t.dtype for t in fetched] == expected[default]
+    assert expected[torch.float64] != expected[torch.float32]
+
+
 def _byte_mask_uses(device: str) -> list[torch.Tensor]:
     v, mask = torch.arange(6.0, device=device).reshape(2, 3), torch.tensor([1, 0, 1], dtype=torch.uint8, device=device)
     x = torch.zeros(3, device=device)

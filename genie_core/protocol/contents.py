@@ -229,8 +229,9 @@ class TensorOps(ToWorker):
     streamed: NotRequired[bool]  # ... through the server's data port: reply before filling them
 
 
-# deterministic algorithms (and warn only), float32 matmul precision, cuDNN deterministic and benchmark
-Numerics = tuple[bool, bool, str, bool, bool]
+# deterministic algorithms (and warn only), float32 matmul precision, cuDNN deterministic and benchmark,
+# the default dtype's name ("float32")
+Numerics = tuple[bool, bool, str, bool, bool, str]
 
 
 class OpBatch(TypedDict):

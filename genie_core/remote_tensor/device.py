@@ -31,6 +31,7 @@ def _factory_kernels(lib: Any) -> None:
     from ..protocol.tensor_ops import RemoteDevice, encode_value
     from . import scalars
     from .output_specs import OutputSpec
+    from .stream import refuse_over_limit
     from .tensor import RemoteTensor, typed_key
     from .tensor import _remote as remote
 
@@ -47,8 +48,12 @@ def _factory_kernels(lib: Any) -> None:
             if fake is not None:  # torch.compile tracing (torch.tensor(data, device=...) gets here)
                 out = op(*args, **dict(kwargs, device=torch.device("meta")))
                 return fake.fake_tensor_converter.from_meta_and_device(fake, out, device or torch.device(DEVICE_TYPE))
+            stream = stream_for(device.index if device is not None else None)
+            default = torch.get_default_dtype()
+            if default is not stream.default_dtype:
+                stream.follow_default_dtype(default)
             try:
-                key: Any = (typed_key(args), *((k, typed_key(v)) for k, v in kwargs.items()))
+                key: Any = (default, typed_key(args), *((k, typed_key(v)) for k, v in kwargs.items()))
                 spec = made.get(key)
             except TypeError:  # (a list among the arguments)
                 key, spec = None, None
@@ -64,10 +69,9 @@ def _factory_kernels(lib: Any) -> None:
                     if len(made) > 10_000:
                         made.clear()
                     made[key] = spec
-            stream = stream_for(device.index if device is not None else None)
             assert spec.made is not None  # (a factory makes one fresh tensor)
             shape, _, _, dtype, _ = spec.made
-            stream.refuse_over_limit(math.prod(shape) * dtype.itemsize, f"a {DEVICE_TYPE} tensor")
+            refuse_over_limit(stream, math.prod(shape) * dtype.itemsize, f"a {DEVICE_TYPE} tensor")
             r = remote(stream, spec.made)
             enc_kwargs = {k: encode_value(v) for k, v in kwargs.items()}
             enc_kwargs["device"] = RemoteDevice()

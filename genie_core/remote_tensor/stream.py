@@ -37,6 +37,17 @@ def new_ids() -> range:
     return range(start, start + _BLOCK)
 
 
+def refuse_over_limit(stream: OpStream, nbytes: int, what: str) -> None:
+    """More bytes than the server lets the session hold: refused before any is sent, as an
+    out-of-memory error (torch_errors.py)."""
+    try:
+        stream.transfers.refuse_over_limit(nbytes, what)
+    except MemoryLimitExceeded as exc:
+        from . import torch_errors  # (it imports torch: a session that never makes a tensor never does)
+
+        raise torch_errors.as_torch(exc, stream.device.type) from None
+
+
 class OpStream:
     """Ops recorded for one remote device. They go to the server in a batch when a value is
     needed, the one round trip that waits; with a server on another machine (or this one, when it
@@ -67,6 +78,7 @@ class OpStream:
         self.wait_seconds = 0.0  # time spent here waiting for the last batch of each flush
         self.device_kind = device_type_of(client)  # what its server computes on: "cuda" or "cpu"
         self.meta_cache: dict[Any, Any] = {}  # each op signature's outputs on that device (tensor.py)
+        self.default_dtype = torch.get_default_dtype()  # the one its records are made under
         self._checking: list[tuple[OutputSpec, int]] = []  # specs sent to be checked since the last flush, and when
         self.generation = 0  # cells sent to the session, custom ops' modules imported (new_generation)
         # specs verified in this generation are not checked (tensor.py dispatch); -2 while a graph is
@@ -113,15 +125,13 @@ class OpStream:
         at its end, and sent under the lock: another thread's flush cannot take its place."""
         return self._exchange(*self._send_taken([], last=entry, sync=False))["eager"]
 
-    def refuse_over_limit(self, nbytes: int, what: str) -> None:
-        """More bytes than the server lets the session hold: refused before any is sent, as an
-        out-of-memory error (torch_errors.py)."""
-        try:
-            self.transfers.refuse_over_limit(nbytes, what)
-        except MemoryLimitExceeded as exc:
-            from . import torch_errors  # (it imports torch: a session that never makes a tensor never does)
-
-            raise torch_errors.as_torch(exc, self.device.type) from None
+    def follow_default_dtype(self, dtype: Any) -> None:
+        """The notebook's default dtype changed (`torch.set_default_dtype`): what was recorded under
+        the old one is sent (a batch runs under one: numerics.py), and no output made under it is
+        taken from the meta cache."""
+        self._submit()
+        self.meta_cache.clear()
+        self.default_dtype = dtype
 
     def upload(self, rid: int, tensor: Any) -> None:
         """Record a CPU tensor's values going to the server as `rid`. One that goes by the data
@@ -134,7 +144,7 @@ class OpStream:
         from ..protocol.tensor_ops import HostBytes, HostTensor
 
         nbytes = tensor.numel() * tensor.element_size()
-        self.refuse_over_limit(nbytes, "this upload to remote_accelerator")
+        refuse_over_limit(self, nbytes, "this upload to remote_accelerator")
         borrow = self.transfers.goes_by_data_plane(nbytes) and self._uncaptured is None
         if borrow and nbytes > self.UPLOAD_PART and lends_uploads(self.device_kind):
             whole = HostTensor(tensor, snapshot=False).tensor  # dense, at offset 0 (copied if it was not)
@@ -240,7 +250,7 @@ class OpStream:
 
     def _send(self, request: contents.OpBatch, n: int) -> Any:
         forks.refuse_in_a_forked_child()
-        request["numerics"] = numerics.current()
+        request["numerics"] = numerics.current(self.default_dtype)
         if self.profile is not None:
             request["profile"] = True
         if not self.alive:

@@ -412,6 +412,8 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     stream, sig, local, enc = _scan(args, kwargs)
     if stream is None:
         raise RuntimeError("no remote tensor among the arguments")
+    if torch.get_default_dtype() is not stream.default_dtype:  # (Python floats' dtype, factories')
+        stream.follow_default_dtype(torch.get_default_dtype())
 
     if info.special:
         if func is _LOCAL_SCALAR:

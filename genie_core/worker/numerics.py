@@ -1,5 +1,6 @@
 """A notebook's numerics settings (remote_tensor/numerics.py), taken before its batch runs: this
-process's deterministic algorithms, float32 matmul precision and cuDNN flags become the notebook's."""
+process's deterministic algorithms, float32 matmul precision, cuDNN flags and default dtype become
+the notebook's."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ def take(numerics: Any) -> None:
     global _taken
     if numerics is None or numerics == _taken:
         return
-    deterministic, warn_only, precision, cudnn_deterministic, cudnn_benchmark = numerics
+    deterministic, warn_only, precision, cudnn_deterministic, cudnn_benchmark, default_dtype = numerics
     deterministic_now = (
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
@@ -25,4 +26,8 @@ def take(numerics: Any) -> None:
         torch.set_float32_matmul_precision(str(precision))
     torch.backends.cudnn.deterministic = bool(cudnn_deterministic)
     torch.backends.cudnn.benchmark = bool(cudnn_benchmark)
+    dtype = getattr(torch, str(default_dtype), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"no such default dtype: {default_dtype!r}")
+    torch.set_default_dtype(dtype)
     _taken = tuple(numerics)
