@@ -1266,6 +1266,104 @@ def test_the_default_dtype_is_the_notebooks_on_the_server_and_in_each_ops_output
     assert expected[torch.float64] != expected[torch.float32]
 
 
+def _writing_a_cpu_tensor(device: str) -> list[Any]:
+    cpu, x = torch.full((2,), -7.0), torch.ones(2, device=device)
+    return [
+        (cpu, lambda: torch.add(x, 1, out=cpu)),
+        (cpu, lambda: cpu.add_(x)),
+        (cpu, lambda: torch._foreach_add_([cpu], [x])),
+        (cpu, lambda: torch.mul(x, x, out=cpu)),
+    ]
+
+
+def test_an_op_that_would_write_a_cpu_tensor_is_refused_as_cuda_refuses_it(remote):
+    """PyTorch's test_shape_ops found it (`nonzero(remote, out=cpu)`): the server wrote its copy of
+    the CPU tensor, so the tensor kept its old values (resized, for an `out=`) with no error. Refused
+    at the op now, in CUDA's words, the CPU tensor untouched; `cpu.copy_(remote)` still fetches."""
+    for cpu, use in _writing_a_cpu_tensor(DEV):
+        with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+            use()
+        assert cpu.tolist() == [-7.0, -7.0]
+    out = torch.full((4, 2), -7, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="on the same device"):
+        torch.nonzero(torch.tensor([[0, 1, 1], [1, 0, 1]], device=DEV), out=out)
+    assert out.shape == (4, 2) and (out == -7).all()
+    assert torch.zeros(2).copy_(torch.ones(2, device=DEV)).tolist() == [1.0, 1.0]
+    assert torch.zeros(2, device=DEV).add_(torch.tensor(3.0)).cpu().tolist() == [3.0, 3.0]  # (a CPU scalar read)
+
+
+META_REFUSALS = {  # out-of-place ops PyTorch's meta kernels refuse with an error of another type
+    "clamp with no bounds": lambda d: torch.ones(2, device=d).clamp(),  # (meta: a ValueError)
+    "a float alpha for ints": lambda d: torch.add(
+        torch.ones(2, dtype=torch.int64, device=d), torch.ones(2, dtype=torch.int64, device=d), alpha=1.1
+    ),
+    "a complex slope": lambda d: torch.nn.functional.leaky_relu(torch.zeros(3, device=d), 1j),
+}
+
+
+@pytest.mark.parametrize("case", list(META_REFUSALS))
+def test_an_op_a_meta_kernel_refuses_gets_the_servers_answer_at_the_op(remote, case):
+    """PyTorch's test_shape_ops and test_type_promotion found them: a meta kernel's error passed on
+    as it was raised (a ValueError where the CPU raises a RuntimeError). An op that writes nothing
+    now runs on the server when its meta kernel refuses it so: the server's kernel's error, of its
+    type and in its words, at the op. (A RuntimeError stays local: the next test.)"""
+    with pytest.raises(Exception) as on_cpu:
+        META_REFUSALS[case]("cpu")
+    with pytest.raises(type(on_cpu.value)) as on_device:
+        META_REFUSALS[case](DEV)
+    assert str(on_cpu.value) in str(on_device.value)
+    assert torch.ones(2, device=DEV).sum().item() == 2.0  # (nothing failed waits in the batch)
+
+
+def test_an_op_refused_on_a_tensor_it_writes_leaves_the_tensor_as_it_was(remote):
+    """Refused in place, as on the CPU, the target keeps its values and stays usable (it is refused
+    here, by the meta kernel: on the server, a failed op marks what it writes failed)."""
+    a = torch.arange(2.0, device=DEV)
+    with pytest.raises(RuntimeError, match="broadcast"):
+        a.add_(torch.ones(3, device=DEV))
+    with pytest.raises(ValueError):  # (the meta kernel's, where the CPU raises a RuntimeError)
+        a.clamp_()
+    assert a.add(1).cpu().tolist() == [1.0, 2.0]
+
+
+def test_quantized_tensors_are_refused_at_the_op_that_would_make_one(remote):
+    """PyTorch's test_shape_ops found it: the meta kernel of quantize_per_tensor promises a float32
+    tensor, so the op was recorded, and its error came later at an unrelated read."""
+    with pytest.raises(NotImplementedError, match="quantized tensors are not supported"):
+        torch.quantize_per_tensor(torch.ones(2, device=DEV), 0.1, 5, torch.quint8)
+    assert torch.ones(2, device=DEV).sum().item() == 2.0
+
+
+def _index_puts(device: str) -> list[Any]:
+    def x() -> torch.Tensor:
+        return torch.zeros(3, 2, dtype=torch.float64, device=device)
+
+    index, mask = torch.tensor([0], device=device), torch.tensor([True, False, True], device=device)
+    return [
+        lambda: x().__setitem__((slice(None), [1]), torch.ones(3, 1, dtype=torch.int64, device=device)),
+        lambda: x().index_put_((index,), torch.ones(1, 2, dtype=torch.float32, device=device)),
+        lambda: x().index_put((index,), torch.tensor(1, device=device)),
+        lambda: x().index_put_((mask,), torch.tensor(1, device=device)),  # (a masked_fill: converted)
+        lambda: x().__setitem__(index, 2),
+    ]
+
+
+def test_index_put_refuses_values_of_another_dtype_at_the_op_as_on_the_cpu(remote):
+    """PyTorch's test_type_promotion found it: `x[:, [1]] = long_values` into a double tensor
+    raised at the next read (the meta kernel casts); the CPU refuses it at the op, but where it
+    makes the put a masked_fill."""
+    for on_cpu, on_device in zip(_index_puts("cpu"), _index_puts(DEV), strict=True):
+        try:
+            on_cpu()
+        except RuntimeError as e:
+            with pytest.raises(RuntimeError, match="Index put requires the source and destination dtypes match"):
+                on_device()
+            assert "dtypes match" in str(e)
+        else:
+            on_device()
+    assert torch.ones(2, device=DEV).sum().item() == 2.0
+
+
 def _byte_mask_uses(device: str) -> list[torch.Tensor]:
     v, mask = torch.arange(6.0, device=device).reshape(2, 3), torch.tensor([1, 0, 1], dtype=torch.uint8, device=device)
     x = torch.zeros(3, device=device)

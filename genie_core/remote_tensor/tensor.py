@@ -432,6 +432,8 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
             if local and _takes_storage(dst, src, stream):  # `.to()`, `torch.tensor(data, device=...)`
                 return dispatch(_SET_TENSOR, (dst, _from_its_first_element(src)), {})
 
+    if local:
+        _refuse_local_targets(func, args, kwargs, stream)
     if info.foreign:
         custom_ops.make_known(func, stream)
     outputs = None
@@ -685,6 +687,47 @@ def _encode_storage(storage: Any, stream: OpStream) -> StorageOf:
     )
 
 
+def _writes(func: Any) -> bool:
+    """Whether an op writes any of its arguments. Where a meta kernel refuses the arguments of one
+    that does not with an error of a type other than the CPU's and CUDA's kernels (`clamp()` with no
+    bounds: a ValueError from PyTorch's Python meta kernel, a RuntimeError from theirs), the
+    server's kernel answers at the op (one round trip, only then). A RuntimeError, most often in
+    the kernels' own words (shapes that do not match), is raised here, with no round trip. One
+    that writes is refused here whatever the error: run on the server, its failure would mark its
+    targets failed, where on the CPU a refused op leaves them as they were."""
+    found = _WRITES.get(func)
+    if found is None:
+        found = _WRITES[func] = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+    return found
+
+
+_WRITES: dict[Any, bool] = {}
+_QUANTIZED = frozenset({torch.quint8, torch.qint8, torch.qint32, torch.quint4x2, torch.quint2x4})
+
+
+def _refuse_quantized(func: Any, args: tuple, kwargs: dict) -> None:
+    """Quantized tensors are not supported: refused at the op that would make one (PyTorch's meta
+    kernel of `quantize_per_tensor` promises a float32 tensor)."""
+    if any(type(a) is torch.dtype and a in _QUANTIZED for a in (*args, *kwargs.values())):
+        raise NotImplementedError(f"{func}: quantized tensors are not supported on {DEVICE_TYPE}")
+
+
+def _refuse_local_targets(func: Any, args: tuple, kwargs: dict, stream: OpStream) -> None:
+    """An op on remote tensors that would write a CPU tensor (`cpu.add_(remote)`, `out=cpu`) is
+    refused, as CUDA refuses it: the server would write its copy of the CPU tensor, not the tensor.
+    (`cpu.copy_(remote)` is a fetch: dispatch takes it first.)"""
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value: Any = args[position] if position < len(args) else kwargs.get(argument.name)
+        for v in value if type(value) in (list, tuple) else (value,):
+            if isinstance(v, torch.Tensor) and type(v) is not RemoteTensor:
+                raise RuntimeError(
+                    "Expected all tensors to be on the same device, but found at least two devices, "
+                    f"{stream.device} and {v.device}! ({func} would write the {v.device} tensor {argument.name!r})"
+                )
+
+
 def _argument(alias: Any, args: tuple, kwargs: dict) -> Any:
     if alias[0] == "pos" and alias[1] < len(args):
         return args[alias[1]]
@@ -821,6 +864,20 @@ def _index_filling(op: Any) -> Any:
     return rule
 
 
+def _index_putting(op: Any) -> Any:
+    """`index_put` checked as the CPU and CUDA check it: values of another dtype are refused at
+    the op (the meta kernel casts them), but where PyTorch makes it a `masked_fill` (one bool
+    mask, one value), which converts the value."""
+
+    def rule(t: Any, indices: Any, values: Any, *rest: Any) -> Any:
+        one_mask = len(indices) == 1 and indices[0] is not None and indices[0].dtype in (torch.bool, torch.uint8)
+        if values.dtype != t.dtype and not (one_mask and values.numel() == 1):  # (the CPU's words, from one element)
+            torch.empty(1, dtype=t.dtype).index_put_((torch.tensor([0]),), torch.empty(1, dtype=values.dtype))
+        return op(t, indices, values, *rest)
+
+    return rule
+
+
 # Ops whose outputs here are not their meta kernel's. The nested tensors of nn.TransformerEncoder's
 # inference fast path (`enable_nested_tensor`): the server holds the nested tensor, and here it has
 # its padded shape (the source's), the shape that each encoder layer (a meta kernel of its own from
@@ -834,6 +891,7 @@ _SHAPE_RULES = {
     aten._pin_memory.default: _not_pinned,
     **{op: _index_filling(op) for op in (getattr(aten, name).int_Scalar for name in ("index_fill", "index_fill_"))},
     **{op: _index_filling(op) for op in (getattr(aten, name).int_Tensor for name in ("index_fill", "index_fill_"))},
+    **{op: _index_putting(op) for op in (aten.index_put.default, aten.index_put_.default)},
 }
 
 
@@ -852,8 +910,9 @@ def _output_specs(func, sig: list[Any], args: tuple, kwargs: dict, stream: OpStr
         return key
     if cached is None:
         margs, mkwargs = _map(_to_meta, args, kwargs)
+        _refuse_quantized(func, args, kwargs)
+        rule: Any = _SHAPE_RULES.get(func)
         try:
-            rule: Any = _SHAPE_RULES.get(func)
             if rule is not None:
                 out = rule(*margs, **mkwargs)
             else:
@@ -864,9 +923,12 @@ def _output_specs(func, sig: list[Any], args: tuple, kwargs: dict, stream: OpStr
             out = None  # one that makes nothing, only writes its arguments (`_fused_sgd_`): recorded
         except device_model.NOT_KNOWN_HERE:
             return None  # a data-dependent output shape: run it on the server now
-        except RuntimeError as exc:
-            if "meta" in str(exc).lower() and ("cannot" in str(exc).lower() or "not implemented" in str(exc).lower()):
+        except (RuntimeError, ValueError, TypeError) as exc:
+            text = str(exc).lower()
+            if "meta" in text and ("cannot" in text or "not implemented" in text):
                 return None
+            if type(exc) is not RuntimeError and rule is None and not _writes(func):
+                return None  # the server's kernel answers, at the op (see _writes)
             raise  # a real error (shapes, dtypes): raised here, at the op, as PyTorch would
         if not scalars.fit(func, args, kwargs, out):
             return None  # a number that overflows its dtype: the server's kernel says, at the op
