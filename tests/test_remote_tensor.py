@@ -1296,38 +1296,102 @@ def test_an_op_that_would_write_a_cpu_tensor_is_refused_as_cuda_refuses_it(remot
     assert torch.zeros(2, device=DEV).add_(torch.tensor(3.0)).cpu().tolist() == [3.0, 3.0]  # (a CPU scalar read)
 
 
-META_REFUSALS = {  # out-of-place ops PyTorch's meta kernels refuse with an error of another type
+META_REFUSALS = {  # ops PyTorch's meta kernels refuse with an error of another type, or in other words
     "clamp with no bounds": lambda d: torch.ones(2, device=d).clamp(),  # (meta: a ValueError)
+    "clamp_ with no bounds": lambda d: torch.ones(2, device=d).clamp_(),
     "a float alpha for ints": lambda d: torch.add(
         torch.ones(2, dtype=torch.int64, device=d), torch.ones(2, dtype=torch.int64, device=d), alpha=1.1
     ),
     "a complex slope": lambda d: torch.nn.functional.leaky_relu(torch.zeros(3, device=d), 1j),
+    "a float into an int in place": lambda d: torch.ones(2, dtype=torch.int32, device=d).add_(0.5),
+    "a float into a long out=": lambda d: torch.add(
+        torch.ones(2, device=d), torch.ones(2, device=d), out=torch.empty(2, dtype=torch.int64, device=d)
+    ),
+    "shapes that do not broadcast, in place": lambda d: torch.ones(2, device=d).add_(torch.ones(3, device=d)),
+    "cat of tensors of other ranks": lambda d: torch.cat([torch.ones(2, device=d), torch.ones(2, 2, device=d)]),
 }
 
 
 @pytest.mark.parametrize("case", list(META_REFUSALS))
-def test_an_op_a_meta_kernel_refuses_gets_the_servers_answer_at_the_op(remote, case):
+def test_an_op_a_meta_kernel_refuses_is_refused_in_the_cpus_words(remote, case):
     """PyTorch's test_shape_ops and test_type_promotion found them: a meta kernel's error passed on
-    as it was raised (a ValueError where the CPU raises a RuntimeError). An op that writes nothing
-    now runs on the server when its meta kernel refuses it so: the server's kernel's error, of its
-    type and in its words, at the op. (A RuntimeError stays local: the next test.)"""
+    as it was raised (a ValueError where the CPU raises a RuntimeError, other words). The CPU's
+    kernel now judges the arguments' stand-ins here: its error, of its type and in its words, at
+    the op, with no round trip."""
     with pytest.raises(Exception) as on_cpu:
         META_REFUSALS[case]("cpu")
+    torch.ones(1, device=DEV).cpu()
+    before = trips()
     with pytest.raises(type(on_cpu.value)) as on_device:
         META_REFUSALS[case](DEV)
-    assert str(on_cpu.value) in str(on_device.value)
+    assert (type(on_device.value), str(on_device.value)) == (type(on_cpu.value), str(on_cpu.value))
+    assert trips() == before
     assert torch.ones(2, device=DEV).sum().item() == 2.0  # (nothing failed waits in the batch)
+
+
+def test_an_op_a_meta_kernel_refuses_and_the_cpu_takes_runs_on_the_server(remote):
+    """PyTorch's test_type_promotion found it: the meta kernel of `abs` wants a real `out=` for a
+    complex tensor, where the CPU's and CUDA's kernels take a complex one. Where the CPU's kernel
+    takes what the meta kernel refuses, the op runs on the server at once (one round trip)."""
+    for device in ("cpu", DEV):
+        out = torch.empty(1, dtype=torch.complex64, device=device)
+        torch.abs(torch.tensor([3 + 4j], device=device), out=out)
+        assert out.cpu().tolist() == [5 + 0j]
 
 
 def test_an_op_refused_on_a_tensor_it_writes_leaves_the_tensor_as_it_was(remote):
     """Refused in place, as on the CPU, the target keeps its values and stays usable (it is refused
-    here, by the meta kernel: on the server, a failed op marks what it writes failed)."""
+    here: run on the server, a failed op marks what it writes failed)."""
     a = torch.arange(2.0, device=DEV)
-    with pytest.raises(RuntimeError, match="broadcast"):
-        a.add_(torch.ones(3, device=DEV))
-    with pytest.raises(ValueError):  # (the meta kernel's, where the CPU raises a RuntimeError)
-        a.clamp_()
+    for refused in (lambda: a.add_(torch.ones(3, device=DEV)), a.clamp_, lambda: a.add_(1j)):
+        with pytest.raises(RuntimeError):
+            refused()
     assert a.add(1).cpu().tolist() == [1.0, 2.0]
+
+
+KERNEL_REFUSALS = {  # (target, op): ops the meta kernels take and the CPU's and CUDA's kernels refuse
+    "a dtype with no kernel, in place": (lambda d: torch.tensor([True, False], device=d), lambda t: t.abs_()),
+    "a complex tensor's fmod_": (lambda d: torch.tensor([1 + 1j, 2], device=d), lambda t: t.fmod_(1.5)),
+    "a bool subtracted in place": (lambda d: torch.tensor([1.0, 2.0], device=d), lambda t: t.sub_(True)),
+    "a complex number into a float tensor": (lambda d: torch.tensor([1.0, 2.0], device=d), lambda t: t.add_(1j)),
+    "a complex number into a big float tensor": (lambda d: torch.ones(1 << 15, device=d), lambda t: t.mul_(1j)),
+    "the maximum of complex tensors": (
+        lambda d: torch.tensor([1j, 1.0], device=d),
+        lambda t: torch.maximum(torch.ones(2, device=t.device), t),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(KERNEL_REFUSALS))
+def test_an_op_the_kernels_refuse_is_refused_at_the_op_and_its_target_kept(remote, case):
+    """An in-place sweep (every in-place method, 5 dtypes, 9 arguments) found 298 of 1555 cases
+    where the meta kernel took an op its kernel refuses: the error came at a later read, and the
+    op's target was marked failed: a typo lost the tensor. Now the CPU's kernel is asked on
+    stand-ins of small arguments: the server's error comes at the op, of the CPU's kind and in its
+    words, and the target is as the kernel left it, as on the CPU."""
+    make, op = KERNEL_REFUSALS[case]
+    on_cpu_target, target = make("cpu"), make(DEV)
+    with pytest.raises(Exception) as on_cpu:
+        op(on_cpu_target)
+    with pytest.raises(type(on_cpu.value)) as on_device:
+        op(target)
+    assert str(on_cpu.value) in str(on_device.value)
+    assert torch.equal(target.cpu(), on_cpu_target)
+    assert torch.ones(2, device=DEV).sum().item() == 2.0  # (nothing failed waits in the batch)
+
+
+def test_an_op_refused_only_on_stand_ins_runs_on_the_server_once_per_signature(remote):
+    """Stand-ins lack the values: integer division of zeros is refused on the CPU, where the real
+    divisor has none. The server's kernel then answers, once: its outputs are cached, and the next
+    such op is recorded with no round trip."""
+    a, b = torch.tensor([7, 9], device=DEV), torch.tensor([2, 4], device=DEV)
+    torch.ones(1, device=DEV).cpu()
+    before = trips()
+    first = a // b
+    assert trips() == before + 1
+    second = (a + 1) // b
+    assert trips() == before + 1
+    assert first.cpu().tolist() == [3, 2] and second.cpu().tolist() == [4, 2]
 
 
 def test_quantized_tensors_are_refused_at_the_op_that_would_make_one(remote):

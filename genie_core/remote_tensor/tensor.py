@@ -13,7 +13,7 @@ import torch
 from torch.utils._mode_utils import no_dispatch
 
 from ..protocol.tensor_ops import HostTensor, RemoteDevice, StorageOf, TensorRef, encode_value, ref
-from . import custom_ops, device_model, scalars, serialization, storages
+from . import custom_ops, device_model, refusals, scalars, serialization, storages
 from .output_specs import CONJUGATE, NEGATIVE, Layout, OutputSpec, aliases, expectations, layout_of
 from .stream import OpStream, _ids, new_id, new_ids
 
@@ -452,7 +452,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     if outputs is None:
         outputs = _output_specs(func, sig, args, kwargs, stream, info)
     uploads: list[int] = []
-    if outputs is None or type(outputs) is _Learn:
+    if outputs is None or type(outputs) is _Learn or type(outputs) is _Ask:
         return _run_eagerly(func, stream, args, kwargs, _encoder(stream, uploads), uploads, outputs)
     out_meta = outputs.metas
     out_ids: list[int | None]
@@ -687,21 +687,6 @@ def _encode_storage(storage: Any, stream: OpStream) -> StorageOf:
     )
 
 
-def _writes(func: Any) -> bool:
-    """Whether an op writes any of its arguments. Where a meta kernel refuses the arguments of one
-    that does not with an error of a type other than the CPU's and CUDA's kernels (`clamp()` with no
-    bounds: a ValueError from PyTorch's Python meta kernel, a RuntimeError from theirs), the
-    server's kernel answers at the op (one round trip, only then). A RuntimeError, most often in
-    the kernels' own words (shapes that do not match), is raised here, with no round trip. One
-    that writes is refused here whatever the error: run on the server, its failure would mark its
-    targets failed, where on the CPU a refused op leaves them as they were."""
-    found = _WRITES.get(func)
-    if found is None:
-        found = _WRITES[func] = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
-    return found
-
-
-_WRITES: dict[Any, bool] = {}
 _QUANTIZED = frozenset({torch.quint8, torch.qint8, torch.qint32, torch.quint4x2, torch.quint2x4})
 
 
@@ -788,6 +773,11 @@ def _remote(
 class _Learn(tuple):
     """The meta-cache key of an op whose outputs' metadata must come from the device (one round trip
     per new signature; see _DEVICE_DEPENDENT)."""
+
+
+class _Ask(tuple):
+    """The meta-cache key of an op the CPU's kernel refused on stand-ins where its meta kernel took
+    it (refusals.py): run on the server at once, its outputs, if it makes them, cached under the key."""
 
 
 # Ops whose outputs' metadata, or whether they run at all, differs between devices, and that the
@@ -927,11 +917,23 @@ def _output_specs(func, sig: list[Any], args: tuple, kwargs: dict, stream: OpStr
             text = str(exc).lower()
             if "meta" in text and ("cannot" in text or "not implemented" in text):
                 return None
-            if type(exc) is not RuntimeError and rule is None and not _writes(func):
-                return None  # the server's kernel answers, at the op (see _writes)
-            raise  # a real error (shapes, dtypes): raised here, at the op, as PyTorch would
+            verdict = refusals.cpu_verdict(func, args, kwargs) if rule is None else None
+            if verdict is refusals.TAKEN:
+                return None  # a meta kernel stricter than the kernels: the server's answers, at the op
+            raise (verdict or exc) from None  # a real error (shapes, dtypes): here, at the op, in the CPU's words
         if not scalars.fit(func, args, kwargs, out):
             return None  # a number that overflows its dtype: the server's kernel says, at the op
+        if refusals.narrowing(func, margs, mkwargs, out):
+            verdict = refusals.cpu_verdict(func, args, kwargs)
+            if isinstance(verdict, Exception):
+                raise verdict from None  # (the CPU's words: here, at the op)
+        if (
+            rule is None
+            and key is not None
+            and stream.device_kind == "cpu"  # (a GPU's kernels are not the CPU's: it has ops the CPU lacks)
+            and refusals.refused_on_the_cpu(func, args, kwargs, out)
+        ):
+            return _Ask(key)  # the server's kernel answers at the op (refusals.py)
         if any(
             isinstance(m, torch.Tensor) and m.layout != torch.strided
             for m in (out if type(out) in (tuple, list) else (out,))
@@ -988,7 +990,7 @@ def _run_eagerly(
             for r in results
         ]
         out = (metas if is_list else tuple(metas)) if described["tuple"] else metas[0]
-        stream.meta_cache[learn] = OutputSpec(out, func)
+        stream.meta_cache[learn] = OutputSpec(out, func)  # (an _Ask key equals its plain tuple: dispatch finds it)
     if described["tuple"]:
         return results if is_list else tuple(results)
     return results[0] if returns else None  # (an op that returns nothing: `_fused_sgd_`)

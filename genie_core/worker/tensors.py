@@ -43,12 +43,14 @@ class _FailedEarlier(RuntimeError):
         self.__cause__ = failed.error
 
 
-def _poison(store: Any, record: Record, failed: _Failed) -> None:
+def _poison(store: Any, record: Record, failed: _Failed, kept: Any = ()) -> None:
     """What a record that failed would have made or written in place: later uses name the first
     failure. A target is not known to be as it was: PyTorch may have begun to write it (`resize_`
     sets the new shape before it finds the storage cannot grow: read, it would crash the worker),
     or, failing for want of a tensor whose op failed, it never got the write the notebook believes
-    it did."""
+    it did. But `kept`: the targets of an op whose failure the notebook is told at the op (it ran
+    at once, and failed first), laid out as they were: as on the CPU, they are as the kernel left
+    them (most often untouched: kernels check their arguments first)."""
     if record[0] == "put" or record[0] == "part":
         store[record[1]] = failed  # (its own: an upload depends on nothing)
     elif record[0] == "op" or record[0] == "call":
@@ -59,11 +61,24 @@ def _poison(store: Any, record: Record, failed: _Failed) -> None:
                     store[rid] = failed
         if record[0] == "op":
             for rid in _written(record):
-                if rid in store:
+                if rid in store and rid not in kept:
                     store[rid] = failed
     elif record[0] == "capture":
         for inner in record[2]:
             _poison(store, inner, failed)
+
+
+def _targets(store: Any, record: Record) -> list[tuple[int, Any, tuple]]:
+    """The tensors an op is about to write, each with its layout and storage."""
+    found = [(rid, store.get(rid)) for rid in _written(cast(OpRecord, record))]
+    return [(rid, t, (_layout(t), t.untyped_storage().data_ptr())) for rid, t in found if isinstance(t, torch.Tensor)]
+
+
+def _as_they_were(store: Any, targets: list[tuple[int, Any, tuple]]) -> set[int]:
+    """The ids of those still laid out as they were, over the same storage."""
+    return {
+        rid for rid, t, was in targets if store.get(rid) is t and (_layout(t), t.untyped_storage().data_ptr()) == was
+    }
 
 
 def _written(record: OpRecord) -> list[int]:
@@ -271,7 +286,7 @@ class TensorExecutor:
         eager: Any = None
         answer = request.get("answer", -1)  # named by index: frees collected after it may follow it
         pop, graph_of, clocks = self.store.pop, self.graph_of, self.clocks
-        tick = start
+        tick, targets = start, []
         for index, record in enumerate(records):
             if timing is not None:
                 tick = _note_time(timing, records[index - 1], tick) if index else time.perf_counter()
@@ -282,14 +297,19 @@ class TensorExecutor:
                     self._freed(record[1], found)
                 continue
             try:  # (after a failure too: what does not depend on it runs, as the client believes it has)
+                if index == answer and record[0] == "op":
+                    targets = _targets(self.store, record)
                 out = self._run_op(record) if record[0] == "op" else self.step(record)
                 if index == answer:
                     eager = _answer(record, out)
             except Exception as exc:
+                kept: Any = ()
                 if failure is None:
                     failure = _Failure(name_of(record), index, exc)
+                    if index == answer and record[0] == "op" and not isinstance(exc, _FailedEarlier):
+                        kept = _as_they_were(self.store, targets)
                 failed = exc.failed if isinstance(exc, _FailedEarlier) else _Failed(name_of(record), exc)
-                _poison(self.store, record, failed)
+                _poison(self.store, record, failed, kept)
         if timing is not None and records:
             _note_time(timing, records[-1], tick)
         return self._reply(request, failure, start, eager, timing)
