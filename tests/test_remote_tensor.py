@@ -1309,6 +1309,12 @@ META_REFUSALS = {  # ops PyTorch's meta kernels refuse with an error of another 
     ),
     "shapes that do not broadcast, in place": lambda d: torch.ones(2, device=d).add_(torch.ones(3, device=d)),
     "cat of tensors of other ranks": lambda d: torch.cat([torch.ones(2, device=d), torch.ones(2, 2, device=d)]),
+    "complex of ints": lambda d: torch.complex(
+        torch.ones(2, dtype=torch.long, device=d), torch.ones(2, dtype=torch.long, device=d)
+    ),  # (meta: an AssertionError)
+    "roll with shifts and dims that do not align": lambda d: torch.ones(2, 2, device=d).roll(
+        (1,), (0, 1)
+    ),  # (meta: an IndexError)
 }
 
 
@@ -1392,6 +1398,35 @@ def test_an_op_refused_only_on_stand_ins_runs_on_the_server_once_per_signature(r
     second = (a + 1) // b
     assert trips() == before + 1
     assert first.cpu().tolist() == [3, 2] and second.cpu().tolist() == [4, 2]
+
+
+def test_a_value_out_of_range_is_refused_at_the_op_after_one_in_range(remote):
+    """PyTorch's test_tensor_creation_ops found it: the CPU kernel was asked once per type of a
+    number argument, so `random_(0, -42)` after `random_(0, 42)` failed at the next read. Asked
+    once per value, as the meta cache is keyed."""
+    t = torch.zeros(4, dtype=torch.int32, device=DEV)
+    t.random_(0, 42)
+    with pytest.raises(RuntimeError, match="random_ expects 'from' to be less than 'to'"):
+        t.random_(0, -42)
+    assert ((t.cpu() >= 0) & (t.cpu() < 42)).all()
+
+
+@pytest.mark.parametrize("fill", ["arange", "linspace", "logspace"])
+def test_a_range_into_an_out_of_as_many_elements_keeps_its_shape(remote, fill):
+    """PyTorch's test_tensor_creation_ops found it: their meta kernels resize an `out=` whose shape
+    differs, the CPU's and CUDA's kernels only one whose number of elements does: the notebook's
+    tensor became (36,) where the server's stayed (3, 3, 4), and the next op failed."""
+    make = {
+        "arange": lambda out: torch.arange(0, 36, out=out),
+        "linspace": lambda out: torch.linspace(0, 35, 36, out=out),
+        "logspace": lambda out: torch.logspace(0, 3, 36, base=2, out=out),
+    }[fill]
+    for shape in ((3, 3, 4), (5,)):
+        on_cpu, on_device = torch.zeros(*shape), torch.zeros(*shape, device=DEV).permute(*range(len(shape))[::-1])
+        on_cpu = on_cpu.permute(*range(len(shape))[::-1])
+        make(on_cpu), make(on_device)
+        assert (on_device.shape, on_device.stride()) == (on_cpu.shape, on_cpu.stride())
+        assert torch.equal(on_device.cpu(), on_cpu)
 
 
 def test_quantized_tensors_are_refused_at_the_op_that_would_make_one(remote):

@@ -33,8 +33,8 @@ SMALL_BYTES = 64 << 10  # arguments and outputs this small are asked about an op
 
 def refused_on_the_cpu(func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
     """Whether the CPU's kernel refuses small arguments that the meta kernel took (`out`: its
-    outputs). Asked once per op and layout of its arguments (numbers by type: a learning rate that
-    changes every step asks once)."""
+    outputs). Asked once per op, layout of its tensors and value of its other arguments (a number's
+    range is checked: `random_(from, to)`), as the meta cache is keyed."""
     outs = out if type(out) in (tuple, list) else (out,)
     made = sum(m.numel() * m.element_size() for m in outs if isinstance(m, torch.Tensor))
     if made > SMALL_BYTES:
@@ -61,7 +61,7 @@ def _layout(a: Any) -> Any:
         return tuple(map(_layout, a))
     if isinstance(a, torch.Tensor):
         return (a.dtype, a.shape, a.stride(), a.storage_offset(), a.is_conj())
-    return type(a) if type(a) in (int, float, complex, bool) else a
+    return (type(a), a) if type(a) in (float, complex, bool) else a  # (1, 1.0 and True: equal keys)
 
 
 def cpu_verdict(func: Any, args: tuple, kwargs: dict, budget_bytes: int = STAND_IN_BYTES) -> Any:

@@ -4,6 +4,7 @@ server when a value is needed."""
 
 from __future__ import annotations
 
+import math
 import pickle
 import warnings
 from collections import OrderedDict
@@ -868,6 +869,21 @@ def _index_putting(op: Any) -> Any:
     return rule
 
 
+def _filling_out(op: Any) -> Any:
+    """`arange`, `linspace` and `logspace` into an `out=` with as many elements as they make keep
+    its shape and strides, as the CPU's and CUDA's kernels do (their meta kernels resize it
+    whenever the shape differs: the notebook's tensor took a shape the server's did not)."""
+
+    def rule(*args: Any, out: Any, **kwargs: Any) -> Any:
+        shape, stride = out.shape, out.stride()
+        made = op(*args, out=out, **kwargs)
+        if made.numel() != math.prod(shape):
+            return made
+        return torch.empty_strided(shape, stride, dtype=made.dtype, device="meta")
+
+    return rule
+
+
 # Ops whose outputs here are not their meta kernel's. The nested tensors of nn.TransformerEncoder's
 # inference fast path (`enable_nested_tensor`): the server holds the nested tensor, and here it has
 # its padded shape (the source's), the shape that each encoder layer (a meta kernel of its own from
@@ -882,6 +898,12 @@ _SHAPE_RULES = {
     **{op: _index_filling(op) for op in (getattr(aten, name).int_Scalar for name in ("index_fill", "index_fill_"))},
     **{op: _index_filling(op) for op in (getattr(aten, name).int_Tensor for name in ("index_fill", "index_fill_"))},
     **{op: _index_putting(op) for op in (aten.index_put.default, aten.index_put_.default)},
+    **{
+        getattr(getattr(aten, name), overload): _filling_out(getattr(getattr(aten, name), overload))
+        for name in ("arange", "linspace", "logspace")
+        for overload in getattr(aten, name).overloads()
+        if overload.endswith("out")
+    },
 }
 
 
@@ -913,7 +935,7 @@ def _output_specs(func, sig: list[Any], args: tuple, kwargs: dict, stream: OpStr
             out = None  # one that makes nothing, only writes its arguments (`_fused_sgd_`): recorded
         except device_model.NOT_KNOWN_HERE:
             return None  # a data-dependent output shape: run it on the server now
-        except (RuntimeError, ValueError, TypeError) as exc:
+        except Exception as exc:  # (a meta kernel raises RuntimeError, ValueError, AssertionError, IndexError...)
             text = str(exc).lower()
             if "meta" in text and ("cannot" in text or "not implemented" in text):
                 return None
