@@ -1208,8 +1208,8 @@ def test_a_number_that_does_not_fit_its_dtype_is_refused_at_the_op_as_on_the_cpu
 
 def test_numbers_that_fit_or_wrap_stay_lazy_and_give_the_cpus_values(remote):
     """The check costs no round trip where the number fits (a finite minimum, inf, -1 into uint8,
-    a fraction into an int tensor's clamp, which makes a float); where the kernel does not check
-    (`add` wraps), the op gives the CPU's values."""
+    a fraction into an int tensor's clamp, which makes a float), nor where it does not and the
+    CPU's kernel takes it (a float16 `leaky_relu` with a slope of 1e5): the CPU's values."""
     uses = [
         lambda d: torch.zeros(3, dtype=torch.float16, device=d).masked_fill(
             torch.tensor([True, False, True], device=d), torch.finfo(torch.float16).min
@@ -1218,6 +1218,7 @@ def test_numbers_that_fit_or_wrap_stay_lazy_and_give_the_cpus_values(remote):
         lambda d: _int8(d).to(torch.uint8).fill_(-1),
         lambda d: _int8(d).clamp(max=2.5),
         lambda d: torch.full((2,), 7, dtype=torch.int8, device=d),
+        lambda d: torch.nn.functional.leaky_relu(torch.ones(2, dtype=torch.float16, device=d), 1e5),
     ]
     expected = [use("cpu") for use in uses]
     torch.ones(1, device=DEV).cpu()
@@ -1226,7 +1227,6 @@ def test_numbers_that_fit_or_wrap_stay_lazy_and_give_the_cpus_values(remote):
     assert trips() == before
     for g, e in zip(got, expected, strict=True):
         assert g.dtype == e.dtype and torch.equal(g.cpu(), e)
-    assert torch.equal(_int8(DEV).add(300).cpu(), _int8("cpu").add(300))
 
 
 def _default_dtype_uses(u8: torch.Tensor, i32: torch.Tensor) -> list[Any]:
@@ -1335,16 +1335,6 @@ def test_an_op_a_meta_kernel_refuses_is_refused_in_the_cpus_words(remote, case):
     assert torch.ones(2, device=DEV).sum().item() == 2.0  # (nothing failed waits in the batch)
 
 
-def test_an_op_a_meta_kernel_refuses_and_the_cpu_takes_runs_on_the_server(remote):
-    """PyTorch's test_type_promotion found it: the meta kernel of `abs` wants a real `out=` for a
-    complex tensor, where the CPU's and CUDA's kernels take a complex one. Where the CPU's kernel
-    takes what the meta kernel refuses, the op runs on the server at once (one round trip)."""
-    for device in ("cpu", DEV):
-        out = torch.empty(1, dtype=torch.complex64, device=device)
-        torch.abs(torch.tensor([3 + 4j], device=device), out=out)
-        assert out.cpu().tolist() == [5 + 0j]
-
-
 def test_an_op_refused_on_a_tensor_it_writes_leaves_the_tensor_as_it_was(remote):
     """Refused in place, as on the CPU, the target keeps its values and stays usable (it is refused
     here: run on the server, a failed op marks what it writes failed)."""
@@ -1386,18 +1376,34 @@ def test_an_op_the_kernels_refuse_is_refused_at_the_op_and_its_target_kept(remot
     assert torch.ones(2, device=DEV).sum().item() == 2.0  # (nothing failed waits in the batch)
 
 
-def test_an_op_refused_only_on_stand_ins_runs_on_the_server_once_per_signature(remote):
-    """Stand-ins lack the values: integer division of zeros is refused on the CPU, where the real
-    divisor has none. The server's kernel then answers, once: its outputs are cached, and the next
+def test_an_op_the_meta_kernel_refuses_and_the_cpu_takes_runs_on_the_server_once_per_signature(remote):
+    """`abs` of a complex tensor into a complex `out=`: its meta kernel refuses it, the CPU's and
+    CUDA's kernels take it. The server's kernel answers once; its outputs are cached, and the next
     such op is recorded with no round trip."""
+    x = torch.tensor([3 + 4j, 0j], device=DEV)
+    torch.ones(1, device=DEV).cpu()
+    before = trips()
+    first = torch.empty(2, dtype=torch.complex64, device=DEV)
+    torch.abs(x, out=first)
+    assert trips() == before + 1
+    second = torch.empty(2, dtype=torch.complex64, device=DEV)
+    torch.abs(x * 2, out=second)
+    assert trips() == before + 1
+    expected = torch.abs(torch.tensor([3 + 4j, 0j]), out=torch.empty(2, dtype=torch.complex64))
+    assert torch.equal(first.cpu(), expected) and torch.equal(second.cpu(), expected * 2)
+
+
+def test_stand_ins_of_zeros_and_of_ones_both_refused_before_an_op_is(remote):
+    """Integer division by stand-ins of zeros is refused on the CPU; by ones, taken: the op is
+    recorded as any other (no round trip), and an op that makes nothing, whose stand-ins cannot
+    answer (`_assert_async` of False), is not asked."""
     a, b = torch.tensor([7, 9], device=DEV), torch.tensor([2, 4], device=DEV)
     torch.ones(1, device=DEV).cpu()
     before = trips()
-    first = a // b
-    assert trips() == before + 1
-    second = (a + 1) // b
-    assert trips() == before + 1
-    assert first.cpu().tolist() == [3, 2] and second.cpu().tolist() == [4, 2]
+    quotient, rest = a // b, torch.remainder(a, b)
+    torch._assert_async((b > 0).all())
+    assert trips() == before
+    assert quotient.cpu().tolist() == [3, 2] and rest.cpu().tolist() == [1, 1]
 
 
 def test_a_value_out_of_range_is_refused_at_the_op_after_one_in_range(remote):
@@ -1421,11 +1427,19 @@ def test_a_range_into_an_out_of_as_many_elements_keeps_its_shape(remote, fill):
         "linspace": lambda out: torch.linspace(0, 35, 36, out=out),
         "logspace": lambda out: torch.logspace(0, 3, 36, base=2, out=out),
     }[fill]
-    for shape in ((3, 3, 4), (5,)):
-        on_cpu, on_device = torch.zeros(*shape), torch.zeros(*shape, device=DEV).permute(*range(len(shape))[::-1])
-        on_cpu = on_cpu.permute(*range(len(shape))[::-1])
+    outs = {  # (views: permuted; at an offset)
+        "permuted": lambda d: torch.zeros(3, 3, 4, device=d).permute(2, 1, 0),
+        "at an offset": lambda d: torch.zeros(40, device=d)[2:38],
+        "another count": lambda d: torch.zeros(5, device=d),
+    }
+    for out in outs.values():
+        on_cpu, on_device = out("cpu"), out(DEV)
         make(on_cpu), make(on_device)
-        assert (on_device.shape, on_device.stride()) == (on_cpu.shape, on_cpu.stride())
+        assert (on_device.shape, on_device.stride(), on_device.storage_offset()) == (
+            on_cpu.shape,
+            on_cpu.stride(),
+            on_cpu.storage_offset(),
+        )
         assert torch.equal(on_device.cpu(), on_cpu)
 
 

@@ -29,7 +29,7 @@ def _factory_kernels(lib: Any) -> None:
     import torch
 
     from ..protocol.tensor_ops import RemoteDevice, encode_value
-    from . import scalars
+    from . import refusals, scalars
     from .output_specs import OutputSpec
     from .stream import refuse_over_limit
     from .tensor import RemoteTensor, typed_key
@@ -62,7 +62,7 @@ def _factory_kernels(lib: Any) -> None:
                 if not scalars.fit(op, args, kwargs, out):  # (raised here as the CPU raises it, or not)
                     if op is torch.ops.aten.full.default:
                         scalars.check_fill(args[1], out.dtype)
-                    else:
+                    elif out.numel() * out.element_size() <= refusals.SMALL_BYTES:  # (else: at the next read)
                         op(*args, **dict(kwargs, device=torch.device("cpu")))
                 spec = OutputSpec(out, op)
                 if key is not None:

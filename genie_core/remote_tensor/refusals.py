@@ -1,25 +1,19 @@
-"""Ops PyTorch's meta kernels take or refuse otherwise than the device kernels, judged by the
-CPU's kernel on stand-ins of the arguments (same shapes, strides and dtypes; ones, and zeros for
-integers, which index anything).
+"""Ops PyTorch's meta kernels judge otherwise than the device's kernels, judged by the CPU's
+kernel on stand-ins of the arguments (same layouts and dtypes; ones, and zeros for integers).
 
-- Refused by the meta kernel: its checks are the kernels', but not always in their words or of
-  their type (`clamp()` with no bounds: a ValueError where the kernels raise a RuntimeError;
-  `int_tensor.add_(0.5)`). The CPU kernel's error is raised instead, here, with no round trip;
-  where the CPU kernel takes the arguments (a meta kernel stricter than the kernels: `abs` of a
-  complex tensor into a complex `out=`), the op runs on the server at once.
-- Taken by the meta kernel, refused by the kernels: the dtypes a kernel has no code for
-  (`bool_tensor.abs_()`, `maximum` of complex tensors), dtype checks the meta kernels skip
-  (`sub` of bools, `float_tensor.add_(1j)`). Recorded, such an op failed on the server at a later
-  read, and marked what it writes failed (its values not known): a typo lost the tensor. On a
-  server that computes on the CPU, where the arguments are small (SMALL_BYTES), the CPU kernel is
-  asked on stand-ins once per signature; if it refuses, the server's kernel answers at the op (its
-  own error, which leaves the op's targets as the kernel left them, as on the CPU; or, where it
-  takes what the stand-ins lacked, a value, its outputs, cached). A result its target cannot hold
-  (`narrowing`) is refused at the op whatever the sizes and the server."""
+- Refused by the meta kernel: its checks are the kernels', not always in their words or of their
+  type (`clamp()` with no bounds: a ValueError, where the kernels raise a RuntimeError). The CPU
+  kernel's error is raised instead, with no round trip; where it takes the arguments (a meta
+  kernel stricter than the kernels), the server's kernel answers, once per signature.
+- Taken by the meta kernel, refused by the kernels (a dtype a kernel has no code for,
+  `bool_tensor.abs_()`; dtype checks the meta kernel skips, `sub_` of a bool). Recorded, such an
+  op would fail on the server at a later read and mark its target failed. On a CPU server, small
+  arguments (SMALL_BYTES) are asked about once per signature; refused, the op runs on the server at
+  once. A result an in-place target cannot hold (`narrowing`) is asked about on one-element
+  stand-ins, whatever the sizes and the server."""
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
@@ -33,11 +27,13 @@ SMALL_BYTES = 64 << 10  # arguments and outputs this small are asked about an op
 
 def refused_on_the_cpu(func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
     """Whether the CPU's kernel refuses small arguments that the meta kernel took (`out`: its
-    outputs). Asked once per op, layout of its tensors and value of its other arguments (a number's
-    range is checked: `random_(from, to)`), as the meta cache is keyed."""
+    outputs), on stand-ins of zeros for integers and then of ones (`a // b`). Asked once per op,
+    layout of its tensors and value of its other arguments (a number's range is checked:
+    `random_(from, to)`), as the meta cache is keyed. Not asked of views (a stand-in holds only
+    the view's elements) nor of ops that make nothing (`_assert_async`: its answer is the value)."""
     outs = out if type(out) in (tuple, list) else (out,)
     made = sum(m.numel() * m.element_size() for m in outs if isinstance(m, torch.Tensor))
-    if made > SMALL_BYTES:
+    if made > SMALL_BYTES or made == 0 or _is_view(func):
         return False
     try:
         key: Any = (func, *map(_layout, args), *((k, _layout(v)) for k, v in kwargs.items()))
@@ -45,12 +41,26 @@ def refused_on_the_cpu(func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
     except TypeError:  # (something unhashable)
         key, known = None, None
     if known is None:
-        known = isinstance(cpu_verdict(func, args, kwargs, SMALL_BYTES - made), Exception)
+        known = all(
+            isinstance(cpu_verdict(func, args, kwargs, SMALL_BYTES - made, integers=fill), Exception)
+            for fill in (torch.zeros, torch.ones)
+        )
         if key is not None:
             if len(_refused) > 10_000:
                 _refused.clear()
             _refused[key] = known
     return known
+
+
+def as_the_server_would(verdict: Any, device_kind: str) -> Any:
+    """The verdict, where a server of `device_kind` would give it: not the CPU's lack of a kernel
+    (for the op, or for a dtype: a NotImplementedError) on a GPU server, which has kernels the CPU
+    lacks (there, None: not known here)."""
+    return None if isinstance(verdict, NotImplementedError) and device_kind != "cpu" else verdict
+
+
+def _is_view(func: Any) -> bool:
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
 
 
 _refused: dict[Any, bool] = {}
@@ -64,19 +74,22 @@ def _layout(a: Any) -> Any:
     return (type(a), a) if type(a) in (float, complex, bool) else a  # (1, 1.0 and True: equal keys)
 
 
-def cpu_verdict(func: Any, args: tuple, kwargs: dict, budget_bytes: int = STAND_IN_BYTES) -> Any:
+def cpu_verdict(
+    func: Any, args: tuple, kwargs: dict, budget: int = STAND_IN_BYTES, *, integers: Any = None, tiny: bool = False
+) -> Any:
     """The CPU kernel's error for these arguments, TAKEN, or None where it cannot be asked (a
-    custom op, which may act; stand-ins past `budget_bytes`; an argument with no CPU stand-in)."""
+    custom op, which may act; stand-ins past `budget` bytes; an argument with no CPU stand-in).
+    `tiny`: a tensor of one element each (a verdict on dtypes)."""
     if func.namespace not in ("aten", "prims"):
         return None
-    budget = [budget_bytes]
+    fill, left = (integers or torch.zeros, torch.ones), [budget]
     try:
-        cpu_args = tuple(_stand_in(a, budget) for a in args)
-        cpu_kwargs = {k: _stand_in(v, budget) for k, v in kwargs.items()}
+        cpu_args = tuple(_stand_in(a, left, fill, tiny) for a in args)
+        cpu_kwargs = {k: _stand_in(v, left, fill, tiny) for k, v in kwargs.items()}
     except _NoStandIn:
         return None
-    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():  # (the CPU's generator left as it was)
-        warnings.simplefilter("ignore")
+    seeded = torch.Tag.nondeterministic_seeded in func.tags
+    with torch.random.fork_rng(devices=[], enabled=seeded):  # (a random op leaves the CPU's generator as it was)
         try:
             func(*cpu_args, **cpu_kwargs)
         except Exception as exc:
@@ -106,22 +119,27 @@ class _NoStandIn(Exception):
     pass
 
 
-def _stand_in(a: Any, budget: list[int]) -> Any:
+def _stand_in(a: Any, budget: list[int], fill: tuple[Any, Any], tiny: bool) -> Any:
+    """A CPU tensor laid out as `a`, of zeros or ones (`fill`: for integers and bools, and for the
+    rest), or `a` itself where it is not a tensor (a remote device named: the CPU)."""
     if type(a) in (list, tuple):
-        return type(a)(_stand_in(x, budget) for x in a)
+        return type(a)(_stand_in(x, budget, fill, tiny) for x in a)
     if isinstance(a, torch.UntypedStorage):
         raise _NoStandIn
     if isinstance(a, torch.Tensor):
         if a.layout != torch.strided:
             raise _NoStandIn
-        span = int(
-            1 + a.storage_offset() + sum((n - 1) * abs(s) for n, s in zip(a.shape, a.stride(), strict=True) if n)
-        )
-        budget[0] -= span * a.element_size()
-        if budget[0] < 0:
-            raise _NoStandIn
-        fill = torch.zeros if not (a.is_floating_point() or a.is_complex()) else torch.ones
-        t = fill(span, dtype=a.dtype).as_strided(a.shape, a.stride(), a.storage_offset())
+        make = fill[1] if a.is_floating_point() or a.is_complex() else fill[0]
+        if tiny:
+            t = make((1,) * a.dim(), dtype=a.dtype)
+        else:
+            span = int(
+                1 + a.storage_offset() + sum((n - 1) * abs(s) for n, s in zip(a.shape, a.stride(), strict=True) if n)
+            )
+            budget[0] -= span * a.element_size()
+            if budget[0] < 0:
+                raise _NoStandIn
+            t = make(span, dtype=a.dtype).as_strided(a.shape, a.stride(), a.storage_offset())
         return t.conj() if a.is_conj() else t
     if (isinstance(a, torch.device) and a.type != "cpu") or (type(a) is str and a.startswith(DEVICE_TYPE)):
         return torch.device("cpu")

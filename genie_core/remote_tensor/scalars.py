@@ -3,9 +3,9 @@
 PyTorch's kernels convert a `Scalar` argument to the tensor's element type with an overflow check
 (`fill_(300)` on int8, `masked_fill(mask, -1e9)` on float16, a complex value into a real tensor)
 and raise at the op; meta kernels do not, so here the error would come from the server at the
-next read. An op whose number does not fit runs on the server at once instead (one round trip,
-only then), which raises at the op in the server's own words, or gives the op's result where its
-kernel does not check (`add(int8, 300)` wraps)."""
+next read. An op whose number does not fit is judged by the CPU's kernel (refusals.py): its error
+at the op, or, where the kernel takes the number (`leaky_relu` of float16 with a slope of 1e5),
+the op recorded as any other."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def fits(value: complex, dtype: torch.dtype) -> bool:
     not; -1 into uint8 does, as do inf and nan into a float type)."""
     try:
         torch.empty(2, dtype=dtype).fill_(value)  # (not 0-dim: one element's fill skips the check for half types)
-    except RuntimeError:
+    except Exception:  # (RuntimeError; OverflowError for a Python int past 64 bits)
         return False
     return True
 

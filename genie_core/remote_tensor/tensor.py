@@ -875,11 +875,11 @@ def _filling_out(op: Any) -> Any:
     whenever the shape differs: the notebook's tensor took a shape the server's did not)."""
 
     def rule(*args: Any, out: Any, **kwargs: Any) -> Any:
-        shape, stride = out.shape, out.stride()
+        shape, stride, offset = out.shape, out.stride(), out.storage_offset()
         made = op(*args, out=out, **kwargs)
         if made.numel() != math.prod(shape):
             return made
-        return torch.empty_strided(shape, stride, dtype=made.dtype, device="meta")
+        return torch.empty_strided(shape, stride, dtype=made.dtype, device="meta").as_strided(shape, stride, offset)
 
     return rule
 
@@ -940,13 +940,20 @@ def _output_specs(func, sig: list[Any], args: tuple, kwargs: dict, stream: OpStr
             if "meta" in text and ("cannot" in text or "not implemented" in text):
                 return None
             verdict = refusals.cpu_verdict(func, args, kwargs) if rule is None else None
+            verdict = refusals.as_the_server_would(verdict, stream.device_kind)
             if verdict is refusals.TAKEN:
-                return None  # a meta kernel stricter than the kernels: the server's answers, at the op
+                return _Ask(key) if key is not None else None  # a meta kernel stricter than the kernels
             raise (verdict or exc) from None  # a real error (shapes, dtypes): here, at the op, in the CPU's words
-        if not scalars.fit(func, args, kwargs, out):
-            return None  # a number that overflows its dtype: the server's kernel says, at the op
+        if not scalars.fit(func, args, kwargs, out):  # (a number that overflows its dtype)
+            verdict = refusals.cpu_verdict(func, args, kwargs, refusals.SMALL_BYTES)
+            verdict = refusals.as_the_server_would(verdict, stream.device_kind)
+            if isinstance(verdict, Exception):
+                raise verdict from None  # (the CPU's words: here, at the op)
+            if verdict is None:
+                return None  # (not asked: the server's kernel says, at the op)
         if refusals.narrowing(func, margs, mkwargs, out):
-            verdict = refusals.cpu_verdict(func, args, kwargs)
+            verdict = refusals.cpu_verdict(func, args, kwargs, tiny=True)  # (a verdict on dtypes: any size)
+            verdict = refusals.as_the_server_would(verdict, stream.device_kind)
             if isinstance(verdict, Exception):
                 raise verdict from None  # (the CPU's words: here, at the op)
         if (
@@ -1011,7 +1018,7 @@ def _run_eagerly(
             else r
             for r in results
         ]
-        out = (metas if is_list else tuple(metas)) if described["tuple"] else metas[0]
+        out = (metas if is_list else tuple(metas)) if described["tuple"] else (metas[0] if metas else None)
         stream.meta_cache[learn] = OutputSpec(out, func)  # (an _Ask key equals its plain tuple: dispatch finds it)
     if described["tuple"]:
         return results if is_list else tuple(results)

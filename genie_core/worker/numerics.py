@@ -13,9 +13,12 @@ _taken: Any = None  # the settings last taken (most batches carry the same)
 
 def take(numerics: Any) -> None:
     global _taken
-    if numerics is None or numerics == _taken:
+    if numerics is None:
         return
-    deterministic, warn_only, precision, cudnn_deterministic, cudnn_benchmark, default_dtype = numerics
+    _take_default_dtype(numerics[5])  # (each batch: a `%%remote` cell may have set this process's)
+    if numerics == _taken:
+        return
+    deterministic, warn_only, precision, cudnn_deterministic, cudnn_benchmark, _ = numerics
     deterministic_now = (
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
@@ -26,8 +29,12 @@ def take(numerics: Any) -> None:
         torch.set_float32_matmul_precision(str(precision))
     torch.backends.cudnn.deterministic = bool(cudnn_deterministic)
     torch.backends.cudnn.benchmark = bool(cudnn_benchmark)
-    dtype = getattr(torch, str(default_dtype), None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"no such default dtype: {default_dtype!r}")
-    torch.set_default_dtype(dtype)
     _taken = tuple(numerics)
+
+
+def _take_default_dtype(name: Any) -> None:
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"no such default dtype: {name!r}")
+    if torch.get_default_dtype() is not dtype:
+        torch.set_default_dtype(dtype)

@@ -69,9 +69,15 @@ def _poison(store: Any, record: Record, failed: _Failed, kept: Any = ()) -> None
 
 
 def _targets(store: Any, record: Record) -> list[tuple[int, Any, tuple]]:
-    """The tensors an op is about to write, each with its layout and storage."""
-    found = [(rid, store.get(rid)) for rid in _written(cast(OpRecord, record))]
-    return [(rid, t, (_layout(t), t.untyped_storage().data_ptr())) for rid, t in found if isinstance(t, torch.Tensor)]
+    """The tensors an op is about to write, each with its layout and storage (none known for a
+    tensor without strides or storage: a nested one)."""
+    found = [(rid, store[rid]) for rid in _written(cast(OpRecord, record)) if isinstance(store.get(rid), torch.Tensor)]
+    try:
+        return [
+            (rid, t, (_layout(t), t.untyped_storage().data_ptr())) for rid, t in found if isinstance(t, torch.Tensor)
+        ]
+    except (RuntimeError, NotImplementedError):
+        return []
 
 
 def _as_they_were(store: Any, targets: list[tuple[int, Any, tuple]]) -> set[int]:
