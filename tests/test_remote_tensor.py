@@ -1443,6 +1443,32 @@ def test_a_range_into_an_out_of_as_many_elements_keeps_its_shape(remote, fill):
         assert torch.equal(on_device.cpu(), on_cpu)
 
 
+def test_copy_copy_shares_the_storage_as_on_the_cpu(remote):
+    """PyTorch's test_torch found it: `copy.copy` of a remote tensor copied its values (through
+    `__reduce_ex__`), so a write to the copy did not reach the original, as it does on the CPU."""
+    for device in ("cpu", DEV):
+        x = torch.zeros(3, device=device, requires_grad=True)
+        y = copy.copy(x)
+        with torch.no_grad():
+            y.fill_(1)
+        assert x.detach().cpu().tolist() == [1.0, 1.0, 1.0] and y.requires_grad and y.is_leaf
+        p = torch.nn.Parameter(torch.zeros(2, device=device))
+        assert isinstance(copy.copy(p), torch.nn.Parameter)
+        view = copy.copy(torch.arange(4.0, device=device)[1:])
+        assert (view.shape, view.storage_offset()) == ((3,), 1) and view.cpu().tolist() == [1.0, 2.0, 3.0]
+
+
+def test_to_meta_gives_a_meta_tensor_without_fetching(remote):
+    """PyTorch's test_torch found it: `remote.to("meta")` fetched the values and gave them back as
+    a CPU tensor."""
+    x = torch.ones(2, 3, device=DEV).t()
+    torch.ones(1, device=DEV).cpu()
+    before = trips()
+    m = x.to("meta")
+    assert trips() == before
+    assert (m.device.type, m.shape, m.stride()) == ("meta", (3, 2), x.to("cpu").to("meta").stride())
+
+
 def test_quantized_tensors_are_refused_at_the_op_that_would_make_one(remote):
     """PyTorch's test_shape_ops found it: the meta kernel of quantize_per_tensor promises a float32
     tensor, so the op was recorded, and its error came later at an unrelated read."""

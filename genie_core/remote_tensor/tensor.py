@@ -183,6 +183,16 @@ class RemoteTensor(torch.Tensor):
         if getattr(stream, "device", None) != self.device and getattr(stream, "device_type", None) != self.device.type:
             raise RuntimeError(f"record_stream: {stream} is not a stream of {self.device}")
 
+    def __copy__(self) -> Any:
+        """`copy.copy`: a tensor over the same storage (a leaf, as the CPU's is), not a copy of the
+        values (`__reduce_ex__`'s, which `copy.copy` would take)."""
+        with torch.no_grad():
+            same = torch.empty(0, dtype=self.dtype, device=self.device)
+            same.set_(self.untyped_storage(), self.storage_offset(), self.shape, self.stride())
+        if getattr(self, "_is_param", False):
+            return torch.nn.Parameter(same, self.requires_grad)
+        return same.requires_grad_(self.requires_grad)
+
     def __deepcopy__(self, memo: dict) -> Any:
         """A copy on the same device (recorded, no round trip); Parameters stay Parameters."""
         if id(self) in memo:
@@ -421,6 +431,8 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
             return stream.fetch(args[0]._rid).item()
         if func is _TO_COPY:
             device = kwargs.get("device")
+            if device is not None and torch.device(device).type == "meta":
+                return func(_to_meta(args[0]), **kwargs)  # (no values: none fetched)
             if device is not None and not _is_remote_device(device):
                 local_copy = _laid_out_as(stream.fetch(args[0]._rid), args[0], kwargs)
                 if _already_as_asked(local_copy, args[0], kwargs):
@@ -522,6 +534,7 @@ def _already_as_asked(fetched: torch.Tensor, remote: Any, kwargs: dict) -> bool:
     out as the remote tensor (`preserve_format`), in its dtype, plain CPU memory, nothing shared."""
     return (
         fetched.device.type == "cpu"
+        and torch.device(kwargs["device"]).type == "cpu"
         and kwargs.get("dtype") in (None, fetched.dtype)
         and kwargs.get("memory_format") in (None, torch.preserve_format)
         and not kwargs.get("pin_memory")
