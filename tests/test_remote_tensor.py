@@ -1469,6 +1469,22 @@ def test_to_meta_gives_a_meta_tensor_without_fetching(remote):
     assert (m.device.type, m.shape, m.stride()) == ("meta", (3, 2), x.to("cpu").to("meta").stride())
 
 
+def test_ops_that_trust_their_pivots_are_not_run_on_stand_ins():
+    """Torch 2.11's `linalg_ldl_solve` aborted the notebook's process on stand-ins of its pivots
+    (found by the OpInfo conformance run under torch 2.11): LAPACK's ops are not asked."""
+    from genie_core.remote_tensor import refusals
+
+    aten = torch.ops.aten
+    ld, pivots, b = torch.ones(2, 2), torch.zeros(2, dtype=torch.int32), torch.ones(2, 1)
+    for op, args in (
+        (aten.linalg_ldl_solve.default, (ld, pivots, b)),
+        (aten.lu_solve.default, (b, ld, pivots)),
+        (aten.lu_unpack.default, (ld, pivots)),
+    ):
+        assert refusals.cpu_verdict(op, args, {}) is None
+    assert refusals.cpu_verdict(aten.add.Tensor, (ld, ld), {}) is refusals.TAKEN
+
+
 def test_quantized_tensors_are_refused_at_the_op_that_would_make_one(remote):
     """PyTorch's test_shape_ops found it: the meta kernel of quantize_per_tensor promises a float32
     tensor, so the op was recorded, and its error came later at an unrelated read."""
