@@ -1195,6 +1195,8 @@ def test_a_number_that_does_not_fit_its_dtype_is_refused_at_the_op_as_on_the_cpu
     meta kernels do not, so the server's error came at the next read, naming an op long past. An op
     whose number does not fit now runs at once, and the CPU's error comes at the op; the session
     goes on."""
+    if stream_for(0).versions:
+        pytest.skip("client and server run different torch: this one's CPU kernels are not the server's")
     try:
         expected = NUMBERS_THAT_DO_NOT_FIT[case]("cpu")
     except RuntimeError as on_cpu:
@@ -1210,6 +1212,8 @@ def test_numbers_that_fit_or_wrap_stay_lazy_and_give_the_cpus_values(remote):
     """The check costs no round trip where the number fits (a finite minimum, inf, -1 into uint8,
     a fraction into an int tensor's clamp, which makes a float), nor where it does not and the
     CPU's kernel takes it (a float16 `leaky_relu` with a slope of 1e5): the CPU's values."""
+    if stream_for(0).versions:
+        pytest.skip("client and server run different torch: this one's CPU kernels are not the server's")
     uses = [
         lambda d: torch.zeros(3, dtype=torch.float16, device=d).masked_fill(
             torch.tensor([True, False, True], device=d), torch.finfo(torch.float16).min
@@ -1365,6 +1369,8 @@ def test_an_op_the_kernels_refuse_is_refused_at_the_op_and_its_target_kept(remot
     op's target was marked failed: a typo lost the tensor. Now the CPU's kernel is asked on
     stand-ins of small arguments: the server's error comes at the op, of the CPU's kind and in its
     words, and the target is as the kernel left it, as on the CPU."""
+    if stream_for(0).versions:
+        pytest.skip("client and server run different torch: this one's CPU kernels are not the server's")
     make, op = KERNEL_REFUSALS[case]
     on_cpu_target, target = make("cpu"), make(DEV)
     with pytest.raises(Exception) as on_cpu:
@@ -1410,6 +1416,8 @@ def test_a_value_out_of_range_is_refused_at_the_op_after_one_in_range(remote):
     """PyTorch's test_tensor_creation_ops found it: the CPU kernel was asked once per type of a
     number argument, so `random_(0, -42)` after `random_(0, 42)` failed at the next read. Asked
     once per value, as the meta cache is keyed."""
+    if stream_for(0).versions:
+        pytest.skip("client and server run different torch: this one's CPU kernels are not the server's")
     t = torch.zeros(4, dtype=torch.int32, device=DEV)
     t.random_(0, 42)
     with pytest.raises(RuntimeError, match="random_ expects 'from' to be less than 'to'"):

@@ -958,7 +958,7 @@ def _output_specs(func, sig: list[Any], args: tuple, kwargs: dict, stream: OpStr
                 return _Ask(key) if key is not None else None  # a meta kernel stricter than the kernels
             raise (verdict or exc) from None  # a real error (shapes, dtypes): here, at the op, in the CPU's words
         if not scalars.fit(func, args, kwargs, out):  # (a number that overflows its dtype)
-            verdict = refusals.cpu_verdict(func, args, kwargs, refusals.SMALL_BYTES)
+            verdict = refusals.cpu_verdict(func, args, kwargs, refusals.SMALL_BYTES) if not stream.versions else None
             verdict = refusals.as_the_server_would(verdict, stream.device_kind)
             if isinstance(verdict, Exception):
                 raise verdict from None  # (the CPU's words: here, at the op)
@@ -973,6 +973,7 @@ def _output_specs(func, sig: list[Any], args: tuple, kwargs: dict, stream: OpStr
             rule is None
             and key is not None
             and stream.device_kind == "cpu"  # (a GPU's kernels are not the CPU's: it has ops the CPU lacks)
+            and not stream.versions  # (nor another torch's)
             and refusals.refused_on_the_cpu(func, args, kwargs, out)
         ):
             return _Ask(key)  # the server's kernel answers at the op (refusals.py)
