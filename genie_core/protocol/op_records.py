@@ -90,3 +90,16 @@ def name_of(record: Record) -> str:
     if record[0] == "define":
         return f"{record[1]} (its definition)"
     return "put" if record[0] == "part" else record[0]  # (a part of an upload fails as the upload)
+
+
+def written_values(schema: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> list[Any]:
+    """What an op writes in place, as its call gives it: the values of its schema's `Tensor(a!)`
+    arguments, lists flattened (the client refuses a CPU tensor among them; the worker marks them
+    failed when the op fails)."""
+    found: list[Any] = []
+    for position, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[position] if position < len(args) else (kwargs or {}).get(argument.name)
+        found.extend(value if isinstance(value, (tuple, list)) else (value,))
+    return found

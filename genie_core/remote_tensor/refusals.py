@@ -27,29 +27,18 @@ SMALL_BYTES = 64 << 10  # arguments and outputs this small are asked about an op
 
 def refused_on_the_cpu(func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
     """Whether the CPU's kernel refuses small arguments that the meta kernel took (`out`: its
-    outputs), on stand-ins of zeros for integers and then of ones (`a // b`). Asked once per op,
-    layout of its tensors and value of its other arguments (a number's range is checked:
-    `random_(from, to)`), as the meta cache is keyed. Not asked of views (a stand-in holds only
-    the view's elements) nor of ops that make nothing (`_assert_async`: its answer is the value)."""
+    outputs), on stand-ins of zeros for integers and then of ones (`a // b`). Asked on a meta-cache
+    miss, so once per signature (a number by value: its range is checked, `random_(from, to)`): the
+    signature is then cached, or learned from the server. Not asked of views (a stand-in holds
+    only the view's elements)."""
     outs = out if type(out) in (tuple, list) else (out,)
     made = sum(m.numel() * m.element_size() for m in outs if isinstance(m, torch.Tensor))
-    if made > SMALL_BYTES or made == 0 or _is_view(func):
+    if made > SMALL_BYTES or _is_view(func):
         return False
-    try:
-        key: Any = (func, *map(_layout, args), *((k, _layout(v)) for k, v in kwargs.items()))
-        known = _refused.get(key)
-    except TypeError:  # (something unhashable)
-        key, known = None, None
-    if known is None:
-        known = all(
-            isinstance(cpu_verdict(func, args, kwargs, SMALL_BYTES - made, integers=fill), Exception)
-            for fill in (torch.zeros, torch.ones)
-        )
-        if key is not None:
-            if len(_refused) > 10_000:
-                _refused.clear()
-            _refused[key] = known
-    return known
+    return all(
+        isinstance(cpu_verdict(func, args, kwargs, SMALL_BYTES - made, integers=fill), Exception)
+        for fill in (torch.zeros, torch.ones)
+    )
 
 
 def as_the_server_would(verdict: Any, device_kind: str) -> Any:
@@ -68,17 +57,6 @@ def _trusts_its_data(func: Any) -> bool:
 
 def _is_view(func: Any) -> bool:
     return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
-
-
-_refused: dict[Any, bool] = {}
-
-
-def _layout(a: Any) -> Any:
-    if type(a) in (list, tuple):
-        return tuple(map(_layout, a))
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, a.shape, a.stride(), a.storage_offset(), a.is_conj())
-    return (type(a), a) if type(a) in (float, complex, bool) else a  # (1, 1.0 and True: equal keys)
 
 
 def cpu_verdict(

@@ -33,7 +33,7 @@ def fits(value: complex, dtype: torch.dtype) -> bool:
     `checked_convert`: a finite value out of range, or an imaginary part into a real type, does
     not; -1 into uint8 does, as do inf and nan into a float type)."""
     try:
-        torch.empty(2, dtype=dtype).fill_(value)  # (not 0-dim: one element's fill skips the check for half types)
+        check_fill(value, dtype)
     except Exception:  # (RuntimeError; OverflowError for a Python int past 64 bits)
         return False
     return True
@@ -42,7 +42,7 @@ def fits(value: complex, dtype: torch.dtype) -> bool:
 def check_fill(value: Any, dtype: torch.dtype) -> None:
     """`torch.full(size, value, dtype=...)`: raised at the op in the CPU's words where it does not fit."""
     if type(value) in _NUMBERS:
-        torch.empty(2, dtype=dtype).fill_(value)
+        torch.empty(2, dtype=dtype).fill_(value)  # (not 0-dim: one element's fill skips the check for half types)
 
 
 def _is_scalar(argument: Any) -> bool:

@@ -13,6 +13,7 @@ from typing import Any, SupportsIndex
 import torch
 from torch.utils._mode_utils import no_dispatch
 
+from ..protocol.op_records import written_values
 from ..protocol.tensor_ops import HostTensor, RemoteDevice, StorageOf, TensorRef, encode_value, ref
 from . import custom_ops, device_model, refusals, scalars, serialization, storages
 from .output_specs import CONJUGATE, NEGATIVE, Layout, OutputSpec, aliases, expectations, layout_of
@@ -715,16 +716,12 @@ def _refuse_local_targets(func: Any, args: tuple, kwargs: dict, stream: OpStream
     """An op on remote tensors that would write a CPU tensor (`cpu.add_(remote)`, `out=cpu`) is
     refused, as CUDA refuses it: the server would write its copy of the CPU tensor, not the tensor.
     (`cpu.copy_(remote)` is a fetch: dispatch takes it first.)"""
-    for position, argument in enumerate(func._schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        value: Any = args[position] if position < len(args) else kwargs.get(argument.name)
-        for v in value if type(value) in (list, tuple) else (value,):
-            if isinstance(v, torch.Tensor) and type(v) is not RemoteTensor:
-                raise RuntimeError(
-                    "Expected all tensors to be on the same device, but found at least two devices, "
-                    f"{stream.device} and {v.device}! ({func} would write the {v.device} tensor {argument.name!r})"
-                )
+    for v in written_values(func._schema, args, kwargs):
+        if isinstance(v, torch.Tensor) and type(v) is not RemoteTensor:
+            raise RuntimeError(
+                "Expected all tensors to be on the same device, but found at least two devices, "
+                f"{stream.device} and {v.device}! ({func} would write a {v.device} tensor)"
+            )
 
 
 def _argument(alias: Any, args: tuple, kwargs: dict) -> Any:
@@ -908,8 +905,15 @@ _SHAPE_RULES = {
     aten.to_padded_tensor.default: _padded_output,
     aten._transformer_encoder_layer_fwd.default: _like_source,
     aten._pin_memory.default: _not_pinned,
-    **{op: _index_filling(op) for op in (getattr(aten, name).int_Scalar for name in ("index_fill", "index_fill_"))},
-    **{op: _index_filling(op) for op in (getattr(aten, name).int_Tensor for name in ("index_fill", "index_fill_"))},
+    **{
+        op: _index_filling(op)
+        for op in (
+            aten.index_fill.int_Scalar,
+            aten.index_fill_.int_Scalar,
+            aten.index_fill.int_Tensor,
+            aten.index_fill_.int_Tensor,
+        )
+    },
     **{op: _index_putting(op) for op in (aten.index_put.default, aten.index_put_.default)},
     **{
         getattr(getattr(aten, name), overload): _filling_out(getattr(getattr(aten, name), overload))

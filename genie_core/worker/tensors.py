@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..errors import LimitExceeded, MemoryLimitExceeded, size_text
 from ..protocol.contents import OpBatch, TensorReply
-from ..protocol.op_records import CallRecord, Expect, Expects, OpRecord, Record, name_of
+from ..protocol.op_records import CallRecord, Expect, Expects, OpRecord, Record, name_of, written_values
 from ..protocol.tensor_ops import MemoryFormat, RemoteDevice, StorageOf, TensorRef, ref_id
 from ..serialize import serialize_namespace
 from . import checkpoints, custom_ops, device_answers, host_copies, numerics
@@ -71,7 +71,7 @@ def _poison(store: Any, record: Record, failed: _Failed, kept: Any = ()) -> None
 def _targets(store: Any, record: Record) -> list[tuple[int, Any, tuple]]:
     """The tensors an op is about to write, each with its layout and storage (none known for a
     tensor without strides or storage: a nested one)."""
-    found = [(rid, store[rid]) for rid in _written(cast(OpRecord, record)) if isinstance(store.get(rid), torch.Tensor)]
+    found = [(rid, store.get(rid)) for rid in _written(cast(OpRecord, record))]
     try:
         return [
             (rid, t, (_layout(t), t.untyped_storage().data_ptr())) for rid, t in found if isinstance(t, torch.Tensor)
@@ -95,15 +95,7 @@ def _written(record: OpRecord) -> list[int]:
         schema = getattr(getattr(getattr(torch.ops, namespace), packet), overload)._schema
     except AttributeError:  # (no such op here: it failed before it could write anything)
         return []
-    ids = []
-    for position, argument in enumerate(schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        value = args[position] if position < len(args) else (kwargs or {}).get(argument.name)
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            if type(v) is TensorRef:
-                ids.append(ref_id(v))
-    return ids
+    return [ref_id(v) for v in written_values(schema, args, kwargs) if type(v) is TensorRef]
 
 
 class _Failure(NamedTuple):
