@@ -115,7 +115,10 @@ def _shm_bytes(owners: set[int]) -> int:
     for p in Path("/dev/shm").glob("genie-*") if Path("/dev/shm").is_dir() else ():
         parts = p.name.split("-")
         if len(parts) >= 4 and parts[2].isdigit() and int(parts[2]) in owners:
-            total += p.stat().st_size if p.is_file() else 0
+            try:
+                total += p.stat().st_size
+            except FileNotFoundError:  # unlinked between the listing and the stat: a segment's normal end
+                continue
     return total
 
 
