@@ -17,6 +17,7 @@ import torch.nn as nn
 
 import genie_core
 from genie_core.errors import ConnectionLost, NotInitializedError, RemoteError
+from genie_core.remote_tensor import refusals
 from genie_core.remote_tensor.connection import stream_for
 
 DEV = "remote_accelerator:0"
@@ -1385,6 +1386,93 @@ def test_an_op_the_kernels_refuse_is_refused_at_the_op_and_its_target_kept(remot
     assert str(on_cpu.value) in str(on_device.value)
     assert torch.equal(target.cpu(), on_cpu_target)
     assert torch.ones(2, device=DEV).sum().item() == 2.0  # (nothing failed waits in the batch)
+
+
+def _on(x: Any, values: list) -> Any:
+    return torch.tensor(values, device=x.device)
+
+
+OVERLAPS = {  # ops that write memory another argument (or the target itself) reads
+    "a shift by one": lambda x: x[1:].copy_(x[:-1]),
+    "a shift by one, by assignment": lambda x: x.__setitem__(slice(1, None), x[:-1]),
+    "an out= one element on": lambda x: torch.add(x[:-1], 1, out=x[1:]),
+    "an out= of clamp one element on": lambda x: torch.clamp(x[:-1], 0, 3, out=x[1:]),
+    "an out= of where": lambda x: torch.where(x[:-1] > 2, x[:-1], x[1:], out=x[1:]),
+    "an expanded target": lambda x: x[:1].expand(3).exp_(),
+    "an expanded target of add_": lambda x: x.unsqueeze(0).expand(2, 6).add_(1),
+    "a transposed view of the target": lambda x: x.view(2, 3).mul_(x.view(3, 2).t()),
+    "cat into its own inputs": lambda x: torch.cat([x[:2], x[2:4]], out=x[2:6]),
+    "index_select into its input": lambda x: torch.index_select(x, 0, _on(x, [0, 1]), out=x[:2]),
+    "gather into its input": lambda x: torch.gather(x[:3], 0, _on(x, [2, 1, 0]), out=x[1:4]),
+    "index_copy_ of the target itself": lambda x: x.index_copy_(0, _on(x, [0, 1, 2, 3, 4, 5]), x),
+    "index_add_ of an overlapping source": lambda x: x[:4].index_add_(0, _on(x, [0, 1, 2, 3]), x[2:]),
+    "addcmul_": lambda x: x[1:].addcmul_(x[:-1], x[1:]),
+    "a foreach op": lambda x: torch._foreach_add_([x[1:]], [x[:-1]]),
+    "sort into its input": lambda x: torch.sort(x[:3], out=(x[1:4], torch.empty(3, dtype=torch.long, device=x.device))),
+    "views of another dtype": lambda x: x[1:].view(torch.int32).add_(x[:-1].view(torch.int32)),
+    # taken by the kernels: recorded as any op
+    "the target itself as an argument": lambda x: x.add_(x),
+    "the target itself as out=": lambda x: torch.add(x, 1, out=x),
+    "disjoint halves": lambda x: x[:3].copy_(x[3:]),
+    "interleaved halves": lambda x: x[::2].copy_(x[1::2]),
+    "an expanded target filled": lambda x: x[:1].expand(3).fill_(2),
+    "masked_scatter_ of an overlapping source": lambda x: x[:4].masked_scatter_(
+        _on(x, [True, False, True, True]), x[1:5]
+    ),
+    "mm into its inputs": lambda x: torch.mm(x.view(2, 3)[:, :2], x.view(2, 3)[:, 1:], out=x[:4].view(2, 2)),
+}
+
+
+@pytest.mark.parametrize("case", list(OVERLAPS))
+def test_an_op_that_writes_what_it_reads_is_judged_as_the_cpu_judges_it(remote, case):
+    """`x[1:] = x[:-1]` and its kin: PyTorch's kernels refuse an op whose written tensor overlaps
+    another argument (or itself); its meta kernels cannot see memory. Before, the op was recorded,
+    failed at the next read, and took x with it. Now it is refused at the op, x kept as the CPU
+    keeps it; where the kernels take the overlap, the result is the CPU's, with no round trip."""
+    on_cpu, on_device = torch.arange(6.0), torch.arange(6.0, device=DEV)
+    on_device.cpu()
+    try:
+        OVERLAPS[case](on_cpu)
+        refused = None
+    except RuntimeError as exc:
+        refused = exc
+    before = trips()
+    if refused is None:
+        OVERLAPS[case](on_device)
+        assert trips() == before  # (recorded: judged here)
+    else:
+        with pytest.raises(RuntimeError) as at_the_op:
+            OVERLAPS[case](on_device)
+        assert str(refused) in str(at_the_op.value)
+    assert on_device.cpu().tolist() == on_cpu.tolist()
+
+
+def test_an_expanded_target_of_any_size_is_refused_at_the_op(remote):
+    """A target whose elements share memory (a zero stride), past the size at which the kernels
+    are asked about every op (refusals.SMALL_BYTES), is judged as an overlap: refused at the op,
+    the tensor it expands kept."""
+    x = torch.zeros(2, device=DEV)
+    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+        x[:1].expand(1 << 15).exp_()
+    assert x.cpu().tolist() == [0.0, 0.0]
+
+
+def test_overlapping_tensors_too_big_for_stand_ins_are_judged_by_the_server(remote, monkeypatch):
+    """Past the stand-ins' budget, an op whose written tensor may overlap another argument is run
+    on the server at once: refused, its error comes at the op and its target is kept; taken, its
+    result is right. Tensors PyTorch's kernels do not judge (interleaved views) are recorded."""
+    monkeypatch.setattr(refusals, "STAND_IN_BYTES", 8)
+    x = torch.arange(10.0, device=DEV)  # (a size no other test judges: verdicts are cached per signature)
+    x.cpu()
+    before = trips()
+    with pytest.raises(RuntimeError, match="refer to a single memory location"):
+        x[1:].copy_(x[:-1])
+    assert trips() == before + 1
+    x.add_(x)
+    assert trips() == before + 2
+    x[::2].copy_(x[1::2])
+    assert trips() == before + 2
+    assert x.cpu().tolist() == [2.0, 2.0, 6.0, 6.0, 10.0, 10.0, 14.0, 14.0, 18.0, 18.0]
 
 
 def test_an_op_the_meta_kernel_refuses_and_the_cpu_takes_runs_on_the_server_once_per_signature(remote):

@@ -22,10 +22,12 @@ class Layout:
     are one object, which the meta-shape cache hashes and compares by identity (reading them off a
     tensor costs four calls into PyTorch per argument per op)."""
 
-    __slots__ = ("bits", "dtype", "offset", "shape", "stride")
+    __slots__ = ("bits", "dtype", "expanded", "offset", "shape", "stride")
 
     def __init__(self, dtype: Any, shape: tuple, stride: tuple, offset: int, bits: int) -> None:
         self.dtype, self.shape, self.stride, self.offset, self.bits = dtype, shape, stride, offset, bits
+        # elements that share memory (a zero stride on a dimension of more than one: `expand`)
+        self.expanded = 0 not in shape and any(n > 1 and s == 0 for n, s in zip(shape, stride, strict=True))
 
 
 _layouts: dict[tuple, Layout] = {}

@@ -65,13 +65,19 @@ def cpu_verdict(
     """The CPU kernel's error for these arguments, TAKEN, or None where it cannot be asked (a
     custom op, which may act; stand-ins past `budget` bytes; an argument with no CPU stand-in).
     `tiny`: a tensor of one element each (a verdict on dtypes)."""
-    if func.namespace not in ("aten", "prims") or _trusts_its_data(func):
-        return None
     fill, left = (integers or torch.zeros, torch.ones), [budget]
     try:
-        cpu_args = tuple(_stand_in(a, left, fill, tiny) for a in args)
-        cpu_kwargs = {k: _stand_in(v, left, fill, tiny) for k, v in kwargs.items()}
-    except _NoStandIn:
+        cpu_args = tuple(stand_in(a, left, fill, tiny) for a in args)
+        cpu_kwargs = {k: stand_in(v, left, fill, tiny) for k, v in kwargs.items()}
+    except NoStandIn:
+        return None
+    return verdict_on(func, cpu_args, cpu_kwargs)
+
+
+def verdict_on(func: Any, cpu_args: Any, cpu_kwargs: Any) -> Any:
+    """The CPU kernel's error on these CPU arguments, TAKEN, or None where it is not asked (no
+    arguments: no stand-ins; a custom op, which may act; LAPACK's, see _trusts_its_data)."""
+    if cpu_args is None or func.namespace not in ("aten", "prims") or _trusts_its_data(func):
         return None
     seeded = torch.Tag.nondeterministic_seeded in func.tags
     with torch.random.fork_rng(devices=[], enabled=seeded):  # (a random op leaves the CPU's generator as it was)
@@ -100,20 +106,20 @@ def narrowing(func: Any, margs: tuple, mkwargs: dict, out: Any) -> bool:
     return isinstance(made, torch.Tensor) and not torch.can_cast(made.dtype, out.dtype)
 
 
-class _NoStandIn(Exception):
-    pass
+class NoStandIn(Exception):
+    """An argument with no CPU stand-in (a storage, a sparse tensor), or stand-ins past the budget."""
 
 
-def _stand_in(a: Any, budget: list[int], fill: tuple[Any, Any], tiny: bool) -> Any:
+def stand_in(a: Any, budget: list[int], fill: tuple[Any, Any], tiny: bool = False) -> Any:
     """A CPU tensor laid out as `a`, of zeros or ones (`fill`: for integers and bools, and for the
     rest), or `a` itself where it is not a tensor (a remote device named: the CPU)."""
     if type(a) in (list, tuple):
-        return type(a)(_stand_in(x, budget, fill, tiny) for x in a)
+        return type(a)(stand_in(x, budget, fill, tiny) for x in a)
     if isinstance(a, torch.UntypedStorage):
-        raise _NoStandIn
+        raise NoStandIn
     if isinstance(a, torch.Tensor):
         if a.layout != torch.strided:
-            raise _NoStandIn
+            raise NoStandIn
         make = fill[1] if a.is_floating_point() or a.is_complex() else fill[0]
         if tiny:
             t = make((1,) * a.dim(), dtype=a.dtype)
@@ -123,7 +129,7 @@ def _stand_in(a: Any, budget: list[int], fill: tuple[Any, Any], tiny: bool) -> A
             )
             budget[0] -= span * a.element_size()
             if budget[0] < 0:
-                raise _NoStandIn
+                raise NoStandIn
             t = make(span, dtype=a.dtype).as_strided(a.shape, a.stride(), a.storage_offset())
         return t.conj() if a.is_conj() else t
     if (isinstance(a, torch.device) and a.type != "cpu") or (type(a) is str and a.startswith(DEVICE_TYPE)):

@@ -15,7 +15,7 @@ from torch.utils._mode_utils import no_dispatch
 
 from ..protocol.op_records import written_values
 from ..protocol.tensor_ops import HostTensor, RemoteDevice, StorageOf, TensorRef, encode_value, ref
-from . import custom_ops, device_model, refusals, scalars, serialization, storages
+from . import custom_ops, device_model, overlaps, refusals, scalars, serialization, storages
 from .output_specs import CONJUGATE, NEGATIVE, Layout, OutputSpec, aliases, expectations, layout_of
 from .stream import OpStream, _ids, new_id, new_ids
 
@@ -322,7 +322,7 @@ def set_metadata(t: torch.Tensor, size: Any, stride: Any, offset: int) -> None:
 class _OpInfo:
     """What dispatch needs to know of an op, worked out once."""
 
-    __slots__ = ("aliases", "foreign", "learn", "name", "special", "view_of")
+    __slots__ = ("aliases", "foreign", "learn", "name", "special", "view_of", "writes")
 
     def __init__(self, func) -> None:
         self.name = str(func)
@@ -331,6 +331,7 @@ class _OpInfo:
         self.view_of = storages.view_of(func)  # the argument its output shares a storage with
         self.special = func in (_LOCAL_SCALAR, _TO_COPY, _COPY, _RECORD_STREAM)
         self.foreign = func.namespace not in ("aten", "prims")
+        self.writes = overlaps.written(func)  # the arguments it writes, or None
 
 
 def _sig(a: Any) -> Any:
@@ -468,6 +469,13 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     uploads: list[int] = []
     if outputs is None or type(outputs) is _Learn or type(outputs) is _Ask:
         return _run_eagerly(func, stream, args, kwargs, _encoder(stream, uploads), uploads, outputs)
+    writes = info.writes
+    if (
+        writes is not None
+        and overlaps.may_overlap(writes, args, kwargs, RemoteTensor)
+        and _overlap_refused(func, info, writes, sig, args, kwargs, stream)
+    ):
+        return _run_eagerly(func, stream, args, kwargs, _encoder(stream, uploads), uploads)
     out_meta = outputs.metas
     out_ids: list[int | None]
     if outputs.plain:  # fresh outputs only, no conjugate or negative views
@@ -509,6 +517,28 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     if type(out_meta) not in (tuple, list):
         return results[0]
     return type(out_meta)(results)
+
+
+def _overlap_refused(
+    func: Any, info: _OpInfo, writes: Any, sig: list[Any], args: tuple, kwargs: dict, stream: OpStream
+) -> bool:
+    """Whether an op that writes memory its arguments read (`x[1:] = x[:-1]`) is run on the server
+    at once, its error then raised at the op with its target kept (overlaps.py): where the CPU's
+    kernel refuses it on stand-ins that share memory as the arguments do, or where that cannot be
+    asked. Judged once per signature and way of sharing."""
+    pattern = overlaps.suspected(writes, args, kwargs, RemoteTensor)
+    if pattern is None:
+        return False
+    key: tuple | None = overlaps.key(info, sig, kwargs, pattern)
+    try:
+        verdict = stream.meta_cache.get(key)
+    except TypeError:  # (something unhashable among the arguments)
+        key, verdict = None, None
+    if verdict is None:
+        verdict = overlaps.refused(func, args, kwargs, pattern, refusals.STAND_IN_BYTES) is not False
+        if key is not None:
+            stream.meta_cache[key] = verdict
+    return verdict
 
 
 def _storage_set(args: tuple) -> None:
