@@ -1120,11 +1120,12 @@ def test_what_a_failed_op_leaves_is_as_the_notebook_believes(remote):
     with pytest.raises(RemoteError, match=r"aten\.index_fill_.*out of bounds"):  # (the first failure)
         torch.ones(1, device=DEV).cpu()
     assert c.cpu().tolist() == [5.0] * 3 and b.cpu().tolist() == [2.0] * 3
-    with pytest.raises(RemoteError, match=r"depends on a remote op that failed earlier: aten\.index_fill_"):
+    with pytest.raises(RemoteError, match=r"depends on a remote op that failed earlier: aten\.index_fill_") as lost:
         a.cpu()
-    for lost in (e, d, e.sum()):
-        with pytest.raises(RemoteError, match=r"aten\.index_fill\.int_Scalar"):  # (its own, or as depended on)
-            lost.cpu()
+    assert isinstance(lost.value, IndexError)  # (the failure's kind, as code written for the CPU catches it)
+    for lost_too in (e, d, e.sum()):
+        with pytest.raises(IndexError, match=r"aten\.index_fill\.int_Scalar"):  # (its own, or as depended on)
+            lost_too.cpu()
 
 
 def test_a_tensor_an_op_failed_to_write_is_not_read(remote):

@@ -11,7 +11,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, cast
 
-from ..errors import ConnectionLost, MemoryLimitExceeded
+from ..errors import ConnectionLost, MemoryLimitExceeded, RemoteError
 from ..protocol import MessageType, contents, error_from
 from ..protocol.op_records import Expects, Record
 from ..serialize import deserialize_namespace
@@ -380,6 +380,11 @@ class OpStream:
         the data plane if the worker never took them (a segment nobody would remove)."""
         try:
             reply = request.wait()
+        except RemoteError as exc:  # (a fetch of a tensor whose op failed: of that failure's kind)
+            self.transfers.failed(request)
+            from . import torch_errors
+
+            raise torch_errors.as_torch(exc, self.device.type) from None
         except BaseException:
             self.transfers.failed(request)
             raise

@@ -43,6 +43,12 @@ class _FailedEarlier(RuntimeError):
         self.__cause__ = failed.error
 
 
+def error_kind(exc: BaseException) -> str:
+    """The kind an error is reported as: one that depends on an earlier failure is of that
+    failure's kind (`except IndexError:` catches both, as it would have caught the first)."""
+    return type(exc.failed.error if isinstance(exc, _FailedEarlier) else exc).__name__
+
+
 def _poison(store: Any, record: Record, failed: _Failed, kept: Any = ()) -> None:
     """What a record that failed would have made or written in place: later uses name the first
     failure. A target is not known to be as it was: PyTorch may have begun to write it (`resize_`
@@ -328,7 +334,7 @@ class TensorExecutor:
                 "status": "error",
                 "op": failure.op,
                 "index": failure.at,
-                "ename": type(error).__name__,
+                "ename": error_kind(error),
                 "evalue": str(error),
                 "stored": len(self.store),
             }, []
