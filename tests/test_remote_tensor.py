@@ -482,6 +482,37 @@ def test_save_and_load_like_cuda(remote, tmp_path):
     assert fresh_opt.state_dict()["state"][0]["exp_avg"].device == torch.device(DEV)
 
 
+def test_views_saved_together_load_sharing_one_storage_as_on_the_cpu(remote):
+    """torch.save writes a storage once, however many views name it, as it does a CUDA tensor's:
+    loaded (on the device or the CPU), the views share it again: a write through one is seen by
+    the other. Before, each tensor was saved as its own values: fetched once each, loaded apart."""
+    saved = []
+    for device in ("cpu", DEV):
+        base = torch.arange(6.0, device=device)
+        views = {
+            "base": base,
+            "view": base[2:].view(2, 2),
+            "uint16": torch.tensor([0, 1, 2], dtype=torch.uint16, device=device)[1:],  # (PyTorch's newer format)
+            "conjugated": torch.tensor([1j], device=device).conj(),
+        }
+        base.sum().item()
+        before = trips() if device == DEV else 0
+        buffer = io.BytesIO()
+        torch.save(views, buffer)
+        if device == DEV:
+            assert trips() == before + 3  # (each storage once; a conjugated view as its values)
+        saved.append(buffer.getvalue())
+    for where in ("cpu", DEV):
+        loaded = [torch.load(io.BytesIO(b), map_location=where) for b in saved]
+        assert torch.load(io.BytesIO(saved[1]), map_location=where)["conjugated"].cpu().tolist() == [-1j]
+        for got in loaded:
+            assert got["view"].storage_offset() == 2 and got["uint16"].cpu().tolist() == [1, 2]
+            got["base"].add_(10)
+        assert [got["view"].cpu().tolist() for got in loaded] == [[[12.0, 13.0], [14.0, 15.0]]] * 2
+    kept_here = torch.load(io.BytesIO(saved[1]), map_location=lambda storage, location: storage)  # (a callable)
+    assert kept_here["view"].device.type == "cpu" and kept_here["view"].storage_offset() == 2
+
+
 def test_safetensors_files_load_onto_the_device(remote, tmp_path):
     """`load_file`, `load_model` and `safe_open` with device="remote_accelerator:0", as with "cuda"
     (safetensors itself refuses a device type it does not know); other devices stay safetensors' own."""

@@ -3,8 +3,10 @@
 PyTorch rebuilds such a tensor as `torch.empty(0, device=storage.device).set_(storage, ...)`. The
 deserializer hands it a storage tagged with the remote device that points at the loaded bytes;
 the remote tensor's `set_` then uploads those bytes once per storage, so views that shared a
-storage in the file share it on the server too. (Remote tensors themselves are saved as their
-CPU values plus their device: `RemoteTensor.__reduce_ex__`.)
+storage in the file share it on the server too. Remote tensors are saved by torch.save as CUDA
+tensors are, by their storage (fetched once, however many views name it: the storage's `cpu()`,
+storages.py), and pickled elsewhere as their CPU values plus their device
+(`RemoteTensor.__reduce_ex__`).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def _forget(ptr: int, entry: LoadedBytes) -> None:
 
 
 def _tag(storage: Any) -> None:
-    return None  # remote tensors never reach the storage path of torch.save
+    return None  # a remote storage is tagged by PyTorch's own tagger ("remote_accelerator:N")
 
 
 def _restore(storage: Any, location: str) -> Any:
@@ -67,21 +69,26 @@ def _restore(storage: Any, location: str) -> Any:
     return tagged
 
 
-def refuse_the_legacy_format() -> None:
-    """`torch.save(..., _use_new_zipfile_serialization=False)` of a remote tensor: refused in words.
-    That format's `torch.load` reads the bytes of the CPU tensor a remote tensor is saved as only
-    after it has rebuilt the remote tensor from it: a remote tensor in it loads with wrong values,
-    silently. (Called by a remote tensor's `__reduce_ex__`: the whole stack is looked at, whatever
-    pickler, C or Python, runs between.)"""
-    code = getattr(getattr(torch.serialization, "_legacy_save", None), "__code__", None)
+def saved_by_torch_save() -> bool:
+    """Whether torch.save's zip format is pickling the calling tensor: its storage is then saved
+    once, as a CUDA tensor's is (views saved together share it again when loaded). Its legacy
+    format is refused in words: it writes a storage's bytes from this process's memory (PyTorch's
+    C++ would read the storage's address here), and loads a tensor saved as its values with wrong
+    values, silently. (Called by a remote tensor's `__reduce_ex__`: the whole stack is looked at,
+    whatever pickler, C or Python, runs between.)"""
+    zipped = getattr(getattr(torch.serialization, "_save", None), "__code__", None)
+    legacy = getattr(getattr(torch.serialization, "_legacy_save", None), "__code__", None)
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code is code:
+        if frame.f_code is legacy:
             raise RuntimeError(
                 "torch.save(..., _use_new_zipfile_serialization=False) cannot hold remote_accelerator tensors "
                 "(that format would load them with wrong values); use torch.save's default format, or save t.cpu()"
             )
+        if frame.f_code is zipped:
+            return True
         frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 def register() -> None:

@@ -92,6 +92,7 @@ def _instead_of_raw_memory(storage: Any) -> None:
     storage.new = lambda: torch.UntypedStorage(0, device=device)
     storage._byteswap = functools.partial(_byteswap, weakref.ref(storage))
     storage.resize_ = _no_resize  # (PyTorch's asks C++ hooks a Python-defined device has not)
+    storage.cpu = functools.partial(_to_cpu, weakref.ref(storage))  # (torch.save writes what it gives)
 
 
 def _no_resize(nbytes: int) -> None:
@@ -99,6 +100,12 @@ def _no_resize(nbytes: int) -> None:
         f"a {DEVICE_TYPE} storage cannot be resized in place; resize a tensor of it (t.resize_(...)), whose "
         "storage grows as on the CPU"
     )
+
+
+def _to_cpu(storage: weakref.ref[Any]) -> Any:
+    """`storage.cpu()`: its bytes fetched from the server, in a CPU storage of their own."""
+    alive: Any = storage()  # (the storage whose method this is: alive while it is called)
+    return torch.empty(0, dtype=torch.uint8, device=alive.device).set_(alive).cpu().untyped_storage()
 
 
 def _byteswap(storage: weakref.ref[Any], element_size: int) -> None:

@@ -160,12 +160,19 @@ class RemoteTensor(torch.Tensor):
         return super().register_hook(guarded)
 
     def __reduce_ex__(self, proto: SupportsIndex) -> Any:
-        """Pickled (and `torch.save`d) as its values on the CPU and its device, as PyTorch does for
-        devices without host-visible storage: `torch.load` puts it back on the device, or where
-        `map_location` says."""
-        serialization.refuse_the_legacy_format()
+        """`torch.save`d by its storage, as a CUDA tensor is: views saved together load sharing
+        one storage, on the device or where `map_location` says. Pickled elsewhere (and a lazily
+        conjugated or negated view) as its values on the CPU and its device, as PyTorch pickles
+        tensors of devices without host-visible storage."""
+        by_storage = serialization.saved_by_torch_save()
         if getattr(self, "_is_param", False):
             return (torch._utils._rebuild_parameter, (self.detach(), self.requires_grad, OrderedDict()))
+        if by_storage and not (self.is_conj() or self.is_neg()):
+            laid_out = (self.storage_offset(), tuple(self.size()), self.stride(), self.requires_grad, OrderedDict())
+            if self.dtype in torch.storage._new_dtypes():  # (PyTorch's format for dtypes a TypedStorage lacks)
+                return (torch._utils._rebuild_tensor_v3, (self.untyped_storage(), *laid_out, self.dtype))
+            storage = torch.storage.TypedStorage(wrap_storage=self.untyped_storage(), dtype=self.dtype, _internal=True)
+            return (torch._utils._rebuild_tensor_v2, (storage, *laid_out))
         return (
             torch._utils._rebuild_device_tensor_from_cpu_tensor,
             (self.detach().cpu(), self.dtype, str(self.device), self.requires_grad),
