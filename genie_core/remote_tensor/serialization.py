@@ -92,6 +92,21 @@ def saved_by_torch_save() -> bool:
 
 
 def register() -> None:
-    """Before PyTorch's own privateuse1 deserializer (priority 23), which would try `storage.to(device)`."""
+    """Before PyTorch's own privateuse1 deserializer (priority 23), which would try `storage.to(device)`;
+    and a tensor's conjugate and negative bits, as torch.load sets them, made on the server too."""
     # 22.5: between two of PyTorch's priorities (a tie would compare the functions); typed as int
     torch.serialization.register_package(22.5, _tag, _restore)  # type: ignore[arg-type]
+    plain = torch._utils.set_tensor_metadata
+    if getattr(plain, "_genie", False):
+        return
+
+    def set_tensor_metadata(tensor: Any, metadata: dict[str, Any]) -> None:
+        if tensor.device.type == DEVICE_TYPE and type(tensor) is not torch.Tensor:
+            from .tensor import lazy_bits
+
+            lazy_bits(tensor, metadata)
+        else:
+            plain(tensor, metadata)
+
+    set_tensor_metadata._genie = True  # type: ignore[attr-defined]
+    torch._utils.set_tensor_metadata = set_tensor_metadata

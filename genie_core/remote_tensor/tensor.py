@@ -161,18 +161,25 @@ class RemoteTensor(torch.Tensor):
 
     def __reduce_ex__(self, proto: SupportsIndex) -> Any:
         """`torch.save`d by its storage, as a CUDA tensor is: views saved together load sharing
-        one storage, on the device or where `map_location` says. Pickled elsewhere (and a lazily
-        conjugated or negated view) as its values on the CPU and its device, as PyTorch pickles
-        tensors of devices without host-visible storage."""
+        one storage, on the device or where `map_location` says (a conjugated or negated view
+        with its bit: `lazy_bits`). Pickled elsewhere as its values on the CPU and its device, as
+        PyTorch pickles tensors of devices without host-visible storage."""
         by_storage = serialization.saved_by_torch_save()
         if getattr(self, "_is_param", False):
             return (torch._utils._rebuild_parameter, (self.detach(), self.requires_grad, OrderedDict()))
-        if by_storage and not (self.is_conj() or self.is_neg()):
-            laid_out = (self.storage_offset(), tuple(self.size()), self.stride(), self.requires_grad, OrderedDict())
+        if by_storage:
+            laid_out: tuple = (
+                self.storage_offset(),
+                tuple(self.size()),
+                self.stride(),
+                self.requires_grad,
+                OrderedDict(),
+            )
+            metadata = torch._utils.get_tensor_metadata(self)  # (its conjugate and negative bits)
             if self.dtype in torch.storage._new_dtypes():  # (PyTorch's format for dtypes a TypedStorage lacks)
-                return (torch._utils._rebuild_tensor_v3, (self.untyped_storage(), *laid_out, self.dtype))
+                return (torch._utils._rebuild_tensor_v3, (self.untyped_storage(), *laid_out, self.dtype, metadata))
             storage = torch.storage.TypedStorage(wrap_storage=self.untyped_storage(), dtype=self.dtype, _internal=True)
-            return (torch._utils._rebuild_tensor_v2, (storage, *laid_out))
+            return (torch._utils._rebuild_tensor_v2, (storage, *laid_out, metadata))
         return (
             torch._utils._rebuild_device_tensor_from_cpu_tensor,
             (self.detach().cpu(), self.dtype, str(self.device), self.requires_grad),
@@ -546,6 +553,21 @@ def _overlap_refused(
         if key is not None:
             stream.meta_cache[key] = verdict
     return verdict
+
+
+def lazy_bits(t: RemoteTensor, metadata: dict[str, Any]) -> None:
+    """torch.load's conjugate or negative bit (`metadata`) on a remote tensor it rebuilt over a
+    loaded storage: the server's tensor becomes such a view of it too, as `.data =` renames one
+    (the bit on this tensor alone would be a view the server never made: wrong values)."""
+    bits = t._layout.bits
+    for bit, op, flag in (("conj", "aten._conj.default", CONJUGATE), ("neg", "aten._neg_view.default", NEGATIVE)):
+        if metadata.get(bit) and not bits & flag:
+            rid = new_id()
+            t._stream.record(("op", op, (t._ref,), None, (rid,), None))
+            t._rid, t._ref, t._handle = rid, ref(rid), _Handle(t._stream, rid)
+            bits |= flag
+    torch._C._set_tensor_metadata(t, metadata)  # type: ignore[attr-defined]
+    t._layout = layout_of(t.dtype, t._layout.shape, t._layout.stride, t._layout.offset, bits)
 
 
 def _storage_set(args: tuple) -> None:
