@@ -32,12 +32,17 @@ def written(func: Any) -> tuple[tuple[int, str], ...] | None:
 def suspected(writes: tuple[tuple[int, str], ...], args: tuple, kwargs: dict, remote: type) -> tuple | None:
     """How the arguments share memory (a group number per argument, lists flattened; None for
     what is not a remote tensor), where a written tensor may overlap another argument or itself as
-    PyTorch's kernels judge it; None where none can. (Asked where `may_overlap`.)"""
+    PyTorch's kernels judge it; None where none can. (Asked where `may_overlap`; one pass, however
+    long the lists of a foreach op.)"""
     flat, targets = _tensors(writes, args, kwargs, remote)
-    if not any(_overlaps(w, i, flat) for i, w in targets):
+    members: dict[int, list[int]] = {}  # a storage -> the positions of the arguments that name it
+    for j, a in enumerate(flat):
+        if a is not None:
+            members.setdefault(id(_storage(a)), []).append(j)
+    if not any(_overlaps(w, i, flat, members[id(_storage(w))]) for i, w in targets):
         return None
-    groups: dict[int, int] = {}
-    return tuple(None if a is None else groups.setdefault(id(_storage(a)), len(groups)) for a in flat)
+    groups = {name: number for number, name in enumerate(members)}
+    return tuple(None if a is None else groups[id(_storage(a))] for a in flat)
 
 
 def may_overlap(writes: tuple[tuple[int, str], ...], args: tuple, kwargs: dict, remote: Any) -> bool:
@@ -47,7 +52,7 @@ def may_overlap(writes: tuple[tuple[int, str], ...], args: tuple, kwargs: dict, 
     for position, name in writes:
         w: Any = args[position] if position < len(args) else kwargs.get(name)
         if type(w) is not remote:
-            if type(w) in (list, tuple):
+            if type(w) in (list, tuple) and _list_may_overlap(w, args, kwargs, remote):
                 return True
             continue
         if w._layout.expanded:
@@ -66,18 +71,25 @@ def may_overlap(writes: tuple[tuple[int, str], ...], args: tuple, kwargs: dict, 
     return False
 
 
-def _overlaps(w: Any, position: int, flat: list[Any]) -> bool:
-    """Whether written tensor `w` (at `position`) may overlap itself or another argument."""
-    if w._layout.expanded:
-        return True
-    shared = w.__dict__.get("_shared")
-    return any(
-        j != position
-        and (a is w or (shared is not None and a.__dict__.get("_shared") is shared))
-        and _meet(w._layout, a._layout)
-        for j, a in enumerate(flat)
-        if a is not None
-    )
+def _list_may_overlap(written: Any, args: tuple, kwargs: dict, remote: Any) -> bool:
+    """may_overlap for a written list (a foreach op's): a pass over the arguments."""
+    names = set()
+    for x in written:
+        if type(x) is remote:
+            if x._layout.expanded or x.__dict__.get("_shared") is not None:
+                return True
+            names.add(id(x))
+    found = 0
+    for a in (*args, *kwargs.values()):
+        for x in a if type(a) in (list, tuple) else (a,):
+            found += id(x) in names
+    return found > len(names)  # (one of them twice)
+
+
+def _overlaps(w: Any, position: int, flat: list[Any], same_storage: list[int]) -> bool:
+    """Whether written tensor `w` (at `position`) may overlap itself or another argument of its
+    storage (at `same_storage`)."""
+    return w._layout.expanded or any(j != position and _meet(w._layout, flat[j]._layout) for j in same_storage)
 
 
 def _storage(a: Any) -> Any:
