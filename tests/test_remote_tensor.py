@@ -1508,6 +1508,17 @@ def test_overlapping_tensors_too_big_for_stand_ins_are_judged_by_the_server(remo
     assert x.cpu().tolist() == [2.0, 2.0, 6.0, 6.0, 10.0, 10.0, 14.0, 14.0, 18.0, 18.0]
 
 
+def test_an_op_the_kernels_refuse_is_refused_at_the_op_on_a_gpu_server_too(remote, monkeypatch):
+    """On a GPU server (this CPU server said to be one), the CPU's refusal sends the op at once
+    too: the server's kernel answers at the op (a GPU's may take what the CPU's refuses), and the
+    target is kept. Before, only a CPU server's ops were asked: on a GPU, the typo lost x."""
+    monkeypatch.setattr(stream_for(0), "device_kind", "cuda")
+    x = torch.tensor([True, False, True], device=DEV)  # (a shape no other test asks about)
+    with pytest.raises(RuntimeError, match="not implemented for 'Bool'"):
+        x.abs_()
+    assert x.cpu().tolist() == [True, False, True]
+
+
 def test_an_op_the_meta_kernel_refuses_and_the_cpu_takes_runs_on_the_server_once_per_signature(remote):
     """`abs` of a complex tensor into a complex `out=`: its meta kernel refuses it, the CPU's and
     CUDA's kernels take it. The server's kernel answers once; its outputs are cached, and the next

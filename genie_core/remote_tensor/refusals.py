@@ -7,10 +7,11 @@ kernel on stand-ins of the arguments (same layouts and dtypes; ones, and zeros f
   kernel stricter than the kernels), the server's kernel answers, once per signature.
 - Taken by the meta kernel, refused by the kernels (a dtype a kernel has no code for,
   `bool_tensor.abs_()`; dtype checks the meta kernel skips, `sub_` of a bool). Recorded, such an
-  op would fail on the server at a later read and mark its target failed. On a CPU server, small
-  arguments (SMALL_BYTES) are asked about once per signature; refused, the op runs on the server at
-  once. A result an in-place target cannot hold (`narrowing`) is asked about on one-element
-  stand-ins, whatever the sizes and the server."""
+  op would fail on the server at a later read and mark its target failed. Small arguments
+  (SMALL_BYTES) are asked about once per signature; refused, the op runs on the server at once
+  (whose kernel answers: a GPU's, or another torch's, may take it). A result an in-place target
+  cannot hold (`narrowing`) is asked about on one-element stand-ins, whatever the sizes and the
+  server."""
 
 from __future__ import annotations
 

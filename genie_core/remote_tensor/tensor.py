@@ -1032,14 +1032,10 @@ def _output_specs(func, sig: list[Any], args: tuple, kwargs: dict, stream: OpStr
             verdict = refusals.as_the_server_would(verdict, stream.device_kind)
             if isinstance(verdict, Exception):
                 raise verdict from None  # (the CPU's words: here, at the op)
-        if (
-            rule is None
-            and key is not None
-            and stream.device_kind == "cpu"  # (a GPU's kernels are not the CPU's: it has ops the CPU lacks)
-            and not stream.versions  # (nor another torch's)
-            and refusals.refused_on_the_cpu(func, args, kwargs, out)
-        ):
-            return _Ask(key)  # the server's kernel answers at the op (refusals.py)
+        # the CPU's refusal sends the op at once, on any server: the server's kernel answers at the
+        # op (refusals.py); a GPU's kernels, or another torch's, that take it cost one round trip
+        if rule is None and key is not None and refusals.refused_on_the_cpu(func, args, kwargs, out):
+            return _Ask(key)
         if any(
             isinstance(m, torch.Tensor) and m.layout != torch.strided
             for m in (out if type(out) in (tuple, list) else (out,))
