@@ -242,12 +242,12 @@ class Worker(FileRequests):
             except (
                 Exception
             ) as exc:  # a failure of ours, or a fetch of a tensor whose op failed: report it, keep serving
-                kind = type(exc).__name__
+                ename = type(exc).__name__
                 if self.tensors is not None:  # (then the tensor module is loaded)
                     from .tensors import error_kind
 
-                    kind = error_kind(exc)
-                self.send(T.ERROR_REPLY, error_content(kind, str(exc), traceback.format_exc().splitlines()))
+                    ename = error_kind(exc)
+                self.send(T.ERROR_REPLY, error_content(ename, str(exc), traceback.format_exc().splitlines()))
 
     def on_execute(self, msg: Message) -> None:
         """Run a cell; whatever happens, exactly one execute_reply goes back."""
