@@ -514,6 +514,27 @@ def test_views_saved_together_load_sharing_one_storage_as_on_the_cpu(remote):
     assert kept_here["view"].device.type == "cpu" and kept_here["view"].storage_offset() == 2
 
 
+def test_torch_save_through_pinned_memory_saves_remote_tensors_by_their_values(remote, monkeypatch):
+    """torch.save's `use_pinned_memory_for_d2h` copies a device's storages through pinned memory,
+    which a device defined in Python cannot give: remote tensors are then saved as their values."""
+    import torch.utils.serialization
+
+    monkeypatch.setattr(torch.utils.serialization.config.save, "use_pinned_memory_for_d2h", True)
+    buffer = io.BytesIO()
+    torch.save({"x": torch.arange(3.0, device=DEV)}, buffer)
+    assert torch.load(io.BytesIO(buffer.getvalue()))["x"].cpu().tolist() == [0.0, 1.0, 2.0]
+
+
+def test_set_of_an_expanded_tensor_names_the_storage_it_was_given(remote):
+    """`set_` writes only a tensor's metadata: PyTorch judges no overlap there, and neither does
+    this device (run at once, the op skipped the step that names the new storage here)."""
+    y = torch.arange(4.0, device=DEV)
+    e = torch.zeros(1, device=DEV).expand(3)
+    e.set_(y.untyped_storage(), 0, (4,), (1,))
+    assert e.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
+    assert e.cpu().tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
 def test_safetensors_files_load_onto_the_device(remote, tmp_path):
     """`load_file`, `load_model` and `safe_open` with device="remote_accelerator:0", as with "cuda"
     (safetensors itself refuses a device type it does not know); other devices stay safetensors' own."""
@@ -1443,6 +1464,9 @@ OVERLAPS = {  # ops that write memory another argument (or the target itself) re
     "a foreach op": lambda x: torch._foreach_add_([x[1:]], [x[:-1]]),
     "sort into its input": lambda x: torch.sort(x[:3], out=(x[1:4], torch.empty(3, dtype=torch.long, device=x.device))),
     "views of another dtype": lambda x: x[1:].view(torch.int32).add_(x[:-1].view(torch.int32)),
+    "a strided target as its own source": lambda x: (lambda y: y.index_copy_(0, _on(x, [2, 1, 0]), y))(x[::2]),
+    "the same strided tensor in and out": lambda x: (lambda y: torch.gather(y, 0, _on(x, [2, 1, 0]), out=y))(x[::2]),
+    "a target that indexes itself": lambda x: (lambda i: i.index_put_((i,), i.flip(0)))(x.long().flip(0)),
     # taken by the kernels: recorded as any op
     "the target itself as an argument": lambda x: x.add_(x),
     "the target itself as out=": lambda x: torch.add(x, 1, out=x),
@@ -1503,9 +1527,11 @@ def test_overlapping_tensors_too_big_for_stand_ins_are_judged_by_the_server(remo
     assert trips() == before + 1
     x.add_(x)
     assert trips() == before + 2
+    x.add_(x)  # (taken by the server: recorded from then on)
+    assert trips() == before + 2
     x[::2].copy_(x[1::2])
     assert trips() == before + 2
-    assert x.cpu().tolist() == [2.0, 2.0, 6.0, 6.0, 10.0, 10.0, 14.0, 14.0, 18.0, 18.0]
+    assert x.cpu().tolist() == [4.0, 4.0, 12.0, 12.0, 20.0, 20.0, 28.0, 28.0, 36.0, 36.0]
 
 
 def test_an_op_the_kernels_refuse_is_refused_at_the_op_on_a_gpu_server_too(remote, monkeypatch):

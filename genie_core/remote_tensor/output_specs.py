@@ -4,6 +4,8 @@ output, and the meta-cache entry (OutputSpec) that holds them for one op signatu
 
 from __future__ import annotations
 
+import math
+from operator import itemgetter
 from typing import Any, TypeAlias
 
 import torch
@@ -22,12 +24,25 @@ class Layout:
     are one object, which the meta-shape cache hashes and compares by identity (reading them off a
     tensor costs four calls into PyTorch per argument per op)."""
 
-    __slots__ = ("bits", "dtype", "expanded", "offset", "shape", "stride")
+    __slots__ = ("bits", "dense", "dtype", "expanded", "nbytes", "offset", "shape", "stride")
 
     def __init__(self, dtype: Any, shape: tuple, stride: tuple, offset: int, bits: int) -> None:
         self.dtype, self.shape, self.stride, self.offset, self.bits = dtype, shape, stride, offset, bits
-        # elements that share memory (a zero stride on a dimension of more than one: `expand`)
+        # what overlaps.py asks, worked out once per layout: its elements' bytes, whether some share
+        # memory (a zero stride on a dimension of more than one: `expand`), and whether they fill a
+        # span each byte once (PyTorch's `is_non_overlapping_and_dense`; an empty tensor is not)
+        self.nbytes = math.prod(shape) * dtype.itemsize
         self.expanded = 0 not in shape and any(n > 1 and s == 0 for n, s in zip(shape, stride, strict=True))
+        self.dense = self.nbytes > 0 and _fills_a_span(shape, stride)
+
+
+def _fills_a_span(shape: tuple, stride: tuple) -> bool:
+    expected = 1
+    for n, s in sorted(((n, abs(s)) for n, s in zip(shape, stride, strict=True) if n != 1), key=itemgetter(1)):
+        if s != expected:
+            return False
+        expected *= n
+    return True
 
 
 _layouts: dict[tuple, Layout] = {}

@@ -5,9 +5,9 @@ written-to tensor refer to a single memory location"); its meta kernels cannot s
 tensors have no memory). Recorded, the op would fail on the server at a later read and take its
 target with it. So an op whose written tensor may overlap another argument, or itself, is judged
 here: by the CPU's kernel on stand-ins that share memory as the arguments do (small ones), or by
-the server's at once (its error at the op, its target kept). Which tensors may overlap follows
-PyTorch's own rules (a written tensor with a zero stride; two dense tensors in one storage whose
-bytes meet)."""
+the server's at once (its error at the op, its target kept; taken, the op is recorded from then
+on). Which tensors may overlap follows PyTorch's own rules (a written tensor with a zero stride;
+the same tensor twice; two dense tensors in one storage whose bytes meet)."""
 
 from __future__ import annotations
 
@@ -20,20 +20,54 @@ from . import refusals
 _JUDGED = object()  # the first item of a verdict's key in the meta cache (no op's key starts with it)
 
 
+_METADATA_ONLY = frozenset({"aten::set_", "aten::resize_", "aten::resize_as_", "aten::_resize_output_"})
+
+
 def written(func: Any) -> tuple[tuple[int, str], ...] | None:
     """The positions and names of the arguments an op writes (its schema's `Tensor(a!)`), or None
-    for an op that writes none: worked out once per op (dispatch keeps it)."""
+    for an op that writes none, or only a tensor's metadata (`t_`, `set_`, `resize_`: PyTorch
+    judges no overlap there): worked out once per op (dispatch keeps it)."""
+    schema = func._schema
+    if torch.Tag.inplace_view in func.tags or schema.name in _METADATA_ONLY:
+        return None
     found = tuple(
-        (i, a.name) for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+        (i, a.name) for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write
     )
     return found or None
 
 
+def may_overlap(writes: tuple[tuple[int, str], ...], args: tuple, kwargs: dict, remote: Any) -> bool:
+    """Whether a written tensor is expanded, or another argument names its storage (the same
+    tensor again, or a view of it: storages.py names a tensor's storage once a view of it is made),
+    in a list or not. The common case, no, in about a microsecond, on every op that writes."""
+    written_storages = set()
+    count = 0
+    for position, name in writes:
+        w: Any = args[position] if position < len(args) else kwargs.get(name)
+        for x in w if type(w) in (list, tuple) else (w,):
+            if type(x) is remote:
+                if x._layout.expanded:
+                    return True
+                written_storages.add(id(x.__dict__.get("_shared") or x))
+                count += 1
+    if not count:
+        return False
+    if len(written_storages) < count:
+        return True  # (two written tensors of one storage)
+    seen = 0
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        for x in a if type(a) in (list, tuple) else (a,):
+            if type(x) is remote and id(x.__dict__.get("_shared") or x) in written_storages:
+                seen += 1
+    return seen > count
+
+
 def suspected(writes: tuple[tuple[int, str], ...], args: tuple, kwargs: dict, remote: type) -> tuple | None:
-    """How the arguments share memory (a group number per argument, lists flattened; None for
-    what is not a remote tensor), where a written tensor may overlap another argument or itself as
-    PyTorch's kernels judge it; None where none can. (Asked where `may_overlap`; one pass, however
-    long the lists of a foreach op.)"""
+    """How the arguments share memory, where a written tensor may overlap another argument or
+    itself as PyTorch's kernels judge it (None where none can): for each argument (lists
+    flattened), None if it is not a remote tensor, else its storage's number and the position
+    where the same tensor first comes (one stand-in for both: PyTorch judges a tensor against
+    itself whatever its layout). Asked where `may_overlap`; one pass, however long the lists."""
     flat, targets = _tensors(writes, args, kwargs, remote)
     members: dict[int, list[int]] = {}  # a storage -> the positions of the arguments that name it
     for j, a in enumerate(flat):
@@ -42,54 +76,19 @@ def suspected(writes: tuple[tuple[int, str], ...], args: tuple, kwargs: dict, re
     if not any(_overlaps(w, i, flat, members[id(_storage(w))]) for i, w in targets):
         return None
     groups = {name: number for number, name in enumerate(members)}
-    return tuple(None if a is None else groups[id(_storage(a))] for a in flat)
-
-
-def may_overlap(writes: tuple[tuple[int, str], ...], args: tuple, kwargs: dict, remote: Any) -> bool:
-    """Whether a written tensor is expanded, or shares its storage with another argument (the same
-    tensor twice, or a view: storages.py names a tensor's storage once a view of it is made). The
-    common case, no, in well under a microsecond."""
-    for position, name in writes:
-        w: Any = args[position] if position < len(args) else kwargs.get(name)
-        if type(w) is not remote:
-            if type(w) in (list, tuple) and _list_may_overlap(w, args, kwargs, remote):
-                return True
-            continue
-        if w._layout.expanded:
-            return True
-        shared = w.__dict__.get("_shared")
-        seen = 0
-        for a in (*args, *kwargs.values()) if kwargs else args:
-            if a is w:
-                seen += 1
-            elif shared is not None and (
-                (type(a) is remote and a.__dict__.get("_shared") is shared) or type(a) in (list, tuple)
-            ):
-                return True
-        if seen > 1:
-            return True
-    return False
-
-
-def _list_may_overlap(written: Any, args: tuple, kwargs: dict, remote: Any) -> bool:
-    """may_overlap for a written list (a foreach op's): a pass over the arguments."""
-    names = set()
-    for x in written:
-        if type(x) is remote:
-            if x._layout.expanded or x.__dict__.get("_shared") is not None:
-                return True
-            names.add(id(x))
-    found = 0
-    for a in (*args, *kwargs.values()):
-        for x in a if type(a) in (list, tuple) else (a,):
-            found += id(x) in names
-    return found > len(names)  # (one of them twice)
+    first: dict[int, int] = {}
+    return tuple(
+        None if a is None else (groups[id(_storage(a))], first.setdefault(id(a), j)) for j, a in enumerate(flat)
+    )
 
 
 def _overlaps(w: Any, position: int, flat: list[Any], same_storage: list[int]) -> bool:
     """Whether written tensor `w` (at `position`) may overlap itself or another argument of its
-    storage (at `same_storage`)."""
-    return w._layout.expanded or any(j != position and _meet(w._layout, flat[j]._layout) for j in same_storage)
+    storage (at `same_storage`): itself again, or a dense one whose bytes meet its own."""
+    layout = w._layout
+    return layout.expanded or any(
+        j != position and (flat[j] is w or _meet(layout, flat[j]._layout)) for j in same_storage
+    )
 
 
 def _storage(a: Any) -> Any:
@@ -99,23 +98,22 @@ def _storage(a: Any) -> Any:
     return a if shared is None else shared
 
 
-def refused(func: Any, args: tuple, kwargs: dict, pattern: tuple, budget: int) -> bool | None:
-    """Whether the CPU's kernel refuses the op on stand-ins laid out and sharing memory as the
-    arguments do (`pattern`: suspected's), with zeros and then ones in them (both must be refused:
-    a refusal that depends on the values is not the overlap's); None where it cannot be asked
-    (stand-ins past `budget` bytes, a custom op, LAPACK's)."""
-    verdicts = [
-        refusals.verdict_on(func, *_stand_ins(args, kwargs, pattern, fill, budget))
-        for fill in ((torch.zeros, torch.ones), (torch.ones, torch.ones))
-    ]
-    if any(v is None for v in verdicts):
-        return None
-    return all(isinstance(v, Exception) for v in verdicts)
+def refused(func: Any, args: tuple, kwargs: dict, pattern: tuple, device_kind: str) -> bool:
+    """Whether the op is sent to the server at once: the CPU's kernel refuses it on stand-ins laid
+    out and sharing memory as the arguments do (`pattern`: suspected's), with zeros and then ones
+    in them (a refusal that depends on the values is not the overlap's), or cannot be asked
+    (stand-ins past refusals.STAND_IN_BYTES, a custom op, LAPACK's, the CPU's lack of a kernel on a
+    GPU server)."""
+    for fill in ((torch.zeros, torch.ones), (torch.ones, torch.ones)):
+        verdict = refusals.verdict_on(func, *_stand_ins(args, kwargs, pattern, fill, refusals.STAND_IN_BYTES))
+        if refusals.as_the_server_would(verdict, device_kind) is refusals.TAKEN:
+            return False
+    return True
 
 
 def key(info: Any, sig: list[Any], kwargs: dict, pattern: tuple) -> tuple:
-    """The meta-cache key of a verdict: the op, its signature (layouts) and how its arguments share
-    memory."""
+    """The meta-cache key of an op taken with this sharing: the op, its signature (layouts) and
+    how its arguments share memory."""
     return (_JUDGED, info, *sig, *kwargs, pattern)
 
 
@@ -136,50 +134,27 @@ def _tensors(
     return flat, targets
 
 
-def _dense(layout: Any) -> bool:
-    """PyTorch's `is_non_overlapping_and_dense`: its elements fill a span, each byte once."""
-    expected = 1
-    for n, s in sorted(((n, abs(s)) for n, s in zip(layout.shape, layout.stride, strict=True) if n != 1), key=_stride):
-        if s != expected:
-            return False
-        expected *= n
-    return True
-
-
-def _stride(pair: tuple[int, int]) -> int:
-    return pair[1]
-
-
 def _meet(a: Any, b: Any) -> bool:
-    """Whether two tensors in one storage may overlap as PyTorch's kernels judge it: both dense and
-    their bytes meet (PyTorch does not judge the rest)."""
-    if 0 in a.shape or 0 in b.shape or not (_dense(a) and _dense(b)):
+    """Whether two tensors in one storage may overlap as PyTorch's kernels judge it: both dense
+    (output_specs.Layout) and their bytes meet (PyTorch does not judge the rest)."""
+    if not (a.dense and b.dense):
         return False
-    start_a, end_a = _span(a)
-    start_b, end_b = _span(b)
-    return start_a < end_b and start_b < end_a
-
-
-def _span(layout: Any) -> tuple[int, int]:
-    size = layout.dtype.itemsize
-    start = layout.offset * size
-    count = 1
-    for n in layout.shape:
-        count *= n
-    return start, start + count * size
+    start_a, start_b = a.offset * a.dtype.itemsize, b.offset * b.dtype.itemsize
+    return start_a < start_b + b.nbytes and start_b < start_a + a.nbytes
 
 
 def _stand_ins(args: tuple, kwargs: dict, pattern: tuple, fill: tuple[Any, Any], budget: int) -> tuple[Any, Any]:
-    """CPU stand-ins of the arguments: those `pattern` groups share one buffer, laid out in it as
-    they are in their storage; the rest as refusals makes them. (None, None) past `budget` bytes."""
+    """CPU stand-ins of the arguments: those of one storage in `pattern` share one buffer, laid out
+    in it as they are in their storage, the same tensor twice one stand-in; the rest as refusals
+    makes them. (None, None) past `budget` bytes."""
     members: dict[int, list[Any]] = {}
-    positions = iter(range(len(pattern)))
-    buffers: dict[int, torch.Tensor] = {}
+    positions = iter(pattern)
     for a in (*args, *kwargs.values()):
         for x in a if type(a) in (list, tuple) else (a,):
-            group = pattern[next(positions)]
-            if group is not None:
-                members.setdefault(group, []).append(x)
+            where = next(positions)
+            if where is not None:
+                members.setdefault(where[0], []).append(x)
+    buffers: dict[int, torch.Tensor] = {}
     for group, tensors in members.items():
         nbytes = max(_reach(t._layout) for t in tensors)
         budget -= nbytes
@@ -187,23 +162,23 @@ def _stand_ins(args: tuple, kwargs: dict, pattern: tuple, fill: tuple[Any, Any],
             return None, None
         first = tensors[0]
         make = fill[1] if first.is_floating_point() or first.is_complex() else fill[0]
-        size = first.element_size()
-        buffers[group] = make(-(-nbytes // size), dtype=first.dtype)
-    left = [budget]
-    positions = iter(range(len(pattern)))
+        buffers[group] = make(-(-nbytes // first.element_size()), dtype=first.dtype)
+    left, made = [budget], {}
+    positions = iter(pattern)
 
     def one(x: Any) -> Any:
-        group = pattern[next(positions)]
-        if group is None:
+        where = next(positions)
+        if where is None:
             return refusals.stand_in(x, left, fill)
-        base = buffers[group]
-        made = torch.empty(0, dtype=x.dtype).set_(base.untyped_storage(), x.storage_offset(), x.shape, x.stride())
-        return made.conj() if x.is_conj() else made
+        if where[1] not in made:
+            t = torch.empty(0, dtype=x.dtype).set_(
+                buffers[where[0]].untyped_storage(), x.storage_offset(), x.shape, x.stride()
+            )
+            made[where[1]] = t.conj() if x.is_conj() else t
+        return made[where[1]]
 
     def each(a: Any) -> Any:
-        if type(a) in (list, tuple):
-            return type(a)(one(x) for x in a)
-        return one(a)
+        return type(a)(one(x) for x in a) if type(a) in (list, tuple) else one(a)
 
     try:
         cpu_args = tuple(each(a) for a in args)

@@ -85,10 +85,17 @@ def saved_by_torch_save() -> bool:
                 "torch.save(..., _use_new_zipfile_serialization=False) cannot hold remote_accelerator tensors "
                 "(that format would load them with wrong values); use torch.save's default format, or save t.cpu()"
             )
-        if frame.f_code is zipped:
-            return True
+        if frame.f_code is zipped:  # (but where it would copy storages through pinned memory, which a
+            # device defined in Python cannot give: then by values)
+            return not _pinned_copies()
         frame = frame.f_back  # type: ignore[assignment]
     return False
+
+
+def _pinned_copies() -> bool:
+    """torch.save's `use_pinned_memory_for_d2h` setting (torch.utils.serialization.config)."""
+    config = getattr(getattr(torch.utils, "serialization", None), "config", None)
+    return bool(getattr(getattr(config, "save", None), "use_pinned_memory_for_d2h", False))
 
 
 def register() -> None:

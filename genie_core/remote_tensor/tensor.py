@@ -484,12 +484,13 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     if outputs is None or type(outputs) is _Learn or type(outputs) is _Ask:
         return _run_eagerly(func, stream, args, kwargs, _encoder(stream, uploads), uploads, outputs)
     writes = info.writes
-    if (
-        writes is not None
-        and overlaps.may_overlap(writes, args, kwargs, RemoteTensor)
-        and _overlap_refused(func, info, writes, sig, args, kwargs, stream)
-    ):
-        return _run_eagerly(func, stream, args, kwargs, _encoder(stream, uploads), uploads)
+    if writes is not None and overlaps.may_overlap(writes, args, kwargs, RemoteTensor):
+        judged = _judged_overlap(func, info, writes, sig, args, kwargs, stream)
+        if judged is not False:
+            made = _run_eagerly(func, stream, args, kwargs, _encoder(stream, uploads), uploads)
+            if type(judged) is tuple:
+                stream.meta_cache[judged] = True  # (taken by the server: recorded from then on)
+            return made
     out_meta = outputs.metas
     out_ids: list[int | None]
     if outputs.plain:  # fresh outputs only, no conjugate or negative views
@@ -533,26 +534,28 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     return type(out_meta)(results)
 
 
-def _overlap_refused(
+def _judged_overlap(
     func: Any, info: _OpInfo, writes: Any, sig: list[Any], args: tuple, kwargs: dict, stream: OpStream
-) -> bool:
-    """Whether an op that writes memory its arguments read (`x[1:] = x[:-1]`) is run on the server
-    at once, its error then raised at the op with its target kept (overlaps.py): where the CPU's
-    kernel refuses it on stand-ins that share memory as the arguments do, or where that cannot be
-    asked. Judged once per signature and way of sharing."""
+) -> tuple | bool:
+    """An op that writes memory its arguments read (`x[1:] = x[:-1]`; overlaps.py): False to
+    record it; else it runs on the server at once, its error raised at the op with its target
+    kept, and, taken, is recorded from then on (the returned key: None where the arguments cannot
+    be a key). It runs at once where the CPU's kernel refuses it on stand-ins that share memory as
+    the arguments do, or cannot be asked."""
     pattern = overlaps.suspected(writes, args, kwargs, RemoteTensor)
     if pattern is None:
         return False
     key: tuple | None = overlaps.key(info, sig, kwargs, pattern)
     try:
-        verdict = stream.meta_cache.get(key)
+        if stream.meta_cache.get(key) is not None:
+            return False  # (taken before with this sharing)
     except TypeError:  # (something unhashable among the arguments)
-        key, verdict = None, None
-    if verdict is None:
-        verdict = overlaps.refused(func, args, kwargs, pattern, refusals.STAND_IN_BYTES) is not False
+        key = None
+    if not overlaps.refused(func, args, kwargs, pattern, stream.device_kind):
         if key is not None:
-            stream.meta_cache[key] = verdict
-    return verdict
+            stream.meta_cache[key] = True
+        return False
+    return key if key is not None else True
 
 
 def lazy_bits(t: RemoteTensor, metadata: dict[str, Any]) -> None:

@@ -239,9 +239,8 @@ class Worker(FileRequests):
                 self.synced.note_imports()
             except KeyboardInterrupt:
                 continue  # an interrupt that arrived just as a cell ended
-            except (
-                Exception
-            ) as exc:  # a failure of ours, or a fetch of a tensor whose op failed: report it, keep serving
+            # a failure of ours, or a fetch of a tensor whose op failed: report it, keep serving
+            except Exception as exc:
                 ename = type(exc).__name__
                 if self.tensors is not None:  # (then the tensor module is loaded)
                     from .tensors import error_kind
