@@ -875,6 +875,15 @@ def test_cpu_of_a_remote_tensor_keeps_its_strides_as_cuda_does(remote, view):
         assert torch.equal(fetched, expected)
 
 
+def test_a_tensor_whose_values_were_read_still_grows(remote):
+    """A fetch sent a CPU server's tensor from a NumPy view of its memory, after which PyTorch
+    refuses to resize that storage: `x.cpu(); x.resize_(10)` failed and took x with it."""
+    x = torch.ones(4, device=DEV) + 1
+    x.cpu()
+    x.resize_(10)
+    assert x[:4].cpu().tolist() == [2.0] * 4
+
+
 def test_an_uploaded_tensor_grows_as_one_made_on_the_device(remote):
     """resize_, an out= that grows, and addbmm_'s (1,) self, on tensors sent from here: a small
     upload gets memory of its own on a CPU server (it was the message's, which cannot grow); a big

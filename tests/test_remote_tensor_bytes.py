@@ -10,7 +10,6 @@ import threading
 import time
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -495,8 +494,9 @@ def test_the_workers_host_copies_leave_a_cpu_server_alone_and_refuse_an_unknown_
     monkeypatch.setenv("GENIE_HOST_COPIES", "rng")
     x = torch.randn(2 * MiB)
     assert torch.equal(host_copies.to_device(x, torch.device("cpu")), x)
-    meta, (data,) = host_copies.serialized(x)  # sent from the tensor's own memory
-    assert meta["shape"] == [2 * MiB] and np.frombuffer(data, dtype=np.uint8).ctypes.data == x.data_ptr()
+    meta, (data,) = host_copies.serialized(x)  # copied from the tensor's memory where it is sent
+    assert meta["shape"] == [2 * MiB] and torch.equal(torch.frombuffer(data.host(), dtype=torch.float32), x)
+    x.resize_(4 * MiB)  # (a NumPy view of its memory, which a fetch sent before, made it unresizable for good)
     with pytest.raises(ValueError, match="GENIE_HOST_COPIES='rng': expected one of ring, register, pageable"):
         host_copies.way()
     base = torch.randn(4)

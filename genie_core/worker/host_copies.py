@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..dataplane import memcopy
@@ -217,15 +218,38 @@ class DeviceBytes(LateBuffer):
             progress(self.nbytes)
 
 
+class HostTensorBytes(LateBuffer):
+    """A CPU tensor's bytes as a fetch sends them (C order), copied from its memory only where they
+    are sent from: a staging segment, or memory of their own for a message. Never a NumPy view of
+    its memory, as serialize.serialize gives: PyTorch then refuses to resize that storage for good
+    (a fetched tensor could not grow: `x.cpu(); x.resize_(n)` failed on a CPU server)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor = t.detach()
+        self.nbytes = t.nbytes
+
+    def write_into(self, dst: memoryview, progress: Callable[[int], None] | None = None) -> None:
+        src = self.tensor.resolve_conj().resolve_neg().contiguous()
+        into, start = np.frombuffer(dst, dtype=np.uint8).ctypes.data, src.data_ptr()
+        for done in range(0, self.nbytes, CHUNK):  # (in parts: a streamed fetch sends each as it lands)
+            n = min(CHUNK, self.nbytes - done)
+            memcopy.copy(into + done, start + done, n)  # (src alive till it returns)
+            if progress is not None:
+                progress(done + n)
+
+
 def serialized(value: Any) -> tuple[dict[str, Any], list[Any]]:
-    """What a fetch or pull sends of a value (serialize.serialize's description and buffers), a big
-    GPU tensor's bytes left on the GPU until they are written where they are sent (DeviceBytes). A
-    subclass, nested or sparse tensor, and anything small, keeps its own `.cpu()`."""
-    if isinstance(value, torch.Tensor) and _late(value):
-        return tensor_meta(value), [DeviceBytes(value)]
+    """What a fetch or pull sends of a value (serialize.serialize's description and buffers): a
+    big GPU tensor's bytes left on the GPU until they are written where they are sent
+    (DeviceBytes), a CPU tensor's copied from its memory there (HostTensorBytes). A subclass,
+    nested or sparse tensor, and a small GPU tensor, keep their own `.cpu()`."""
+    if isinstance(value, torch.Tensor) and _plain(value) and value.nbytes:
+        if value.device.type == "cuda" and value.nbytes >= RING_MIN:
+            return tensor_meta(value), [DeviceBytes(value)]
+        if value.device.type == "cpu":
+            return tensor_meta(value), [HostTensorBytes(value)]
     return serialize(value)
 
 
-def _late(t: torch.Tensor) -> bool:
-    plain = type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and not t.is_nested
-    return plain and t.device.type == "cuda" and t.nbytes >= RING_MIN
+def _plain(t: torch.Tensor) -> bool:
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and not t.is_nested
