@@ -163,8 +163,9 @@ def register() -> None:
         _lib = torch.library.Library("aten", "IMPL")
         _factory_kernels(_lib)
         from . import serialization
+        from .tensor import lazy_bits
 
-        serialization.register()
+        serialization.register(lazy_bits)
         from . import accelerator, attention, autocast, compiler, lazy, pinned, safetensors_files, storages, whole_ops
 
         accelerator.register()

@@ -98,9 +98,10 @@ def _pinned_copies() -> bool:
     return bool(getattr(getattr(config, "save", None), "use_pinned_memory_for_d2h", False))
 
 
-def register() -> None:
+def register(lazy_bits: Any) -> None:
     """Before PyTorch's own privateuse1 deserializer (priority 23), which would try `storage.to(device)`;
-    and a tensor's conjugate and negative bits, as torch.load sets them, made on the server too."""
+    and a tensor's conjugate and negative bits, as torch.load sets them, made on the server too
+    (`lazy_bits`: tensor.py's)."""
     # 22.5: between two of PyTorch's priorities (a tie would compare the functions); typed as int
     torch.serialization.register_package(22.5, _tag, _restore)  # type: ignore[arg-type]
     plain = torch._utils.set_tensor_metadata
@@ -109,8 +110,6 @@ def register() -> None:
 
     def set_tensor_metadata(tensor: Any, metadata: dict[str, Any]) -> None:
         if tensor.device.type == DEVICE_TYPE and type(tensor) is not torch.Tensor:
-            from .tensor import lazy_bits
-
             lazy_bits(tensor, metadata)
         else:
             plain(tensor, metadata)

@@ -342,7 +342,7 @@ class OpStream:
         relaid: set[str] = set()
         for sent, n in earlier:  # answered before the last one: the worker runs batches in order
             content = self._wait(sent).content
-            self._account(content)
+            _account(self, content)
             relaid.update(content.get("relaid") or ())
             if failure is None and content.get("status") != "ok":
                 failure = (content, n)
@@ -352,7 +352,7 @@ class OpStream:
         self.round_trips += 1
         content = reply.content
         self.server_tensors = int(content.get("stored", 0))
-        self._account(content)
+        _account(self, content)
         if failure is None and content.get("status") != "ok":
             failure = (content, len(records))
         if failure is None and self._deferred is None:
@@ -392,16 +392,18 @@ class OpStream:
             self.transfers.failed(request)
         return reply
 
-    def _account(self, content: contents.TensorReply) -> None:
-        self.server_seconds += float(content.get("run_s", 0.0))
-        if self.profile is not None:
-            for name, (seconds, calls) in (content.get("profile") or {}).items():
-                entry = self.profile.setdefault(name, [0.0, 0])
-                entry[0] += seconds
-                entry[1] += calls
-
     def fetch(self, rid: int) -> Any:
         return self.flush([rid])["values"][str(rid)]
+
+
+def _account(stream: OpStream, content: contents.TensorReply) -> None:
+    """The server's time on a batch, and each op's where the stream profiles (benchmarks)."""
+    stream.server_seconds += float(content.get("run_s", 0.0))
+    if stream.profile is not None:
+        for name, (seconds, calls) in (content.get("profile") or {}).items():
+            entry = stream.profile.setdefault(name, [0.0, 0])
+            entry[0] += seconds
+            entry[1] += calls
 
 
 def _versions_if_they_differ(server: dict[str, Any], mine: str) -> str:
